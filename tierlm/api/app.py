@@ -1,0 +1,98 @@
+"""The FastAPI application: routes, middleware, and the served model's life cycle."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from tierlm.api.errors import error_response, install_error_handlers
+from tierlm.api.openai_routes import router as openai_router
+from tierlm.api.served_model import ServedModel
+from tierlm.config import Settings, parse_size, total_memory
+from tierlm.engine.core import EngineConfig, EngineCore
+from tierlm.models.loader import load_model, read_model_info
+
+log = logging.getLogger(__name__)
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    limit = parse_size(settings.memory_limit, total_memory()) if settings.memory_limit else None
+    return EngineConfig(
+        max_running=settings.max_concurrent_requests,
+        prefill_step_size=settings.prefill_step_size,
+        memory_limit=limit,
+        decode_burst_ms=settings.decode_burst_ms,
+        decode_burst_ms_batched=settings.decode_burst_ms_batched,
+        stream_interval=settings.stream_interval,
+    )
+
+
+async def _load_served_model(app: FastAPI, model_path: Path) -> None:
+    settings: Settings = app.state.settings
+    try:
+        info = read_model_info(model_path, settings.served_model_name)
+        engine = EngineCore(info.name, lambda: load_model(model_path), engine_config(settings))
+        await engine.start()
+        app.state.served = ServedModel(info, engine, aliases=("default",))
+        log.info("serving %s (context %d) at http://%s:%d/v1", info.name, info.context_length,
+                 settings.host, settings.port)
+    except Exception as e:
+        log.exception("could not load %s", model_path)
+        app.state.load_error = f"{type(e).__name__}: {e}"
+
+
+def create_app(settings: Settings, model_path: Path) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.create_task(_load_served_model(app, model_path))
+        yield
+        await loading
+        if app.state.served is not None:
+            await app.state.served.engine.close()
+
+    app = FastAPI(title="tierlm", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.served = None
+    app.state.load_error = None
+    install_error_handlers(app)
+    app.include_router(openai_router)
+
+    @app.middleware("http")
+    async def guard_requests(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size and size.isdigit() and int(size) > settings.max_body_bytes:
+            return error_response(413, f"request body of {size} bytes is over the "
+                                  f"{settings.max_body_bytes}-byte limit", code="request_too_large")
+        if settings.api_key and request.url.path.startswith("/v1") and not _authorized(request, settings.api_key):
+            return error_response(401, "invalid or missing API key", code="invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        served: ServedModel | None = app.state.served
+        if app.state.load_error:
+            return JSONResponse({"status": "error", "detail": app.state.load_error}, status_code=503)
+        if served is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if not served.engine.is_alive:
+            return JSONResponse({"status": "error", "detail": "engine loop stopped"}, status_code=503)
+        return {"status": "ok", "model": served.info.name}
+
+    @app.get("/stats")
+    async def stats():
+        served: ServedModel | None = app.state.served
+        return {"engines": [] if served is None else [served.engine.get_stats()]}
+
+    return app
+
+
+def _authorized(request: Request, key: str) -> bool:
+    auth = request.headers.get("authorization", "")
+    given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+    return hmac.compare_digest(given.encode(), key.encode())

@@ -1,0 +1,238 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import jinja2
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import StreamingResponse
+
+from tierlm.api.errors import APIError, error_body
+from tierlm.api.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tierlm.api.served_model import ServedModel, raise_for_error, usage
+from tierlm.api.sse import DONE, KEEPALIVE, sse_data
+from tierlm.engine.request import FinishReason, Request, RequestOutput
+
+router = APIRouter(prefix="/v1")
+
+
+def served(http: HTTPRequest, requested: str | None) -> ServedModel:
+    model: ServedModel | None = http.app.state.served
+    if model is None or not model.engine.is_alive:
+        raise APIError(503, "the model is not ready yet", code="model_loading")
+    if not model.matches(requested):
+        raise APIError(404, f"The model '{requested}' does not exist", "model", "model_not_found")
+    return model
+
+
+def _reject_unsupported(body) -> None:
+    if body.logprobs:
+        raise APIError(400, "logprobs are not supported yet", "logprobs", "unsupported")
+
+
+@router.get("/models")
+async def list_models(http: HTTPRequest):
+    model: ServedModel | None = http.app.state.served
+    data = [] if model is None else [_model_card(model)]
+    return {"object": "list", "data": data}
+
+
+@router.get("/models/{model_id:path}")
+async def get_model(model_id: str, http: HTTPRequest):
+    return _model_card(served(http, model_id))
+
+
+def _model_card(model: ServedModel) -> dict:
+    return {
+        "id": model.info.name,
+        "object": "model",
+        "created": int(model.info.path.stat().st_mtime),
+        "owned_by": "tierlm",
+        "max_model_len": model.info.context_length,
+    }
+
+
+# ---- chat completions -------------------------------------------------------
+
+
+def _flatten_content(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text":
+            raise APIError(400, f"content parts of type '{part.type}' are not supported", "messages")
+        texts.append(part.text or "")
+    return "".join(texts)
+
+
+def _render_chat(model: ServedModel, body: ChatCompletionRequest) -> list[int]:
+    messages = []
+    for m in body.messages:
+        message = {"role": "system" if m.role == "developer" else m.role, "content": _flatten_content(m.content)}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        messages.append(message)
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.tools:
+        kwargs["tools"] = body.tools
+    try:
+        return list(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+    except (jinja2.TemplateError, ValueError, TypeError) as e:
+        raise APIError(400, f"the chat template rejected these messages: {e}", "messages") from e
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+    model = served(http, body.model)
+    _reject_unsupported(body)
+    tokens = await asyncio.to_thread(_render_chat, model, body)
+    request = model.make_request("chatcmpl", tokens, body, body.max_completion_tokens or body.max_tokens)
+    if body.stream:
+        return _sse_response(_chat_chunks(model, request, body, http))
+    output = await model.generate_unless_disconnected(request, http)
+    raise_for_error(output)
+    return {
+        "id": request.request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model.info.name,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": output.text},
+            "logprobs": None,
+            "finish_reason": _finish(output),
+        }],
+        "usage": usage(output),
+    }
+
+
+def _chat_chunks(model, request, body, http) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        return {
+            "id": request.request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model.info.name,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+
+    return _stream(
+        model, request, body, http,
+        first=chunk({"role": "assistant", "content": ""}),
+        piece=lambda text: chunk({"content": text}),
+        final=lambda out: chunk({}, _finish(out)),
+        usage_chunk=lambda out: {**chunk({}), "choices": [], "usage": usage(out)},
+    )
+
+
+# ---- text completions -------------------------------------------------------
+
+
+def _prompt_tokens(model: ServedModel, prompt) -> tuple[list[int], str]:
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return list(model.tokenizer.encode(prompt)), prompt
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt), model.tokenizer.decode(prompt)
+    if not prompt:
+        raise APIError(400, "the prompt is empty", "prompt", "empty_prompt")
+    raise APIError(400, "send one prompt per request (prompt arrays are not supported)", "prompt")
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, http: HTTPRequest):
+    model = served(http, body.model)
+    _reject_unsupported(body)
+    tokens, prompt_text = await asyncio.to_thread(_prompt_tokens, model, body.prompt)
+    vocab = len(model.tokenizer.vocab)
+    if any(t < 0 or t >= vocab for t in tokens):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+    request = model.make_request("cmpl", tokens, body, body.max_tokens or 16)
+    echo = prompt_text if body.echo else ""
+    if body.stream:
+        return _sse_response(_completion_chunks(model, request, body, http, echo))
+    output = await model.generate_unless_disconnected(request, http)
+    raise_for_error(output)
+    return {
+        "id": request.request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model.info.name,
+        "choices": [{"index": 0, "text": echo + output.text, "logprobs": None, "finish_reason": _finish(output)}],
+        "usage": usage(output),
+    }
+
+
+def _completion_chunks(model, request, body, http, echo: str) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(text: str, finish: str | None = None) -> dict:
+        return {
+            "id": request.request_id, "object": "text_completion", "created": created,
+            "model": model.info.name,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        }
+
+    return _stream(
+        model, request, body, http,
+        first=chunk(echo) if echo else None,
+        piece=chunk,
+        final=lambda out: chunk("", _finish(out)),
+        usage_chunk=lambda out: {**chunk(""), "choices": [], "usage": usage(out)},
+    )
+
+
+# ---- shared streaming -------------------------------------------------------
+
+
+def _finish(output: RequestOutput) -> str:
+    return (output.finish_reason or FinishReason.STOP).value
+
+
+def _sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+
+
+async def _stream(
+    model: ServedModel,
+    request: Request,
+    body: SamplingFields,
+    http: HTTPRequest,
+    first: dict | None,
+    piece: Callable[[str], dict],
+    final: Callable[[RequestOutput], dict],
+    usage_chunk: Callable[[RequestOutput], dict],
+) -> AsyncIterator[str]:
+    """Drive one request and frame its outputs as SSE. Keep-alive comments go out
+    while a long prompt is prefilling; a failure ends with an error event, never
+    silence; leaving early (client gone) aborts the request."""
+    keepalive = http.app.state.settings.sse_keepalive_s
+    outputs = model.engine.stream_outputs(request, keepalive_s=keepalive)
+    if first is not None:
+        yield sse_data(first)
+    try:
+        async for output in outputs:
+            if output is None:
+                yield KEEPALIVE
+                continue
+            if output.error is not None:
+                status = 400 if output.error_type == "memory" else 500
+                yield sse_data(error_body(status, output.error, code="generation_failed"))
+                break
+            if output.text:
+                yield sse_data(piece(output.text))
+            if output.finished:
+                yield sse_data(final(output))
+                if body.stream_options and body.stream_options.include_usage:
+                    yield sse_data(usage_chunk(output))
+        yield DONE
+    finally:
+        await outputs.aclose()  # aborts the request if it has not finished

@@ -1,0 +1,108 @@
+"""What the HTTP layer knows of the model it serves: its engine, its name, its
+limits. Turns validated request fields into engine requests; knows no MLX."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request as HTTPRequest
+
+from tierlm.api.errors import APIError
+from tierlm.api.openai_schemas import SamplingFields
+from tierlm.engine.core import EngineCore
+from tierlm.engine.request import MemoryGuardError, Request, RequestOutput, SamplingParams
+from tierlm.models.loader import ModelInfo
+
+
+class ServedModel:
+    def __init__(self, info: ModelInfo, engine: EngineCore, aliases: tuple[str, ...] = ()):
+        self.info, self.engine = info, engine
+        self.names = {info.name, str(info.path), *aliases}
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def matches(self, requested: str | None) -> bool:
+        return requested is None or requested in self.names
+
+    def check_prompt(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """Validate the prompt's length; returns the max_tokens to use."""
+        context = self.info.context_length
+        if prompt_tokens == 0:
+            raise APIError(400, "the prompt is empty", "messages", "empty_prompt")
+        if prompt_tokens >= context:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {context} tokens. However, your "
+                f"prompt has {prompt_tokens} tokens. Please shorten it.",
+                "messages", "context_length_exceeded",
+            )
+        if max_tokens is not None and prompt_tokens + max_tokens > context:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {context} tokens. However, you "
+                f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                "max_tokens", "context_length_exceeded",
+            )
+        try:
+            self.engine.scheduler.guard.check_alone(prompt_tokens)
+        except MemoryGuardError as e:
+            raise APIError(400, str(e), "messages", "memory_limit") from e
+        return max_tokens if max_tokens is not None else context - prompt_tokens
+
+    def sampling_params(self, body: SamplingFields, max_tokens: int) -> SamplingParams:
+        vocab = len(self.tokenizer.vocab) if hasattr(self.tokenizer, "vocab") else None
+        bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+        for token in [*bias, *(body.stop_token_ids or [])]:
+            if token < 0 or (vocab is not None and token >= vocab):
+                raise APIError(400, f"token id {token} is outside the vocabulary", "logit_bias")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(0, body.top_k or 0),
+            min_p=body.min_p or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias=bias or None,
+            seed=body.seed,
+            stop=stop,
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos,
+        )
+
+    def make_request(self, prefix: str, tokens: list[int], body: SamplingFields, max_tokens: int | None) -> Request:
+        limit = self.check_prompt(len(tokens), max_tokens)
+        return Request(self.engine.new_request_id(prefix), tokens, self.sampling_params(body, limit))
+
+    async def generate_unless_disconnected(self, request: Request, http: HTTPRequest) -> RequestOutput:
+        """Run to completion, aborting if the client goes away meanwhile."""
+        task = asyncio.create_task(self.engine.generate(request))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await http.is_disconnected():
+                task.cancel()  # stream_outputs' cleanup aborts the request
+                raise APIError(499, "client disconnected")
+
+
+def usage(output: RequestOutput) -> dict:
+    return {
+        "prompt_tokens": output.prompt_tokens,
+        "completion_tokens": output.completion_tokens,
+        "total_tokens": output.prompt_tokens + output.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": output.cached_tokens},
+    }
+
+
+def raise_for_error(output: RequestOutput) -> None:
+    if output.error is None:
+        return
+    if output.error_type == "memory":
+        raise APIError(400, output.error, "messages", "memory_limit")
+    raise APIError(500, output.error, code="generation_failed")

@@ -1,0 +1,253 @@
+"""EngineCore: the asyncio side of one loaded model.
+
+The event loop never touches MLX. It hands scheduler steps to one worker thread
+(`run_in_executor`), several steps per hand-off (a decode burst bounded by a time
+budget), and routes the resulting outputs into per-request collectors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from tierlm.engine import ownership
+from tierlm.engine.collector import OutputCollector
+from tierlm.engine.memory_guard import MemoryGuard, ModelProfile, default_memory_limit, profile_model
+from tierlm.engine.request import FinishReason, Request, RequestOutput
+from tierlm.engine.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+@dataclass
+class EngineConfig:
+    max_running: int = 8
+    prefill_step_size: int = 2048
+    memory_limit: int | None = None  # bytes; None = what the device allows
+    decode_burst_ms: float = 100.0  # budget of one hand-off with one request running
+    decode_burst_ms_batched: float = 20.0  # ... and with several
+    stream_interval: int = 1
+    orphan_grace_s: float = 60.0
+    log_interval_s: float = 5.0
+
+
+class EngineCore:
+    def __init__(self, name: str, load: Callable[[], tuple], config: EngineConfig | None = None):
+        """`load` returns (model, tokenizer); it runs on the engine's worker thread."""
+        self.name, self._load = name, load
+        self.model = self.tokenizer = None
+        self.config = config or EngineConfig()
+        self.profile: ModelProfile | None = None
+        self.scheduler: Scheduler | None = None
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mlx-{name}")
+        self._collectors: dict[str, OutputCollector] = {}
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        self._last_log = time.monotonic()
+        self._last_generated = 0
+
+    # ---- life cycle -------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.scheduler = await loop.run_in_executor(self._worker, self._build_scheduler)
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._run_loop(), name=f"engine-{self.name}")
+        self._task.add_done_callback(self._on_loop_exit)
+
+    def _build_scheduler(self) -> Scheduler:
+        """Runs on the worker thread, which owns this engine's model and MLX stream."""
+        self.model, self.tokenizer = self._load()
+        ownership.claim(self.model, self.name)
+        stream = mx.new_stream(mx.default_device())
+        with mx.stream(stream):
+            self.profile = profile_model(self.model)
+        limit = self.config.memory_limit or default_memory_limit()
+        guard = MemoryGuard(self.profile, limit, self.config.prefill_step_size)
+        sched_config = SchedulerConfig(
+            max_running=self.config.max_running,
+            prefill_step_size=self.config.prefill_step_size,
+        )
+        log.info(
+            "engine %s ready: weights %.0f MiB, KV %.1f KiB/token, memory limit %.0f MiB",
+            self.name,
+            self.profile.weight_bytes / 2**20,
+            self.profile.kv_bytes_per_token / 2**10,
+            limit / 2**20,
+        )
+        return Scheduler(self.model, self.tokenizer, sched_config, guard, stream)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def close(self) -> None:
+        self._closed = True
+        self.abort_all_requests()
+        if self._wake:
+            self._wake.set()
+        if self._task:
+            try:
+                await asyncio.wait_for(self._task, timeout=30)
+            except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                log.warning("engine %s loop did not stop cleanly", self.name)
+        if self.scheduler:
+            await asyncio.get_running_loop().run_in_executor(self._worker, self.scheduler.close)
+        self._worker.shutdown(wait=True)
+        if self.model is not None:
+            ownership.release(self.model, self.name)
+
+    # ---- requests ---------------------------------------------------------
+
+    def add_request(self, request: Request) -> OutputCollector:
+        if not self.is_alive:
+            raise EngineDeadError(f"engine {self.name} is not running")
+        if request.request_id in self._collectors:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        collector = OutputCollector(self.config.stream_interval)
+        self._collectors[request.request_id] = collector
+        self.scheduler.add_request(request)
+        self._wake.set()
+        return collector
+
+    async def stream_outputs(
+        self, request: Request, keepalive_s: float | None = None
+    ) -> AsyncIterator[RequestOutput | None]:
+        """Yields outputs as they come; None every `keepalive_s` without one.
+        Leaving early (the client went away) aborts the request."""
+        collector = self.add_request(request)
+        finished = False
+        try:
+            while not finished:
+                output = await collector.get(timeout=keepalive_s)
+                finished = output is not None and output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort_request(request.request_id)
+            self._collectors.pop(request.request_id, None)
+
+    async def generate(self, request: Request) -> RequestOutput:
+        """The whole completion as one merged output."""
+        result: RequestOutput | None = None
+        async for output in self.stream_outputs(request):
+            result = output if result is None else result.merge(output)
+        return result
+
+    def abort_request(self, request_id: str) -> None:
+        if self.scheduler is not None:
+            self.scheduler.abort(request_id)
+            if self._wake:
+                self._wake.set()
+
+    def abort_all_requests(self) -> None:
+        for request_id in list(self._collectors):
+            self.abort_request(request_id)
+
+    @staticmethod
+    def new_request_id(prefix: str = "req") -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    # ---- the loop ---------------------------------------------------------
+
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed or self.scheduler.has_work():
+            if not self.scheduler.has_work():
+                self._wake.clear()
+                if not self.scheduler.has_work() and not self._closed:
+                    await self._wake.wait()  # idle costs nothing
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._worker, self._burst)
+            except Exception as e:  # a step raised: fail what was in flight, keep serving
+                log.exception("engine %s step failed", self.name)
+                outputs = await loop.run_in_executor(
+                    self._worker, self.scheduler.fail_all, f"generation failed: {e}"
+                )
+            self._dispatch(outputs)
+            self._reap_orphans()
+            self._maybe_log()
+
+    def _burst(self) -> list[RequestOutput]:
+        """Worker thread: scheduler steps until the time budget is spent, or until
+        something the client waits for happens (a first token, a finish)."""
+        outputs: list[RequestOutput] = []
+        running = max(1, len(self.scheduler.running))
+        budget_ms = self.config.decode_burst_ms if running == 1 else self.config.decode_burst_ms_batched
+        deadline = time.perf_counter() + budget_ms / 1000
+        while True:
+            step_outputs = self.scheduler.step()
+            outputs.extend(step_outputs)
+            urgent = any(o.finished or o.first_token_time for o in step_outputs)
+            if urgent or budget_ms <= 0 or time.perf_counter() >= deadline:
+                return outputs
+            if not self.scheduler.has_work():
+                return outputs
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            collector = self._collectors.get(output.request_id)
+            if collector is not None:
+                collector.put(output)
+
+    def _reap_orphans(self) -> None:
+        """Drop mailboxes nobody reads any more (a handler that vanished)."""
+        now = time.monotonic()
+        for request_id, c in list(self._collectors.items()):
+            if not c.reading and now - c.last_read > self.config.orphan_grace_s:
+                log.info("reaping orphaned request %s", request_id)
+                if not c.finished:
+                    self.abort_request(request_id)
+                del self._collectors[request_id]
+
+    def _on_loop_exit(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("engine %s loop died: %r", self.name, task.exception())
+        dead = RequestOutput(
+            request_id="", finished=True, finish_reason=FinishReason.ERROR,
+            error="engine stopped", error_type="internal",
+        )
+        for request_id, collector in self._collectors.items():
+            collector.put(RequestOutput(**{**dead.__dict__, "request_id": request_id}))
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < self.config.log_interval_s:
+            return
+        generated = self.scheduler.counters.generated_tokens
+        if generated != self._last_generated or self.scheduler.has_work():
+            rate = (generated - self._last_generated) / (now - self._last_log)
+            load = self.scheduler.load
+            log.info(
+                "%s: running %d (prefilling %d), waiting %d, %.1f tok/s",
+                self.name, load["running"], load["prefilling"], load["waiting"], rate,
+            )
+        self._last_log, self._last_generated = now, generated
+
+    def get_stats(self) -> dict:
+        c = self.scheduler.counters
+        return {
+            "model": self.name,
+            **self.scheduler.load,
+            "prompt_tokens_total": c.prompt_tokens,
+            "generated_tokens_total": c.generated_tokens,
+            "finished_requests": c.finished_requests,
+            "aborted_requests": c.aborted_requests,
+            "failed_requests": c.failed_requests,
+            "refused_requests": c.refused_requests,
+            "alive": self.is_alive,
+        }

@@ -1,0 +1,99 @@
+"""Refuse a prefill that would not fit, instead of letting the process die.
+
+The estimate is deliberately simple and a little pessimistic:
+  weights + KV of the prompt + attention/MLP scratch of one prefill chunk,
+on top of what the other running requests already hold.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from tierlm.engine.request import MemoryGuardError
+
+_FP32 = 4
+
+
+@dataclass
+class ModelProfile:
+    """Sizes of one loaded model that drive the memory estimate."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    fixed_cache_bytes: int  # recurrent / sliding-window state that does not grow
+    num_heads: int
+    hidden_size: int
+    intermediate_size: int
+
+
+def _arg(model, *names: str, default: int = 0) -> int:
+    args = getattr(model, "args", None)
+    for name in names:
+        value = getattr(args, name, None)
+        if isinstance(value, int):
+            return value
+    return default
+
+
+def profile_model(model) -> ModelProfile:
+    """Measure the model on its own worker thread: one token through a fresh cache."""
+    from mlx.utils import tree_flatten
+
+    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    per_token, fixed = 0, 0
+    for c in cache:
+        keys = getattr(c, "keys", None)
+        if keys is not None and getattr(c, "max_size", None) is None:
+            per_token += c.nbytes // keys.shape[2]  # allocated length, not offset
+        else:
+            fixed += c.nbytes
+    hidden = _arg(model, "hidden_size", "d_model", default=4096)
+    return ModelProfile(
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=per_token,
+        fixed_cache_bytes=fixed,
+        num_heads=_arg(model, "num_attention_heads", "n_heads", default=32),
+        hidden_size=hidden,
+        intermediate_size=_arg(model, "intermediate_size", default=4 * hidden),
+    )
+
+
+def default_memory_limit() -> int:
+    """What MLX may use on this device, minus a margin for the rest of the process."""
+    info = mx.device_info()
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key] * 0.9)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8)
+
+
+class MemoryGuard:
+    def __init__(self, profile: ModelProfile, limit: int, prefill_step: int):
+        self.profile, self.limit, self.prefill_step = profile, limit, prefill_step
+
+    def prefill_bytes(self, prompt_tokens: int) -> int:
+        """KV of the prompt plus the peak scratch of its largest prefill chunk."""
+        p = self.profile
+        chunk = min(prompt_tokens, self.prefill_step)
+        scores = chunk * prompt_tokens * p.num_heads * _FP32
+        activations = chunk * (4 * p.hidden_size + 3 * p.intermediate_size) * _FP32
+        return p.kv_bytes_per_token * prompt_tokens + p.fixed_cache_bytes + scores + activations
+
+    def check_alone(self, prompt_tokens: int) -> None:
+        """Raise if this prompt cannot fit even with nothing else running."""
+        needed = self.profile.weight_bytes + self.prefill_bytes(prompt_tokens)
+        if needed > self.limit:
+            raise MemoryGuardError(needed, self.limit, prompt_tokens)
+
+    def fits_now(self, prompt_tokens: int, pending_bytes: int = 0) -> bool:
+        """Whether it fits beside what running requests hold now, plus `pending_bytes`
+        promised to requests admitted in this same step."""
+        in_use = max(mx.get_active_memory(), self.profile.weight_bytes) + pending_bytes
+        return in_use + self.prefill_bytes(prompt_tokens) <= self.limit

@@ -1,0 +1,89 @@
+"""The plain data that flows through the engine: what was asked, and what came out."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_tokens: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class RequestOutput:
+    """New text and tokens since the last output of this request.
+
+    Outputs of one request can be merged (`merge`) when the consumer lags, so a
+    slow reader gets fewer, larger pieces instead of a growing queue.
+    """
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    error_type: str | None = None  # "memory" | "internal"; decides the HTTP status
+    first_token_time: float | None = None
+
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        self.finished = later.finished
+        self.finish_reason = later.finish_reason
+        self.completion_tokens = later.completion_tokens
+        self.cached_tokens = later.cached_tokens
+        self.error = later.error
+        self.error_type = later.error_type
+        self.first_token_time = self.first_token_time or later.first_token_time
+        return self
+
+
+class MemoryGuardError(Exception):
+    """A prefill would need more memory than the limit allows."""
+
+    def __init__(self, needed: int, limit: int, prompt_tokens: int):
+        self.needed, self.limit, self.prompt_tokens = needed, limit, prompt_tokens
+        super().__init__(
+            f"Request refused: processing this {prompt_tokens}-token prompt needs an "
+            f"estimated {needed / 2**20:.0f} MiB, above the memory limit of "
+            f"{limit / 2**20:.0f} MiB. Send a shorter prompt or fewer max_tokens, "
+            f"or raise --memory-limit."
+        )

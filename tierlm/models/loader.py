@@ -1,0 +1,43 @@
+"""Loading an mlx-lm model folder and reading what the server needs to know of it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierlm.models.model_folder import is_model_folder
+
+_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length")
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    path: Path
+    context_length: int
+    model_type: str
+
+
+def read_model_info(path: Path, name: str | None = None) -> ModelInfo:
+    if not is_model_folder(path):
+        raise FileNotFoundError(f"{path} is not a model folder (config.json + *.safetensors)")
+    config = json.loads((path / "config.json").read_text())
+    text_config = config.get("text_config", {})
+    context = next(
+        (c[k] for c in (config, text_config) for k in _CONTEXT_KEYS if isinstance(c.get(k), int)),
+        4096,
+    )
+    return ModelInfo(
+        name=name or path.name,
+        path=path,
+        context_length=context,
+        model_type=config.get("model_type", "unknown"),
+    )
+
+
+def load_model(path: Path):
+    """mlx-lm's own loader: (model, tokenizer wrapper). Call on the engine's thread."""
+    from mlx_lm import load
+
+    return load(str(path))
