@@ -63,15 +63,7 @@ def create_app(settings: Settings, model_path: Path) -> FastAPI:
     install_error_handlers(app)
     app.include_router(openai_router)
 
-    @app.middleware("http")
-    async def guard_requests(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size and size.isdigit() and int(size) > settings.max_body_bytes:
-            return error_response(413, f"request body of {size} bytes is over the "
-                                  f"{settings.max_body_bytes}-byte limit", code="request_too_large")
-        if settings.api_key and request.url.path.startswith("/v1") and not _authorized(request, settings.api_key):
-            return error_response(401, "invalid or missing API key", code="invalid_api_key")
-        return await call_next(request)
+    app.add_middleware(RequestGate, settings=settings)
 
     @app.get("/health")
     async def health():
@@ -90,6 +82,32 @@ def create_app(settings: Settings, model_path: Path) -> FastAPI:
         return {"engines": [] if served is None else [served.engine.get_stats()]}
 
     return app
+
+
+class RequestGate:
+    """Body-size limit and API key, as plain ASGI middleware: Starlette's
+    BaseHTTPMiddleware would hide client disconnects from the handlers."""
+
+    def __init__(self, app, settings: Settings):
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            rejection = self._check(Request(scope))
+            if rejection is not None:
+                return await rejection(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _check(self, request: Request) -> JSONResponse | None:
+        limit = self.settings.max_body_bytes
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) > limit:
+            return error_response(413, f"request body of {size} bytes is over the {limit}-byte limit",
+                                  code="request_too_large")
+        key = self.settings.api_key
+        if key and request.url.path.startswith("/v1") and not _authorized(request, key):
+            return error_response(401, "invalid or missing API key", code="invalid_api_key")
+        return None
 
 
 def _authorized(request: Request, key: str) -> bool:

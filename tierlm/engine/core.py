@@ -57,6 +57,7 @@ class EngineCore:
         self._closed = False
         self._last_log = time.monotonic()
         self._last_generated = 0
+        self.bursts = 0
 
     # ---- life cycle -------------------------------------------------------
 
@@ -185,6 +186,7 @@ class EngineCore:
         """Worker thread: scheduler steps until the time budget is spent, or until
         something the client waits for happens (a first token, a finish)."""
         outputs: list[RequestOutput] = []
+        self.bursts += 1
         running = max(1, len(self.scheduler.running))
         budget_ms = self.config.decode_burst_ms if running == 1 else self.config.decode_burst_ms_batched
         deadline = time.perf_counter() + budget_ms / 1000
@@ -249,5 +251,7 @@ class EngineCore:
             "aborted_requests": c.aborted_requests,
             "failed_requests": c.failed_requests,
             "refused_requests": c.refused_requests,
+            "steps": c.steps,
+            "bursts": self.bursts,
             "alive": self.is_alive,
         }

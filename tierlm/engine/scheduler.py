@@ -48,6 +48,7 @@ class SchedulerCounters:
     failed_requests: int = 0
     refused_requests: int = 0
     step_seconds: float = 0.0
+    steps: int = 0
 
 
 class Scheduler:
@@ -97,6 +98,7 @@ class Scheduler:
         if self.running:
             tic = time.perf_counter()
             outputs += self._advance()
+            self.counters.steps += 1
             self.counters.step_seconds += time.perf_counter() - tic
         self._publish_load()
         return outputs

@@ -1,0 +1,109 @@
+"""Shared fixtures: the default model on disk and a real server on a loopback port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tierlm.models.default_model import ensure_default_model
+
+MODEL_DIR = Path(os.environ.get("TIERLM_TEST_MODEL_DIR", Path.home() / ".tierlm" / "models"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.v1, api_key=kwargs.pop("api_key", "unused"), max_retries=0, **kwargs)
+
+    def stats(self) -> dict:
+        return httpx.get(self.base_url + "/stats").json()["engines"][0]
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+def start_server(model_path: Path, log_path: Path, *extra: str, timeout: float = 180) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "tierlm.cli", "serve", "--model", str(model_path),
+           "--port", str(port), *extra]
+    log = open(log_path, "w")
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{server.log()}")
+        try:
+            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    process.kill()
+    raise RuntimeError(f"server not healthy after {timeout}s:\n{server.log()}")
+
+
+def stop_server(server: Server) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return ensure_default_model(MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def server(model_path, tmp_path_factory):
+    srv = start_server(model_path, tmp_path_factory.mktemp("server") / "server.log")
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="session")
+def client(server) -> openai.OpenAI:
+    return server.client()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    return load_tokenizer(model_path)
+
+
+def wait_until(predicate, timeout: float = 30, interval: float = 0.2):
+    """Poll until `predicate()` is truthy; return its value or fail."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")

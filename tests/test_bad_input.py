@@ -1,0 +1,117 @@
+"""Bad input gets a 400/404/413 in OpenAI's error shape, never a 5xx, and the
+server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def post(server, path, body, **kw):
+    return httpx.post(server.v1 + path, timeout=60, **kw, **({"json": body} if body is not None else {}))
+
+
+def assert_openai_error(response, status, param=None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": MSG, "temperature": -1}, "temperature"),
+        ({"messages": MSG, "temperature": "hot"}, "temperature"),
+        ({"messages": MSG, "max_tokens": 0}, "max_tokens"),
+        ({"messages": MSG, "max_tokens": "many"}, "max_tokens"),
+        ({"messages": MSG, "n": 2}, "n"),
+        ({"messages": MSG, "top_p": 0}, "top_p"),
+        ({"messages": MSG, "top_p": 1.5}, "top_p"),
+        ({"messages": MSG, "presence_penalty": 3}, "presence_penalty"),
+        ({"messages": MSG, "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"messages": MSG, "logit_bias": {"5": 500}}, "logit_bias"),
+        ({"messages": MSG, "stream": "yes please"}, "stream"),
+        ({"messages": []}, "messages"),
+        ({}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, None),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ({"messages": MSG, "logprobs": True}, "logprobs"),
+    ],
+)
+def test_invalid_chat_bodies(server, body, param):
+    assert_openai_error(post(server, "/chat/completions", body), 400, param)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": ""},
+        {"prompt": []},
+        {"prompt": ["one", "two"]},
+        {"prompt": [1, 2, 10**9]},
+        {"prompt": "hi", "best_of": 3},
+        {"prompt": 42},
+    ],
+)
+def test_invalid_completion_bodies(server, body):
+    assert_openai_error(post(server, "/completions", body), 400)
+
+
+def test_malformed_json(server):
+    r = httpx.post(server.v1 + "/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+    r = httpx.post(server.v1 + "/chat/completions", content=b"[1, 2]",
+                   headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-model", messages=MSG)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_unknown_route_is_404_in_openai_shape(server):
+    assert_openai_error(httpx.get(server.v1 + "/nothing-here"), 404)
+
+
+def test_prompt_longer_than_context(client):
+    long_text = "word " * 9000  # ~9000 tokens, context is 8192
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct",
+                                       messages=[{"role": "user", "content": long_text}])
+    message = e.value.body["message"]
+    assert "8192" in message
+    prompt_tokens = int(message.split("prompt has ")[1].split()[0])
+    assert prompt_tokens > 8192
+
+
+def test_prompt_plus_max_tokens_over_context(client):
+    text = "word " * 8000
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=1000,
+                                       messages=[{"role": "user", "content": text}])
+    assert "8192" in e.value.body["message"] and "1000" in e.value.body["message"]
+
+
+def test_body_too_large_is_413(server):
+    body = b'{"messages": [{"role": "user", "content": "' + b"a" * (33 * 2**20) + b'"}]}'
+    r = httpx.post(server.v1 + "/chat/completions", content=body,
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert_openai_error(r, 413)
+
+
+def test_server_still_serves_after_bad_input(client):
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MSG, max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens >= 1

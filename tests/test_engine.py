@@ -1,0 +1,225 @@
+"""EngineCore in-process: collectors, decode bursts, abort races, the error path."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tierlm.engine import ownership, scheduler as scheduler_module
+from tierlm.engine.collector import OutputCollector
+from tierlm.engine.core import EngineConfig, EngineCore
+from tierlm.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from tierlm.models.loader import load_model
+
+QUESTION = [{"role": "user", "content": "Write a poem about autumn leaves."}]
+
+
+@pytest.fixture(scope="module")
+def loaded(model_path):
+    return load_model(model_path)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def started(loaded, **config) -> EngineCore:
+    engine = EngineCore(f"test-{id(config)}", lambda: loaded, EngineConfig(**config))
+    await engine.start()
+    return engine
+
+
+def request(loaded, engine, max_tokens=8, **params) -> Request:
+    tokens = loaded[1].apply_chat_template(QUESTION, add_generation_prompt=True)
+    params.setdefault("temperature", 0)
+    return Request(engine.new_request_id(), tokens, SamplingParams(max_tokens=max_tokens, **params))
+
+
+# ---- collectors -------------------------------------------------------------
+
+
+def out(n_tokens_so_far: int, text: str, finished=False) -> RequestOutput:
+    return RequestOutput("r", text=text, token_ids=[0], completion_tokens=n_tokens_so_far,
+                         finished=finished, finish_reason=FinishReason.STOP if finished else None)
+
+
+def test_collector_merges_outputs_when_the_reader_lags():
+    async def go():
+        c = OutputCollector()
+        for i, piece in enumerate(["a", "b", "c"], start=1):
+            c.put(out(i, piece))
+        merged = await c.get()
+        assert (merged.text, merged.token_ids, merged.completion_tokens) == ("abc", [0, 0, 0], 3)
+        assert await c.get(timeout=0.05) is None  # nothing left: a keep-alive tick
+
+    run(go())
+
+
+def test_collector_stream_interval_wakes_first_token_then_every_n():
+    async def go():
+        c = OutputCollector(stream_interval=3)
+        c.put(out(1, "a"))
+        assert (await c.get(timeout=0.05)).text == "a"  # the first token goes out at once
+        c.put(out(2, "b"))
+        c.put(out(3, "c"))
+        assert await c.get(timeout=0.05) is None  # 2 < 3 pending tokens: not yet
+        c.put(out(4, "d"))
+        assert (await c.get(timeout=0.05)).text == "bcd"
+        c.put(out(5, "e", finished=True))
+        assert (await c.get(timeout=0.05)).finished  # a finish always wakes
+
+    run(go())
+
+
+# ---- bursts -----------------------------------------------------------------
+
+
+def test_decode_burst_runs_several_steps_per_hand_off(loaded):
+    async def go():
+        engine = await started(loaded, decode_burst_ms=5000)
+        result = await engine.generate(request(loaded, engine, max_tokens=12, ignore_eos=True))
+        stats = engine.get_stats()
+        await engine.close()
+        return result, stats
+
+    result, stats = run(go())
+    assert result.completion_tokens == 12
+    assert stats["steps"] > stats["bursts"]
+
+
+def test_decode_burst_off_runs_one_step_per_hand_off(loaded):
+    async def go():
+        engine = await started(loaded, decode_burst_ms=0, decode_burst_ms_batched=0)
+        result = await engine.generate(request(loaded, engine, max_tokens=6, ignore_eos=True))
+        stats = engine.get_stats()
+        await engine.close()
+        return result, stats
+
+    result, stats = run(go())
+    assert result.completion_tokens == 6
+    assert stats["steps"] == stats["bursts"]
+
+
+def test_burst_and_no_burst_give_the_same_text(loaded):
+    async def go(**config):
+        engine = await started(loaded, **config)
+        result = await engine.generate(request(loaded, engine, max_tokens=10))
+        await engine.close()
+        return result.text
+
+    assert run(go(decode_burst_ms=5000)) == run(go(decode_burst_ms=0))
+
+
+# ---- aborts -----------------------------------------------------------------
+
+
+def test_abort_races(loaded):
+    async def go():
+        engine = await started(loaded)
+        # 1. aborted before the worker ever saw it
+        r1 = request(loaded, engine, max_tokens=50)
+        c1 = engine.add_request(r1)
+        engine.abort_request(r1.request_id)
+        o1 = await c1.get()
+        # 2. aborted while running, twice
+        r2 = request(loaded, engine, max_tokens=200, ignore_eos=True)
+        c2 = engine.add_request(r2)
+        first = await c2.get()
+        engine.abort_request(r2.request_id)
+        engine.abort_request(r2.request_id)
+        rest = await c2.get()
+        while not rest.finished:
+            rest = await c2.get()
+        # 3. aborted after it finished: a no-op
+        r3 = request(loaded, engine, max_tokens=3)
+        o3 = await engine.generate(r3)
+        engine.abort_request(r3.request_id)
+        # 4. an unknown id
+        engine.abort_request("never-existed")
+        after = await engine.generate(request(loaded, engine, max_tokens=3))
+        await asyncio.sleep(0.2)
+        stats = engine.get_stats()
+        await engine.close()
+        return o1, first, rest, o3, after, stats
+
+    o1, first, rest, o3, after, stats = run(go())
+    assert o1.finished and o1.finish_reason == FinishReason.ABORT and o1.completion_tokens == 0
+    assert first.completion_tokens >= 1 and not first.finished
+    assert rest.finish_reason == FinishReason.ABORT and rest.completion_tokens < 200
+    assert o3.finish_reason == FinishReason.LENGTH
+    assert after.completion_tokens == 3
+    assert (stats["running"], stats["waiting"], stats["aborted_requests"]) == (0, 0, 2)
+
+
+def test_leaving_a_stream_early_aborts_the_request(loaded):
+    async def go():
+        engine = await started(loaded)
+        stream = engine.stream_outputs(request(loaded, engine, max_tokens=200, ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        for _ in range(100):
+            if engine.get_stats()["aborted_requests"]:
+                break
+            await asyncio.sleep(0.05)
+        stats = engine.get_stats()
+        await engine.close()
+        return stats
+
+    stats = run(go())
+    assert stats["aborted_requests"] == 1 and stats["running"] == 0
+
+
+# ---- the error path ---------------------------------------------------------
+
+
+def test_a_failing_step_fails_in_flight_requests_and_the_engine_serves_on(loaded, monkeypatch):
+    """A fault we cannot cause for real: a logits processor that raises mid-decode."""
+    real = scheduler_module.make_request_processors
+
+    def faulty(params):
+        if params.seed != 666:
+            return real(params)
+        calls = []
+
+        def explode(tokens, logits):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected fault")
+            return logits
+
+        return [explode]
+
+    monkeypatch.setattr(scheduler_module, "make_request_processors", faulty)
+
+    async def go():
+        engine = await started(loaded)
+        victim = engine.generate(request(loaded, engine, max_tokens=30, seed=666))
+        bystander = engine.generate(request(loaded, engine, max_tokens=30))
+        failed = await asyncio.gather(victim, bystander)
+        later = await engine.generate(request(loaded, engine, max_tokens=4))
+        alive = engine.is_alive
+        await engine.close()
+        return failed, later, alive
+
+    failed, later, alive = run(go())
+    for output in failed:
+        assert output.finish_reason == FinishReason.ERROR
+        assert "injected fault" in output.error
+    assert later.completion_tokens == 4 and later.error is None
+    assert alive
+
+
+def test_two_engines_cannot_drive_one_model(loaded):
+    async def go():
+        first = await started(loaded)
+        second = EngineCore("intruder", lambda: loaded, EngineConfig())
+        with pytest.raises(ownership.ModelAlreadyOwned):
+            await second.start()
+        await first.close()
+        # once released, another engine may take it
+        third = await started(loaded)
+        await third.close()
+
+    run(go())
