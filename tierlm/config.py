@@ -27,6 +27,9 @@ class Settings:
     decode_burst_ms: float = 100.0
     decode_burst_ms_batched: float = 20.0
     stream_interval: int = 1
+    prefix_cache: bool = True
+    cache_block_size: int = 256
+    hot_cache_size: str = "10%"  # bytes, "4GB", or a share of memory
     sse_keepalive_s: float = 5.0
     max_body_bytes: int = 32 * 2**20
     log_level: str = "info"
@@ -57,6 +60,8 @@ def _coerce(name: str, value):
     kind = {f.name: f.type for f in fields(Settings)}[name]
     if value is None or not isinstance(value, str):
         return value
+    if kind.startswith("bool"):
+        return value.strip().lower() in ("1", "true", "yes", "on")
     if kind.startswith("int"):
         return int(value)
     if kind.startswith("float"):

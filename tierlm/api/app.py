@@ -11,9 +11,10 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from tierlm.api.errors import error_response, install_error_handlers
+from tierlm.api.errors import APIError, error_response, install_error_handlers
 from tierlm.api.openai_routes import router as openai_router
 from tierlm.api.served_model import ServedModel
+from tierlm.cache.block_hash import model_fingerprint
 from tierlm.config import Settings, parse_size, total_memory
 from tierlm.engine.core import EngineConfig, EngineCore
 from tierlm.models.loader import load_model, read_model_info
@@ -21,9 +22,13 @@ from tierlm.models.loader import load_model, read_model_info
 log = logging.getLogger(__name__)
 
 
-def engine_config(settings: Settings) -> EngineConfig:
+def engine_config(settings: Settings, model_path: Path) -> EngineConfig:
     limit = parse_size(settings.memory_limit, total_memory()) if settings.memory_limit else None
     return EngineConfig(
+        prefix_cache=settings.prefix_cache,
+        cache_block_size=settings.cache_block_size,
+        hot_cache_bytes=parse_size(settings.hot_cache_size, total_memory()),
+        model_fingerprint=model_fingerprint(model_path, {}),
         max_running=settings.max_concurrent_requests,
         prefill_step_size=settings.prefill_step_size,
         memory_limit=limit,
@@ -37,7 +42,7 @@ async def _load_served_model(app: FastAPI, model_path: Path) -> None:
     settings: Settings = app.state.settings
     try:
         info = read_model_info(model_path, settings.served_model_name)
-        engine = EngineCore(info.name, lambda: load_model(model_path), engine_config(settings))
+        engine = EngineCore(info.name, lambda: load_model(model_path), engine_config(settings, model_path))
         await engine.start()
         app.state.served = ServedModel(info, engine, aliases=("default",))
         log.info("serving %s (context %d) at http://%s:%d/v1", info.name, info.context_length,
@@ -76,12 +81,29 @@ def create_app(settings: Settings, model_path: Path) -> FastAPI:
             return JSONResponse({"status": "error", "detail": "engine loop stopped"}, status_code=503)
         return {"status": "ok", "model": served.info.name}
 
+    @app.get("/v1/cache/stats")
+    async def cache_stats():
+        served = _ready(app)
+        return {"model": served.info.name, "prefix_cache": await served.engine.cache_stats()}
+
+    @app.delete("/v1/cache")
+    async def clear_cache():
+        served = _ready(app)
+        return {"cleared_blocks": await served.engine.clear_cache()}
+
     @app.get("/stats")
     async def stats():
         served: ServedModel | None = app.state.served
         return {"engines": [] if served is None else [served.engine.get_stats()]}
 
     return app
+
+
+def _ready(app: FastAPI) -> ServedModel:
+    served: ServedModel | None = app.state.served
+    if served is None or not served.engine.is_alive:
+        raise APIError(503, "the model is not ready yet", code="model_loading")
+    return served
 
 
 class RequestGate:

@@ -8,6 +8,7 @@ budget), and routes the resulting outputs into per-request collectors.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
@@ -17,6 +18,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlx_lm.models.cache import make_prompt_cache
+
+from tierlm.cache.codecs import codecs_for
+from tierlm.cache.prefix_cache import PrefixCache
 from tierlm.engine import ownership
 from tierlm.engine.collector import OutputCollector
 from tierlm.engine.memory_guard import MemoryGuard, ModelProfile, default_memory_limit, profile_model
@@ -24,6 +29,14 @@ from tierlm.engine.request import FinishReason, Request, RequestOutput
 from tierlm.engine.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
+
+
+def parameter_layout(model) -> bytes:
+    """Names, shapes and dtypes of the weights as loaded (a cast changes the KV)."""
+    from mlx.utils import tree_flatten
+
+    layout = sorted((k, tuple(v.shape), str(v.dtype)) for k, v in tree_flatten(model.parameters()))
+    return repr(layout).encode()
 
 
 class EngineDeadError(RuntimeError):
@@ -38,6 +51,10 @@ class EngineConfig:
     decode_burst_ms: float = 100.0  # budget of one hand-off with one request running
     decode_burst_ms_batched: float = 20.0  # ... and with several
     stream_interval: int = 1
+    prefix_cache: bool = True
+    cache_block_size: int = 256
+    hot_cache_bytes: int = 2 * 2**30
+    model_fingerprint: bytes = b""  # of the weights on disk; see cache.block_hash
     orphan_grace_s: float = 60.0
     log_interval_s: float = 5.0
 
@@ -88,7 +105,23 @@ class EngineCore:
             self.profile.kv_bytes_per_token / 2**10,
             limit / 2**20,
         )
-        return Scheduler(self.model, self.tokenizer, sched_config, guard, stream)
+        cache = self._make_prefix_cache()
+        return Scheduler(self.model, self.tokenizer, sched_config, guard, stream, cache)
+
+    def _make_prefix_cache(self) -> PrefixCache | None:
+        if not self.config.prefix_cache:
+            return None
+        layers = make_prompt_cache(self.model)
+        codecs = codecs_for(layers)
+        if codecs is None:
+            kinds = sorted({type(c).__name__ for c in layers})
+            log.info("prefix cache off for %s: no codec for cache type(s) %s", self.name, ", ".join(kinds))
+            return None
+        root = hashlib.sha256(self.config.model_fingerprint + parameter_layout(self.model)).digest()
+        cache = PrefixCache(root, codecs, self.config.cache_block_size, self.config.hot_cache_bytes)
+        log.info("prefix cache for %s: blocks of %d tokens, layout %s, hot tier %.0f MiB", self.name,
+                 cache.block_size, cache.signature, self.config.hot_cache_bytes / 2**20)
+        return cache
 
     @property
     def is_alive(self) -> bool:
@@ -156,6 +189,18 @@ class EngineCore:
     def abort_all_requests(self) -> None:
         for request_id in list(self._collectors):
             self.abort_request(request_id)
+
+    async def on_worker(self, fn, *args):
+        """Run `fn` on the worker thread, between two bursts."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    async def cache_stats(self) -> dict | None:
+        cache = self.scheduler.cache
+        return None if cache is None else await self.on_worker(cache.snapshot_stats)
+
+    async def clear_cache(self) -> int:
+        cache = self.scheduler.cache
+        return 0 if cache is None else await self.on_worker(cache.clear)
 
     @staticmethod
     def new_request_id(prefix: str = "req") -> str:

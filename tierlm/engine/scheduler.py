@@ -11,10 +11,12 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from tierlm.cache.hot_tier import Block
+from tierlm.cache.prefix_cache import PrefixCache
 from tierlm.engine.detokenizer import IncrementalText
 from tierlm.engine.memory_guard import MemoryGuard
 from tierlm.engine.request import FinishReason, MemoryGuardError, Request, RequestOutput
@@ -37,6 +39,10 @@ class _Running:
     completion_tokens: int = 0
     prefilled_tokens: int = 0
     first_token_time: float | None = None
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    keys: list[bytes] = field(default_factory=list)  # the prompt's block keys
+    stored_blocks: int = 0  # leading blocks known to be in the cache
+    hit_blocks: list[Block] = field(default_factory=list)  # held while running
 
 
 @dataclass
@@ -52,8 +58,13 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, model, tokenizer, config: SchedulerConfig, guard: MemoryGuard, stream):
+    def __init__(
+        self, model, tokenizer, config: SchedulerConfig, guard: MemoryGuard, stream,
+        cache: PrefixCache | None = None,
+    ):
         self.model, self.tokenizer, self.config, self.guard = model, tokenizer, config, guard
+        self.cache = cache
+        self._inflight: dict[bytes, str] = {}  # block key -> request now prefilling it
         self._stream = stream
         self._incoming: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._aborts: set[str] = set()
@@ -108,8 +119,8 @@ class Scheduler:
         outputs = [self._error_output(r.request, message) for r in self.running.values()]
         outputs += [self._error_output(r, message) for r in self.waiting]
         self.counters.failed_requests += len(outputs)
-        self.running.clear()
-        self._uid_of.clear()
+        for uid in list(self.running):
+            self._finish(uid, completed=False)
         self.waiting.clear()
         self._gen.close()
         self._gen = self._new_generator()
@@ -131,53 +142,107 @@ class Scheduler:
             uid = self._uid_of.get(request_id)
             if uid is not None:
                 self._gen.remove([uid])
-                state = self._finish(uid)
+                state = self._finish(uid, completed=False)
                 outputs.append(self._final(state.request, FinishReason.ABORT, state.completion_tokens))
         self.counters.aborted_requests += len(outputs)
         return outputs
 
     def _admit(self) -> list[RequestOutput]:
-        outputs, admitted_bytes = [], 0
+        outputs, admitted_bytes, deferred = [], 0, []
         while self.waiting and len(self.running) < self.config.max_running:
-            request = self.waiting[0]
+            request = self.waiting.popleft()
             n = len(request.prompt_tokens)
             try:
                 self.guard.check_alone(n)
             except MemoryGuardError as e:
-                self.waiting.popleft()
                 self.counters.refused_requests += 1
                 outputs.append(self._error_output(request, str(e), error_type="memory"))
                 continue
-            busy = self.running or admitted_bytes
-            if busy and not self.guard.fits_now(n, pending_bytes=admitted_bytes):
+            if (self.running or admitted_bytes) and not self._make_room(n, admitted_bytes):
+                self.waiting.appendleft(request)
                 break  # it fits alone: wait until running requests free memory
-            self.waiting.popleft()
+            lookup = self.cache.lookup(request.prompt_tokens) if self.cache else None
+            if lookup and self._prefix_in_flight(lookup):
+                deferred.append(request)  # another request is computing this prefix now
+                continue
             admitted_bytes += self.guard.prefill_bytes(n)
-            self._insert(request)
+            self._insert(request, lookup)
+        self.waiting.extendleft(reversed(deferred))
         return outputs
 
-    def _insert(self, request: Request) -> None:
+    def _make_room(self, prompt_tokens: int, pending: int) -> bool:
+        """Whether the prefill fits now, evicting cached blocks if that is what it takes."""
+        if self.guard.fits_now(prompt_tokens, pending):
+            return True
+        if self.cache is not None:
+            self.cache.hot.evict_to(0)
+            return self.guard.fits_now(prompt_tokens, pending)
+        return False
+
+    def _prefix_in_flight(self, lookup) -> bool:
+        hit = len(lookup.blocks)
+        return hit < len(lookup.keys) and lookup.keys[hit] in self._inflight
+
+    def _insert(self, request: Request, lookup) -> None:
         params = request.params
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += sorted(self.tokenizer.eos_token_ids)
-        (uid,) = self._gen.insert(
-            [request.prompt_tokens],
+        prompt = request.prompt_tokens
+        hit = lookup.tokens if lookup else 0
+        caches = [self.cache.rebuild(lookup.blocks)] if hit else None
+        (uid,) = self._gen.insert_segments(
+            [self._segments(prompt, hit)],
             max_tokens=[params.max_tokens],
+            caches=caches,
+            all_tokens=[prompt[:hit]],
             samplers=[make_request_sampler(params)],
             logits_processors=[make_request_processors(params)],
             stop_sequences=[StopSequences([[t] for t in stop_ids])],
         )
-        text = IncrementalText(self.tokenizer.detokenizer, params.stop)
-        self.running[uid] = _Running(request, text)
+        state = _Running(request, IncrementalText(self.tokenizer.detokenizer, params.stop), cached_tokens=hit)
+        if lookup:
+            state.keys, state.stored_blocks, state.hit_blocks = lookup.keys, len(lookup.blocks), lookup.blocks
+            self.cache.acquire(lookup.blocks)
+            for key in lookup.keys[len(lookup.blocks) :]:
+                self._inflight.setdefault(key, request.request_id)
+            self._log_lookup(request, lookup)
+        self.running[uid] = state
         self._uid_of[request.request_id] = uid
-        self.counters.prompt_tokens += len(request.prompt_tokens)
+        self.counters.prompt_tokens += len(prompt)
+
+    def _segments(self, prompt: list[int], start: int) -> list[list[int]]:
+        """Cut the uncached part of the prompt where blocks should be stored: at
+        every block boundary for snapshot caches (their state exists only where
+        prefill pauses), at prefill-chunk boundaries for sliceable KV."""
+        if self.cache is None:
+            return [prompt[start:]]
+        size = self.cache.block_size
+        step = size if not self.cache.sliceable else max(size, self.config.prefill_step_size // size * size)
+        cuts = list(range((start // step + 1) * step, len(prompt), step))
+        bounds = [start, *cuts, len(prompt)]
+        return [prompt[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+    def _log_lookup(self, request: Request, lookup) -> None:
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+        n = len(request.prompt_tokens)
+        if lookup.diverged_at is None:
+            log.debug("%s: %d of %d prompt tokens from cache", request.request_id, lookup.tokens, n)
+        else:
+            log.debug("%s: %d of %d prompt tokens from cache; diverged from the nearest cached "
+                      "prefix at token %d", request.request_id, lookup.tokens, n, lookup.diverged_at)
 
     def _advance(self) -> list[RequestOutput]:
         prompt_responses, gen_responses = self._gen.next()
         for r in prompt_responses:
-            if r.uid in self.running:
-                self.running[r.uid].prefilled_tokens = r.progress[0]
+            state = self.running.get(r.uid)
+            if state is None:
+                continue
+            state.prefilled_tokens = r.progress[0]
+            if self.cache is not None and r.end_of_segment:
+                caches, tokens = self._gen.extract_cache([r.uid])[r.uid]
+                self._store(state, tokens, caches)
         outputs, stopped = [], []
         for r in gen_responses:
             state = self.running.get(r.uid)
@@ -185,14 +250,28 @@ class Scheduler:
                 continue
             output = self._on_token(state, r.token, r.finish_reason)
             if output.finished:
-                self._finish(r.uid)
                 if r.finish_reason is None:
                     stopped.append(r.uid)  # a stop string: BatchGenerator still runs it
+                elif self.cache is not None:
+                    self._store(state, r.all_tokens, r.prompt_cache)
+                self._finish(r.uid)
             outputs.append(output)
         if stopped:
-            self._gen.remove(stopped)
+            extracted = self._gen.remove(stopped, return_prompt_caches=self.cache is not None)
+            for caches, tokens in extracted.values():
+                self._store(None, tokens, caches)
         self.counters.generated_tokens += len(gen_responses)
         return outputs
+
+    def _store(self, state: _Running | None, tokens: list[int], caches: list) -> None:
+        """Keep the computed blocks; those a waiting request may be held for go first."""
+        keys = state.keys if state else []
+        first = state.stored_blocks if state else 0
+        stored = self.cache.store(list(tokens), keys, caches, first)
+        if state is not None:
+            for key in keys[state.stored_blocks : stored]:
+                self._inflight.pop(key, None)
+            state.stored_blocks = max(state.stored_blocks, stored)
 
     def _on_token(self, state: _Running, token: int, gen_finish: str | None) -> RequestOutput:
         state.completion_tokens += 1
@@ -215,13 +294,19 @@ class Scheduler:
             finish_reason=reason,
             prompt_tokens=len(state.request.prompt_tokens),
             completion_tokens=state.completion_tokens,
+            cached_tokens=state.cached_tokens,
             first_token_time=state.first_token_time if state.completion_tokens == 1 else None,
         )
 
-    def _finish(self, uid: int) -> _Running:
+    def _finish(self, uid: int, completed: bool = True) -> _Running:
         state = self.running.pop(uid)
         del self._uid_of[state.request.request_id]
-        self.counters.finished_requests += 1
+        self.counters.finished_requests += completed
+        if self.cache is not None:
+            self.cache.release(state.hit_blocks)
+            for key in state.keys:
+                if self._inflight.get(key) == state.request.request_id:
+                    del self._inflight[key]
         return state
 
     def _final(self, request: Request, reason: FinishReason, completion_tokens: int) -> RequestOutput:

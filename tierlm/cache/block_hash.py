@@ -1,0 +1,42 @@
+"""Block keys: a SHA-256 chain over the model fingerprint, the parent block's key,
+the block's token ids and any extra keys. The same in every process."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def block_key(parent: bytes, tokens, extra: bytes = b"") -> bytes:
+    h = hashlib.sha256()
+    h.update(parent)
+    h.update(np.asarray(tokens, dtype=np.uint32).tobytes())
+    h.update(extra)
+    return h.digest()
+
+
+def block_keys(root: bytes, tokens: list[int], block_size: int, extra: bytes = b"") -> list[bytes]:
+    """Keys of every full block of `tokens`; the first block's parent is `root`."""
+    keys, parent = [], root
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = block_key(parent, tokens[start : start + block_size], extra)
+        keys.append(parent)
+    return keys
+
+
+def model_fingerprint(model_path: Path, runtime: dict) -> bytes:
+    """What makes two models' KV interchangeable: the config, the weight files'
+    headers (names, shapes, dtypes) and sizes, and how the weights run here
+    (`runtime`: e.g. the dtype they were cast to)."""
+    h = hashlib.sha256(b"tierlm-model-v1")
+    h.update((model_path / "config.json").read_bytes())
+    for weights in sorted(model_path.glob("*.safetensors")):
+        with open(weights, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            h.update(f.read(header_len))
+        h.update(str(weights.stat().st_size).encode())
+    h.update(json.dumps(runtime, sort_keys=True).encode())
+    return h.digest()

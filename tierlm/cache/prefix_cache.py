@@ -1,0 +1,166 @@
+"""The prefix cache of one model: finds the longest cached run of blocks for a
+prompt, rebuilds the model's cache objects from it, and stores newly computed
+blocks. Runs on the engine's worker thread only."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from tierlm.cache.block_hash import block_keys
+from tierlm.cache.codecs import signature
+from tierlm.cache.hot_tier import Block, HotTier, materialize, payload_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Lookup:
+    keys: list[bytes]  # every full block of the prompt
+    blocks: list[Block]  # the cached run from the start, verified token by token
+    diverged_at: int | None = None  # on a partial hit: first token that differs
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(b.tokens) for b in self.blocks)
+
+
+@dataclass
+class PrefixCacheStats:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_tokens: int = 0
+    lookup_tokens: int = 0
+    stored_blocks: int = 0
+    collisions: int = 0
+
+
+class PrefixCache:
+    def __init__(self, fingerprint: bytes, codecs: list, block_size: int, hot_bytes: int):
+        self.root, self.codecs, self.block_size = fingerprint, codecs, block_size
+        self.hot = HotTier(hot_bytes)
+        self.stats = PrefixCacheStats()
+        self.sliceable = all(c.sliceable for c in codecs)
+        self.signature = signature(codecs)
+
+    # ---- lookup -----------------------------------------------------------
+
+    def lookup(self, tokens: list[int]) -> Lookup:
+        """The longest verified run of cached blocks, leaving at least one token
+        of the prompt to compute."""
+        keys = block_keys(self.root, tokens, self.block_size)
+        usable = (len(tokens) - 1) // self.block_size
+        blocks: list[Block] = []
+        for i, key in enumerate(keys[:usable]):
+            block = self.hot.get(key)
+            if block is None:
+                break
+            if block.tokens != tuple(tokens[i * self.block_size : (i + 1) * self.block_size]):
+                self.stats.collisions += 1  # a hash match alone is never trusted
+                log.warning("block key collision at block %d: token ids differ, not used", i)
+                break
+            blocks.append(block)
+        self.hot.touch(blocks)
+        result = Lookup(keys, blocks)
+        if len(blocks) < usable:
+            result.diverged_at = self._divergence(tokens, keys, len(blocks))
+        self._count(result, len(tokens))
+        return result
+
+    def _divergence(self, tokens: list[int], keys: list[bytes], i: int) -> int:
+        """Where the prompt leaves the nearest cached prefix: the longest common
+        start of block i's tokens with any cached sibling."""
+        parent = keys[i - 1] if i else self.root
+        mine = tokens[i * self.block_size : (i + 1) * self.block_size]
+        best = 0
+        for sibling in self.hot.children(parent):
+            common = next((j for j, (a, b) in enumerate(zip(mine, sibling.tokens)) if a != b), len(mine))
+            best = max(best, common)
+        return i * self.block_size + best
+
+    def _count(self, result: Lookup, prompt_len: int) -> None:
+        s = self.stats
+        s.lookups += 1
+        s.lookup_tokens += prompt_len
+        s.hit_tokens += result.tokens
+        if result.blocks:
+            s.hits += 1
+        else:
+            s.misses += 1
+
+    def acquire(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            b.users += 1
+
+    def release(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            b.users -= 1
+
+    def rebuild(self, blocks: list[Block]) -> list:
+        """The model's per-layer cache objects holding these blocks' tokens."""
+        return [codec.rebuild([b.layers[i] for b in blocks]) for i, codec in enumerate(self.codecs)]
+
+    # ---- store ------------------------------------------------------------
+
+    def store(self, tokens: list[int], keys: list[bytes], layer_caches: list, first_block: int) -> int:
+        """Store the full blocks of `tokens` (the tokens whose KV `layer_caches`
+        holds) from block `first_block` on; returns the number of leading blocks
+        now stored. Snapshot caches only describe their current position, so with
+        them only the block that ends exactly there can be stored."""
+        if not self._consistent(tokens, layer_caches):
+            return first_block
+        full = len(tokens) // self.block_size
+        if len(keys) < full:
+            keys = block_keys(self.root, tokens, self.block_size)
+        if self.sliceable:
+            wanted = range(first_block, full)
+        elif len(tokens) % self.block_size == 0 and full > first_block:
+            wanted = range(full - 1, full)
+        else:
+            return first_block
+        for i in wanted:
+            if keys[i] not in self.hot:
+                self._put(i, tokens, keys, layer_caches)
+        return full
+
+    def _consistent(self, tokens: list[int], layer_caches: list) -> bool:
+        for codec, cache in zip(self.codecs, layer_caches):
+            if codec.sliceable and cache.offset != len(tokens):
+                log.warning("cache holds %d tokens, expected %d: not stored", cache.offset, len(tokens))
+                return False
+        return True
+
+    def _put(self, i: int, tokens: list[int], keys: list[bytes], layer_caches: list) -> None:
+        start, end = i * self.block_size, (i + 1) * self.block_size
+        layers = [
+            codec.slice(cache, start, end) if codec.sliceable else codec.snapshot(cache)
+            for codec, cache in zip(self.codecs, layer_caches)
+        ]
+        materialize(self.codecs, layers)
+        parent = keys[i - 1] if i else self.root
+        block = Block(keys[i], parent, tuple(tokens[start:end]), layers, payload_bytes(self.codecs, layers))
+        self.hot.put(block)
+        self.stats.stored_blocks += 1
+
+    def clear(self) -> int:
+        return self.hot.clear()
+
+    def snapshot_stats(self) -> dict:
+        s = self.stats
+        return {
+            "block_size": self.block_size,
+            "cache_layout": self.signature,
+            "blocks": len(self.hot),
+            "bytes": self.hot.nbytes,
+            "capacity_bytes": self.hot.capacity,
+            "lookups": s.lookups,
+            "hits": s.hits,
+            "misses": s.misses,
+            "hit_tokens": s.hit_tokens,
+            "tokens_saved": s.hit_tokens,
+            "hit_rate_tokens": s.hit_tokens / s.lookup_tokens if s.lookup_tokens else 0.0,
+            "stored_blocks": s.stored_blocks,
+            "evictions": self.hot.stats.evictions,
+            "collisions": s.collisions,
+        }
