@@ -1,0 +1,148 @@
+"""The prefix cache without a server: codec round trips for each cache type on
+tiny random-weight models, token verification, eviction rules."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from tierlm.cache.block_hash import block_keys
+from tierlm.cache.codecs import codecs_for
+from tierlm.cache.hot_tier import Block
+from tierlm.cache.prefix_cache import PrefixCache
+
+from tiny_models import tiny_model
+
+BLOCK = 16
+
+
+def new_cache(model, hot_bytes=2**30) -> PrefixCache:
+    return PrefixCache(b"fingerprint", codecs_for(make_prompt_cache(model)), BLOCK, hot_bytes)
+
+
+def run(model, tokens, cache):
+    return model(mx.array([tokens]), cache=cache)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next"])
+def test_codec_round_trip_continues_exactly(name):
+    """Store the blocks of a 48-token prefix, rebuild a cache from them, and the
+    next tokens' logits equal those of the cache that computed the prefix."""
+    model = tiny_model(name)
+    tokens = [int(t) for t in mx.random.randint(0, 256, (60,)).tolist()]
+    prefix, rest = tokens[:48], tokens[48:]
+    live = make_prompt_cache(model)
+    pc = new_cache(model)
+    stored = 0
+    for end in (16, 32, 48):  # prefill pauses at each block boundary, as the scheduler's segments do
+        run(model, prefix[end - 16 : end], live)
+        stored = pc.store(prefix[:end], [], live, stored)
+    assert stored == 3  # 48 tokens: past gemma's 32-token window
+    lookup = pc.lookup(tokens)
+    assert lookup.tokens == 48
+    rebuilt = pc.rebuild(lookup.blocks)
+    expected = run(model, rest, live)
+    got = run(model, rest, rebuilt)
+    assert mx.allclose(expected, got, atol=1e-5).item()
+
+
+def test_snapshot_caches_store_only_at_block_boundaries():
+    model = tiny_model("gemma3_text")
+    pc = new_cache(model)
+    assert not pc.sliceable
+    live = make_prompt_cache(model)
+    tokens = list(range(40))
+    run(model, tokens, live)  # 40 tokens: not a block boundary
+    assert pc.store(tokens, [], live, 0) == 0
+    assert len(pc.hot) == 0
+
+
+def test_kv_blocks_are_sliced_from_any_position():
+    model = tiny_model("llama")
+    pc = new_cache(model)
+    live = make_prompt_cache(model)
+    tokens = list(range(40))
+    run(model, tokens, live)
+    assert pc.store(tokens, [], live, 0) == 2  # two full blocks of 16
+    assert pc.lookup(tokens + [1]).tokens == 32
+
+
+def test_a_hit_always_leaves_one_token_to_compute():
+    model = tiny_model("llama")
+    pc = new_cache(model)
+    live = make_prompt_cache(model)
+    tokens = list(range(32))
+    run(model, tokens, live)
+    pc.store(tokens, [], live, 0)
+    assert pc.lookup(tokens).tokens == 16  # both blocks cached, only one usable
+    assert pc.lookup(tokens + [7]).tokens == 32
+
+
+def test_forged_hash_collision_is_caught_by_token_comparison():
+    model = tiny_model("llama")
+    pc = new_cache(model)
+    live = make_prompt_cache(model)
+    honest = list(range(16))
+    run(model, honest, live)
+    pc.store(honest, [], live, 0)
+    victim = list(range(100, 116)) + [1, 2]
+    forged_key = block_keys(pc.root, victim, BLOCK)[0]
+    real = pc.hot.get(block_keys(pc.root, honest, BLOCK)[0])
+    # a block claiming the victim's key but holding other tokens' KV
+    pc.hot.put(Block(forged_key, pc.root, real.tokens, real.layers, real.nbytes))
+    lookup = pc.lookup(victim)
+    assert lookup.tokens == 0
+    assert pc.stats.collisions == 1
+
+
+def test_lru_eviction_spares_blocks_in_use():
+    model = tiny_model("llama")
+    probe = new_cache(model)
+    live = make_prompt_cache(model)
+    run(model, list(range(16)), live)
+    probe.store(list(range(16)), [], live, 0)
+    block_bytes = probe.hot.nbytes
+    pc = new_cache(model, hot_bytes=3 * block_bytes)
+    prompts = [[p] * 16 for p in range(1, 7)]
+    held = None
+    for i, p in enumerate(prompts):
+        live = make_prompt_cache(model)
+        run(model, p, live)
+        pc.store(p, [], live, 0)
+        if i == 0:
+            held = pc.lookup(p + [0]).blocks
+            pc.acquire(held)  # a running request built on this block
+    assert pc.hot.nbytes <= 3 * block_bytes
+    assert pc.hot.stats.evictions == 3
+    assert held[0].key in pc.hot  # oldest, but in use: survived
+    pc.release(held)
+    pc.hot.evict_to(0)
+    assert len(pc.hot) == 0
+
+
+def test_parents_outlive_children_in_lru_order():
+    model = tiny_model("llama")
+    live = make_prompt_cache(model)
+    tokens = list(range(48))
+    run(model, tokens, live)
+    probe = new_cache(model)
+    probe.store(tokens, [], live, 0)
+    pc = new_cache(model, hot_bytes=probe.hot.nbytes)
+    pc.store(tokens, [], live, 0)
+    pc.lookup(tokens + [1])
+    pc.hot.capacity = probe.hot.nbytes * 2 // 3
+    pc.hot.evict_to(pc.hot.capacity)  # room for two of three blocks
+    assert pc.lookup(tokens + [1]).tokens == 32  # the leaf went, the chain stays usable
+
+
+def test_divergence_point_is_reported():
+    model = tiny_model("llama")
+    pc = new_cache(model)
+    live = make_prompt_cache(model)
+    tokens = list(range(40))
+    run(model, tokens, live)
+    pc.store(tokens, [], live, 0)
+    other = tokens[:21] + [200] * 19
+    lookup = pc.lookup(other)
+    assert lookup.tokens == 16 and lookup.diverged_at == 21
