@@ -23,9 +23,14 @@ _HELP = {
     "max_concurrent_requests": "requests decoded together at most; more wait in a queue",
     "prefill_step_size": "prompt tokens processed per prefill chunk",
     "memory_limit": "refuse prefills that would pass this (bytes, 8GB, or 75%%)",
+    "cpu_weights_dtype": "weights' dtype on the CPU backend: auto (float32 when it fits), float32, "
+                         "bfloat16, float16, or stored",
     "decode_burst_ms": "decode time per hand-off to the event loop with one request (0: off)",
     "decode_burst_ms_batched": "the same with several requests running",
     "stream_interval": "tokens per streamed chunk",
+    "prefix_cache": "reuse the KV of prompt prefixes seen before (default on)",
+    "cache_block_size": "tokens per prefix-cache block",
+    "hot_cache_size": "memory for cached blocks (bytes, 4GB, or 10%%)",
     "sse_keepalive_s": "seconds between SSE keep-alive comments while waiting",
     "max_body_bytes": "largest request body accepted",
     "log_level": "debug, info, warning or error",
@@ -35,6 +40,9 @@ _HELP = {
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
+        if f.type.startswith("bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(f.name))
+            continue
         kind = str if "str" in f.type else int if f.type.startswith("int") else float
         parser.add_argument(flag, type=kind, default=None, help=_HELP.get(f.name))
     parser.add_argument("--config", help="settings file (TOML; default ~/.tierlm/settings.toml)")

@@ -24,6 +24,7 @@ class Settings:
     max_concurrent_requests: int = 8
     prefill_step_size: int = 2048
     memory_limit: str | None = None  # bytes, "8GB", or "75%" of memory; None = device limit
+    cpu_weights_dtype: str = "auto"  # on MLX's CPU backend: auto, float32, bfloat16, float16, stored
     decode_burst_ms: float = 100.0
     decode_burst_ms_batched: float = 20.0
     stream_interval: int = 1

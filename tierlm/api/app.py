@@ -42,7 +42,9 @@ async def _load_served_model(app: FastAPI, model_path: Path) -> None:
     settings: Settings = app.state.settings
     try:
         info = read_model_info(model_path, settings.served_model_name)
-        engine = EngineCore(info.name, lambda: load_model(model_path), engine_config(settings, model_path))
+        config = engine_config(settings, model_path)
+        memory = config.memory_limit or total_memory()
+        engine = EngineCore(info.name, lambda: load_model(model_path, settings.cpu_weights_dtype, memory), config)
         await engine.start()
         app.state.served = ServedModel(info, engine, aliases=("default",))
         log.info("serving %s (context %d) at http://%s:%d/v1", info.name, info.context_length,

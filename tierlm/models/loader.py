@@ -36,8 +36,15 @@ def read_model_info(path: Path, name: str | None = None) -> ModelInfo:
     )
 
 
-def load_model(path: Path):
-    """mlx-lm's own loader: (model, tokenizer wrapper). Call on the engine's thread."""
+def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | None = None):
+    """mlx-lm's own loader: (model, tokenizer wrapper), with the weights in the
+    fastest dtype for MLX's CPU backend (models/cpu_weights.py). Call on the
+    engine's thread."""
     from mlx_lm import load
 
-    return load(str(path))
+    from tierlm.config import total_memory
+    from tierlm.models import cpu_weights
+
+    model, tokenizer = load(str(path))
+    cpu_weights.apply(cpu_weights_dtype, model, memory_bytes or total_memory())
+    return model, tokenizer
