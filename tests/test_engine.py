@@ -223,3 +223,37 @@ def test_two_engines_cannot_drive_one_model(loaded):
         await third.close()
 
     run(go())
+
+
+# ---- the prefix cache under aborts -------------------------------------------
+
+
+def test_abort_during_prefill_stores_only_what_was_computed(loaded):
+    long_prompt = loaded[1].encode("The history of the printing press and its effects on Europe. " * 120)
+
+    async def go():
+        engine = await started(loaded, prefill_step_size=128, cache_block_size=64)
+        req = Request(engine.new_request_id(), long_prompt, SamplingParams(max_tokens=5, temperature=0))
+        collector = engine.add_request(req)
+        cache = engine.scheduler.cache
+        while (await engine.on_worker(lambda: len(cache.hot))) < 2:
+            await asyncio.sleep(0.01)  # some chunks are done, the prefill is not
+        engine.abort_request(req.request_id)
+        aborted = await collector.get()
+        while not aborted.finished:
+            aborted = await collector.get()
+        stored = await engine.on_worker(lambda: len(cache.hot))
+        again = await engine.generate(Request(engine.new_request_id(), long_prompt,
+                                              SamplingParams(max_tokens=5, temperature=0)))
+        await engine.close()
+        uncached = await started(loaded, prefix_cache=False)
+        reference = await uncached.generate(Request(uncached.new_request_id(), long_prompt,
+                                                    SamplingParams(max_tokens=5, temperature=0)))
+        await uncached.close()
+        return aborted, stored, again, reference
+
+    aborted, stored, again, reference = run(go())
+    assert aborted.finish_reason == FinishReason.ABORT and aborted.completion_tokens == 0
+    assert 2 <= stored < len(long_prompt) // 64  # whole chunks only, not the whole prompt
+    assert again.cached_tokens == stored * 64  # exactly the stored chain, verified token by token
+    assert again.text == reference.text
