@@ -1,0 +1,65 @@
+"""The benchmark's metric math, on fake timestamps (no server, no model)."""
+
+import math
+
+import pytest
+
+from tierlm.bench.metrics import RequestRecord, percentile, steady_decode_rate, summarize
+
+
+def test_percentile_interpolates_like_numpy():
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 5.0
+    assert percentile(values, 90) == pytest.approx(4.6)
+    assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_ttft_tpot_itl_e2e_of_one_request():
+    r = RequestRecord(start=10.0, chunk_times=[10.5, 10.6, 10.8, 11.1], end=11.2, output_tokens=4)
+    assert r.ok
+    assert r.ttft == pytest.approx(0.5)
+    assert r.e2e == pytest.approx(1.2)
+    assert r.tpot == pytest.approx((1.2 - 0.5) / 3)
+    assert r.itls == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_usage_counts_beat_chunk_counts():
+    # two chunks carrying 5 tokens (a server that batches tokens per chunk)
+    r = RequestRecord(start=0.0, chunk_times=[1.0, 2.0], end=2.0, output_tokens=5)
+    assert r.n_output == 5
+    assert r.tpot == pytest.approx(1.0 / 4)
+    r.output_tokens = None
+    assert r.n_output == 2
+
+
+def test_summary_counts_failures_and_rates():
+    ok1 = RequestRecord(start=0.0, chunk_times=[0.1, 0.2, 0.3], end=0.3, prompt_tokens=10, output_tokens=3)
+    ok2 = RequestRecord(start=0.0, chunk_times=[0.3, 0.5], end=0.5, prompt_tokens=10, output_tokens=2)
+    bad = RequestRecord(start=0.0, error="HTTP 500: boom")
+    s = summarize([ok1, ok2, bad], duration=2.0)
+    assert (s["requests"], s["completed"], s["failed"]) == (3, 2, 1)
+    assert s["errors"] == ["HTTP 500: boom"]
+    assert s["output_tokens"] == 5
+    assert s["output_tok_s"] == pytest.approx(2.5)
+    assert s["requests_s"] == pytest.approx(1.0)
+    assert s["ttft_s"]["p50"] == pytest.approx(0.2)
+    assert s["ttft_s"]["mean"] == pytest.approx(0.2)
+    assert s["e2e_s"]["p99"] == pytest.approx(0.3 + 0.2 * 0.99)
+    # TPOT per request: (0.3 - 0.1) / 2 = 0.1 and (0.5 - 0.3) / 1 = 0.2
+    assert s["tpot_s"]["p50"] == pytest.approx(0.15)
+    # ITLs pooled over requests: 0.1, 0.1, 0.2
+    assert s["itl_s"]["p50"] == pytest.approx(0.1)
+
+
+def test_steady_decode_rate_counts_the_full_batch_window():
+    # request A: tokens every 0.1 s from t=1; B joins at t=2 and also steps at 0.1 s
+    a = [1.0 + 0.1 * i for i in range(31)]  # 1.0 .. 4.0
+    b = [2.0 + 0.1 * i for i in range(16)]  # 2.0 .. 3.5
+    rate = steady_decode_rate([a, b])
+    # window (2.0, 3.5]: 15 tokens of each over 1.5 s
+    assert rate == pytest.approx(30 / 1.5, rel=1e-6)
+    assert math.isnan(steady_decode_rate([]))
