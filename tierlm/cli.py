@@ -1,4 +1,4 @@
-"""Command line: `tierlm serve`, `tierlm pull`."""
+"""Command line: `tierlm serve`, `tierlm pull`, `tierlm bench`."""
 
 from __future__ import annotations
 
@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("name", nargs="?", default="default")
     _add_settings_flags(pull)
     pull.set_defaults(func=cmd_pull)
+    from tierlm.bench.cli import add_bench_parser  # the harness; the server never imports it
+
+    add_bench_parser(sub)
     return parser
 
 

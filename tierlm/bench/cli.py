@@ -1,0 +1,307 @@
+"""`tierlm bench ...`: the command line of the benchmark harness.
+
+tierlm bench serve     load generator against any OpenAI-compatible server
+tierlm bench compare   starts tierlm, mlx_lm.server and llama-server in turn, same workload
+tierlm bench engine    EngineCore vs a bare mlx-lm BatchGenerator loop, in process
+tierlm bench roofline  decode roofline: weight bytes per step over measured copy bandwidth
+tierlm bench make-model  a random-weight model folder with real shapes (GPU runs)
+tierlm bench docs      regenerate docs/benchmarks.md from result JSON files
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: load generator, side-by-side runs, engine overhead")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = bsub.add_parser("serve", help="benchmark a running OpenAI-compatible server")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model id to send (default: the first the server lists)")
+    p.add_argument("--api-key", default=None)
+    _add_load_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = bsub.add_parser("compare", help="start each server on the same weights and workload, in turns")
+    p.add_argument("--model", default=None, help="MLX model folder (default: the default model)")
+    p.add_argument("--gguf", default=None, help="the same weights as GGUF (default: the default model's)")
+    p.add_argument("--servers", default="tierlm,mlx_lm,llama", help="comma list of tierlm, mlx_lm, llama")
+    p.add_argument("--rounds", type=int, default=2, help="runs per server; order alternates each round")
+    p.add_argument("--llama-server", default=None, help="llama-server binary")
+    p.add_argument("--threads", type=int, default=None, help="llama-server threads (default: all cores)")
+    p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
+    _add_load_args(p, default_concurrency="1,4,16")
+    p.set_defaults(func=cmd_compare)
+
+    p = bsub.add_parser("engine", help="EngineCore vs a bare BatchGenerator loop, same model and prompts")
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch", default="1,8,32", help="comma list of batch sizes")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--json", default=None, help="write results here")
+    p.set_defaults(func=cmd_engine)
+
+    p = bsub.add_parser("roofline", help="measure copy bandwidth and the decode roofline of a model")
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch", default="1,8,32,64")
+    p.add_argument("--context", type=int, default=1024, help="tokens of KV per sequence for the KV term")
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cmd_roofline)
+
+    p = bsub.add_parser("make-model", help="write a random-weight model folder with real shapes")
+    p.add_argument("preset", help="llama-1b | llama-8b | tiny")
+    p.add_argument("out")
+    p.add_argument("--tokenizer", default=None, help="model folder whose tokenizer files to copy")
+    p.add_argument("--dtype", default="bfloat16")
+    p.set_defaults(func=cmd_make_model)
+
+    p = bsub.add_parser("docs", help="regenerate docs/benchmarks.md from result JSON files")
+    p.add_argument("--results", default="docs/bench-results")
+    p.add_argument("--out", default="docs/benchmarks.md")
+    p.set_defaults(func=cmd_docs)
+
+
+def _add_load_args(p: argparse.ArgumentParser, default_concurrency: str = "1") -> None:
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model folder or tokenizer.json for building prompts (default: the default model)",
+    )
+    p.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"], default="random")
+    p.add_argument(
+        "--concurrency", default=default_concurrency, help="comma list; one run each (0: no limit)"
+    )
+    p.add_argument("--request-rate", type=float, default=math.inf, help="sessions/s, Poisson (default inf)")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="requests (random), or conversations (multi-turn); default 4 x concurrency, >= 8",
+    )
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument("--num-prefixes", type=int, default=2)
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=1024)
+    p.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let requests stop at EOS (default: ignore EOS)",
+    )
+    p.add_argument("--ban-eos", action="store_true", help="also send logit_bias -100 on the EOS tokens")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--warmup", type=int, default=2, help="short requests sent before timing")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def _concurrencies(text: str) -> list[int]:
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def _default_tokenizer(args) -> str:
+    from tierlm.bench.servers import default_model_folder
+
+    if args.tokenizer:
+        return args.tokenizer
+    model = getattr(args, "model", None)
+    return model if model and Path(model).expanduser().is_dir() else str(default_model_folder())
+
+
+def build_workload(args, tokenizer: str, concurrency: int):
+    from tierlm.bench.workloads import TokenSoup, multi_turn_workload, random_workload, shared_prefix_workload
+
+    soup = TokenSoup(tokenizer, seed=args.seed * 1000 + concurrency)
+    n = args.num_prompts or max(8, 4 * max(concurrency, 1))
+    if args.workload == "random":
+        return random_workload(soup, n, args.input_len, args.output_len, args.range_ratio)
+    if args.workload == "shared-prefix":
+        per = max(1, math.ceil(n / args.num_prefixes))
+        return shared_prefix_workload(
+            soup, args.num_prefixes, args.prefix_len, per, args.suffix_len, args.output_len
+        )
+    conversations = args.num_prompts or max(2, 2 * max(concurrency, 1))
+    return multi_turn_workload(
+        soup, conversations, args.turns, args.system_len, args.input_len, args.output_len
+    )
+
+
+def warmup_requests(args, tokenizer: str):
+    from tierlm.bench.workloads import BenchRequest, TokenSoup
+
+    soup = TokenSoup(tokenizer, seed=10**6 + args.seed)
+    return [BenchRequest(8, prompt=soup.text(32), input_tokens=32) for _ in range(args.warmup)]
+
+
+def eos_ids(tokenizer: str) -> list[int]:
+    import json
+
+    path = Path(tokenizer).expanduser()
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        f = path / name
+        if f.is_file():
+            v = json.loads(f.read_text()).get("eos_token_id")
+            ids.update(v if isinstance(v, list) else [v] if v is not None else [])
+    return sorted(ids)
+
+
+def load_config(args, base_url: str, concurrency: int, model: str | None = None):
+    from tierlm.bench.client import LoadConfig
+
+    return LoadConfig(
+        base_url=base_url,
+        model=model,
+        concurrency=concurrency or None,
+        request_rate=args.request_rate,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        ban_token_ids=eos_ids(_default_tokenizer(args)) if args.ban_eos else [],
+        api_key=getattr(args, "api_key", None),
+        seed=args.seed,
+    )
+
+
+def run_one(args, base_url: str, tokenizer: str, concurrency: int, label: str = "") -> dict:
+    from tierlm.bench.client import run_load
+    from tierlm.bench.metrics import summarize
+    from tierlm.bench.report import progress_bar
+
+    workload = build_workload(args, tokenizer, concurrency)
+    cfg = load_config(args, base_url, concurrency, getattr(args, "model_id", None))
+    desc = f"{label} {workload.name} c={concurrency}".strip()
+    with progress_bar(workload.num_requests, desc, args.progress) as done:
+        cpu = time.process_time()
+        records, duration = asyncio.run(run_load(workload, cfg, warmup_requests(args, tokenizer), done))
+        cpu = time.process_time() - cpu
+    summary = summarize(records, duration)
+    # near 1.0 the load generator itself, not the server, may be the bottleneck
+    summary["client_cpu_frac"] = cpu / duration if duration > 0 else math.nan
+    per_request = [
+        {
+            "ttft": r.ttft if r.ok else None,
+            "tpot": r.tpot if r.ok else None,
+            "e2e": r.e2e if r.ok else None,
+            "prompt_tokens": r.prompt_tokens,
+            "output_tokens": r.n_output,
+            "error": r.error,
+        }
+        for r in records
+    ]
+    return {
+        "concurrency": concurrency,
+        "workload": workload.name,
+        "workload_params": workload.params,
+        "summary": summary,
+        "per_request": per_request,
+    }
+
+
+def _command() -> str:
+    return "tierlm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def cmd_serve(args) -> int:
+    from tierlm.bench.report import print_table, serve_rows, write_json
+
+    tokenizer = _default_tokenizer(args)
+    args.model_id = args.model
+    runs = [run_one(args, args.base_url, tokenizer, c) for c in _concurrencies(args.concurrency)]
+    header, rows = serve_rows(runs, ("concurrency",))
+    print_table(f"{args.workload} workload against {args.base_url} (times in ms)", header, rows)
+    if args.json:
+        write_json(args.json, "serve", {"base_url": args.base_url, "runs": runs}, _command())
+    return 0 if all(r["summary"]["failed"] == 0 for r in runs) else 1
+
+
+def cmd_compare(args) -> int:
+    from tierlm.bench.compare import run_compare
+
+    return run_compare(args, _command())
+
+
+def cmd_engine(args) -> int:
+    from tierlm.bench.engine_overhead import run_overhead
+    from tierlm.bench.report import console, num, print_table, write_json
+
+    model = args.model or _default_tokenizer(args)
+    result = run_overhead(
+        model,
+        _concurrencies(args.batch),
+        args.input_len,
+        args.output_len,
+        args.rounds,
+        args.prefill_step_size,
+        on_progress=lambda r: console.print(
+            f"  batch {r.batch:3d} {r.runner:6s} decode {r.decode_tok_s:8.1f} tok/s"
+        ),
+    )
+    rows = [
+        [
+            str(s["batch"]),
+            num(s["bare"]["decode_tok_s"]),
+            num(s["engine"]["decode_tok_s"]),
+            num(s["decode_ratio"], 3),
+            num(s["bare"]["total_tok_s"]),
+            num(s["engine"]["total_tok_s"]),
+            num(s["total_ratio"], 3),
+        ]
+        for s in result["summary"]
+    ]
+    print_table(
+        f"engine overhead on {result['device']} (medians of {args.rounds} rounds)",
+        [
+            "batch",
+            "bare decode tok/s",
+            "engine decode tok/s",
+            "ratio",
+            "bare total tok/s",
+            "engine total tok/s",
+            "ratio",
+        ],
+        rows,
+    )
+    if args.json:
+        write_json(args.json, "engine", result, _command())
+    return 0
+
+
+def cmd_roofline(args) -> int:
+    from tierlm.bench.gpu import roofline
+    from tierlm.bench.report import write_json
+
+    result = roofline(args.model or _default_tokenizer(args), _concurrencies(args.batch), args.context)
+    print(result)
+    if args.json:
+        write_json(args.json, "roofline", result, _command())
+    return 0
+
+
+def cmd_make_model(args) -> int:
+    from tierlm.bench.gpu import make_random_model
+
+    tokenizer = args.tokenizer or _default_tokenizer(args)
+    print(make_random_model(args.preset, Path(args.out), Path(tokenizer), args.dtype))
+    return 0
+
+
+def cmd_docs(args) -> int:
+    from tierlm.bench.docs import render_docs
+
+    print(render_docs(Path(args.results), Path(args.out)))
+    return 0

@@ -1,0 +1,166 @@
+"""Tables (rich, and markdown for the docs) and JSON for benchmark results."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console(stderr=True)
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{1000 * x:.1f}"
+
+
+def num(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def ratio(a: float | None, b: float | None) -> float:
+    if a is None or b is None or not b or math.isnan(a) or math.isnan(b):
+        return math.nan
+    return a / b
+
+
+SERVE_COLUMNS = [
+    ("req/s", lambda s: num(s["requests_s"], 2)),
+    ("out tok/s", lambda s: num(s["output_tok_s"])),
+    ("TTFT p50", lambda s: ms(s["ttft_s"]["p50"])),
+    ("TTFT p90", lambda s: ms(s["ttft_s"]["p90"])),
+    ("TTFT p99", lambda s: ms(s["ttft_s"]["p99"])),
+    ("TPOT p50", lambda s: ms(s["tpot_s"]["p50"])),
+    ("TPOT p90", lambda s: ms(s["tpot_s"]["p90"])),
+    ("TPOT p99", lambda s: ms(s["tpot_s"]["p99"])),
+    ("ITL p50", lambda s: ms(s["itl_s"]["p50"])),
+    ("ITL p99", lambda s: ms(s["itl_s"]["p99"])),
+    ("E2E p50", lambda s: ms(s["e2e_s"]["p50"])),
+    ("E2E p99", lambda s: ms(s["e2e_s"]["p99"])),
+    ("out/req", lambda s: num(s["mean_output_tokens"])),
+    ("fail", lambda s: str(s["failed"])),
+]
+
+
+def serve_rows(runs: list[dict], label_keys: tuple[str, ...]) -> tuple[list[str], list[list[str]]]:
+    header = list(label_keys) + [name for name, _ in SERVE_COLUMNS]
+    rows = [[str(run[k]) for k in label_keys] + [f(run["summary"]) for _, f in SERVE_COLUMNS] for run in runs]
+    return header, rows
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    table = Table(title=title, title_justify="left")
+    for i, h in enumerate(header):
+        table.add_column(h, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    out = Console()
+    if not out.is_terminal:  # a log file: no wrapping at 80 columns
+        out = Console(width=240)
+    out.print(table)
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+@contextmanager
+def progress_bar(total: int, description: str, enabled: bool = True):
+    """Yields a callback to call once per finished request."""
+    if not enabled:
+        yield lambda _record=None: None
+        return
+    columns = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[failed]} failed"),
+        TimeElapsedColumn(),
+    ]
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(description, total=total, failed=0)
+        failed = 0
+
+        def done(record=None) -> None:
+            nonlocal failed
+            failed += bool(record is not None and not record.ok)
+            progress.update(task, advance=1, failed=failed)
+
+        yield done
+
+
+def machine_info() -> dict:
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "processor": platform.processor() or platform.machine(),
+    }
+    try:
+        import os
+
+        info["cpus"] = os.cpu_count()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        info["memory_gib"] = round(pages / 2**30, 1)
+    except (OSError, ValueError):
+        pass
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            info["gpu"] = out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    for pkg in ("mlx", "mlx-lm", "tierlm"):
+        try:
+            info[pkg] = version(pkg)
+        except PackageNotFoundError:
+            info[pkg] = None
+    try:
+        info["git"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def write_json(path: str | Path, kind: str, data: dict, command: str | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "kind": kind,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": command,
+        "machine": machine_info(),
+        **data,
+    }
+    path.write_text(json.dumps(doc, indent=1, default=_jsonable))
+    return path
+
+
+def _jsonable(x):
+    if isinstance(x, Path):
+        return str(x)
+    if hasattr(x, "__dict__"):
+        return x.__dict__
+    return str(x)
