@@ -46,7 +46,10 @@ class Server:
 
 
 def start_server(model_path: Path, log_path: Path, *extra: str, timeout: float = 180) -> Server:
+    """A server process; unless told otherwise its SSD cache lives beside its log."""
     port = free_port()
+    if "--ssd-cache-dir" not in extra and "--no-ssd-cache" not in extra:
+        extra = (*extra, "--ssd-cache-dir", str(log_path.parent / "ssd-cache"))
     cmd = [sys.executable, "-m", "tierlm.cli", "serve", "--model", str(model_path),
            "--port", str(port), *extra]
     log = open(log_path, "w")

@@ -31,6 +31,10 @@ class Settings:
     prefix_cache: bool = True
     cache_block_size: int = 256
     hot_cache_size: str = "10%"  # bytes, "4GB", or a share of memory
+    ssd_cache: bool = True
+    ssd_cache_dir: str = str(HOME / "cache")
+    ssd_cache_size: str = "10%"  # bytes, "50GB", or a share of the disk
+    ssd_write_through: bool = False
     sse_keepalive_s: float = 5.0
     max_body_bytes: int = 32 * 2**20
     log_level: str = "info"

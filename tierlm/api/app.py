@@ -15,7 +15,7 @@ from tierlm.api.errors import APIError, error_response, install_error_handlers
 from tierlm.api.openai_routes import router as openai_router
 from tierlm.api.served_model import ServedModel
 from tierlm.cache.block_hash import model_fingerprint
-from tierlm.config import Settings, parse_size, total_memory
+from tierlm.config import Settings, disk_size, parse_size, total_memory
 from tierlm.engine.core import EngineConfig, EngineCore
 from tierlm.models.loader import load_model, read_model_info
 
@@ -24,11 +24,15 @@ log = logging.getLogger(__name__)
 
 def engine_config(settings: Settings, model_path: Path) -> EngineConfig:
     limit = parse_size(settings.memory_limit, total_memory()) if settings.memory_limit else None
+    ssd_dir, ssd_bytes = _ssd_tier(settings)
     return EngineConfig(
         prefix_cache=settings.prefix_cache,
         cache_block_size=settings.cache_block_size,
         hot_cache_bytes=parse_size(settings.hot_cache_size, total_memory()),
         model_fingerprint=model_fingerprint(model_path, {}),
+        ssd_cache_dir=ssd_dir,
+        ssd_cache_bytes=ssd_bytes,
+        ssd_write_through=settings.ssd_write_through,
         max_running=settings.max_concurrent_requests,
         prefill_step_size=settings.prefill_step_size,
         memory_limit=limit,
@@ -36,6 +40,13 @@ def engine_config(settings: Settings, model_path: Path) -> EngineConfig:
         decode_burst_ms_batched=settings.decode_burst_ms_batched,
         stream_interval=settings.stream_interval,
     )
+
+
+def _ssd_tier(settings: Settings) -> tuple[str | None, int]:
+    if not settings.ssd_cache:
+        return None, 0
+    folder = Path(settings.ssd_cache_dir).expanduser()
+    return str(folder), parse_size(settings.ssd_cache_size, disk_size(folder))
 
 
 async def _load_served_model(app: FastAPI, model_path: Path) -> None:
@@ -89,9 +100,10 @@ def create_app(settings: Settings, model_path: Path) -> FastAPI:
         return {"model": served.info.name, "prefix_cache": await served.engine.cache_stats()}
 
     @app.delete("/v1/cache")
-    async def clear_cache():
+    async def clear_cache(ssd: bool = False):
+        """Drop the hot tier; with ?ssd=true also every file of the SSD folder."""
         served = _ready(app)
-        return {"cleared_blocks": await served.engine.clear_cache()}
+        return {"cleared_blocks": await served.engine.clear_cache(ssd)}
 
     @app.get("/stats")
     async def stats():

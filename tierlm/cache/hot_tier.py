@@ -39,6 +39,9 @@ class HotTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
 
+    def blocks(self) -> list[Block]:
+        return list(self._blocks.values())
+
     def get(self, key: bytes) -> Block | None:
         return self._blocks.get(key)
 

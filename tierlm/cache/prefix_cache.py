@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from tierlm.cache.block_hash import block_keys
 from tierlm.cache.codecs import signature
 from tierlm.cache.hot_tier import Block, HotTier, materialize, payload_bytes
+from tierlm.cache.ssd_tier import SSDTier
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +35,21 @@ class PrefixCacheStats:
     lookup_tokens: int = 0
     stored_blocks: int = 0
     collisions: int = 0
+    ssd_hit_tokens: int = 0
 
 
 class PrefixCache:
-    def __init__(self, fingerprint: bytes, codecs: list, block_size: int, hot_bytes: int):
+    def __init__(self, fingerprint: bytes, codecs: list, block_size: int, hot_bytes: int,
+                 ssd_dir=None, ssd_bytes: int = 0, write_through: bool = False):
         self.root, self.codecs, self.block_size = fingerprint, codecs, block_size
         self.hot = HotTier(hot_bytes)
         self.stats = PrefixCacheStats()
         self.sliceable = all(c.sliceable for c in codecs)
-        self.signature = signature(codecs)
+        self.signature = f"{signature(codecs)};block={block_size}"
+        self.ssd = SSDTier(ssd_dir, ssd_bytes, fingerprint, self.signature) if ssd_dir else None
+        self.write_through = write_through
+        if self.ssd is not None and not write_through:
+            self.hot.on_evict = self.ssd.enqueue  # write-back: blocks leaving memory go to SSD
 
     # ---- lookup -----------------------------------------------------------
 
@@ -53,20 +60,35 @@ class PrefixCache:
         usable = (len(tokens) - 1) // self.block_size
         blocks: list[Block] = []
         for i, key in enumerate(keys[:usable]):
-            block = self.hot.get(key)
+            wanted = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            block = self.hot.get(key) or self._from_ssd(key, wanted)
             if block is None:
                 break
-            if block.tokens != tuple(tokens[i * self.block_size : (i + 1) * self.block_size]):
+            if block.tokens != wanted:
                 self.stats.collisions += 1  # a hash match alone is never trusted
                 log.warning("block key collision at block %d: token ids differ, not used", i)
                 break
+            block.users += 1  # promoting later blocks must not evict these
             blocks.append(block)
+        self.release(blocks)
         self.hot.touch(blocks)
         result = Lookup(keys, blocks)
         if len(blocks) < usable:
             result.diverged_at = self._divergence(tokens, keys, len(blocks))
         self._count(result, len(tokens))
         return result
+
+    def _from_ssd(self, key: bytes, tokens: tuple[int, ...]) -> Block | None:
+        """A verified block from SSD, promoted to the hot tier."""
+        if self.ssd is None or not self.ssd.contains(key):
+            return None
+        block = self.ssd.read(key, tokens)
+        if block is None:
+            return None
+        block.nbytes = payload_bytes(self.codecs, block.layers)
+        self.hot.put(block)
+        self.stats.ssd_hit_tokens += len(tokens)
+        return block
 
     def _divergence(self, tokens: list[int], keys: list[bytes], i: int) -> int:
         """Where the prompt leaves the nearest cached prefix: the longest common
@@ -142,9 +164,23 @@ class PrefixCache:
         block = Block(keys[i], parent, tuple(tokens[start:end]), layers, payload_bytes(self.codecs, layers))
         self.hot.put(block)
         self.stats.stored_blocks += 1
+        if self.ssd is not None and self.write_through:
+            self.ssd.enqueue(block)
 
-    def clear(self) -> int:
-        return self.hot.clear()
+    def clear(self, ssd: bool = False) -> int:
+        """Drop the hot tier (without writing it back) and, if asked, every SSD file."""
+        on_evict, self.hot.on_evict = self.hot.on_evict, None
+        dropped = self.hot.clear()
+        self.hot.on_evict = on_evict
+        return dropped + (self.ssd.clear() if ssd and self.ssd else 0)
+
+    def close(self) -> None:
+        """Graceful shutdown: write the hot tier to SSD and wait for the writer."""
+        if self.ssd is None:
+            return
+        for block in list(self.hot.blocks()):
+            self.ssd.enqueue(block, wait=10.0)
+        self.ssd.close()
 
     def snapshot_stats(self) -> dict:
         s = self.stats
@@ -163,4 +199,8 @@ class PrefixCache:
             "stored_blocks": s.stored_blocks,
             "evictions": self.hot.stats.evictions,
             "collisions": s.collisions,
+            "hot_hit_tokens": s.hit_tokens - s.ssd_hit_tokens,
+            "ssd_hit_tokens": s.ssd_hit_tokens,
+            "ssd": self.ssd.snapshot_stats() if self.ssd else None,
+            "write_policy": None if self.ssd is None else ("write-through" if self.write_through else "write-back"),
         }

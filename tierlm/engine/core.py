@@ -55,6 +55,9 @@ class EngineConfig:
     cache_block_size: int = 256
     hot_cache_bytes: int = 2 * 2**30
     model_fingerprint: bytes = b""  # of the weights on disk; see cache.block_hash
+    ssd_cache_dir: str | None = None  # None: no SSD tier
+    ssd_cache_bytes: int = 0
+    ssd_write_through: bool = False
     orphan_grace_s: float = 60.0
     log_interval_s: float = 5.0
 
@@ -118,9 +121,13 @@ class EngineCore:
             log.info("prefix cache off for %s: no codec for cache type(s) %s", self.name, ", ".join(kinds))
             return None
         root = hashlib.sha256(self.config.model_fingerprint + parameter_layout(self.model)).digest()
-        cache = PrefixCache(root, codecs, self.config.cache_block_size, self.config.hot_cache_bytes)
-        log.info("prefix cache for %s: blocks of %d tokens, layout %s, hot tier %.0f MiB", self.name,
-                 cache.block_size, cache.signature, self.config.hot_cache_bytes / 2**20)
+        c = self.config
+        cache = PrefixCache(root, codecs, c.cache_block_size, c.hot_cache_bytes,
+                            c.ssd_cache_dir, c.ssd_cache_bytes, c.ssd_write_through)
+        ssd = "off" if cache.ssd is None else f"{c.ssd_cache_dir} ({c.ssd_cache_bytes / 2**30:.1f} GiB, " + (
+            "write-through)" if c.ssd_write_through else "write-back)")
+        log.info("prefix cache for %s: blocks of %d tokens, layout %s, hot tier %.0f MiB, SSD tier %s",
+                 self.name, cache.block_size, cache.signature, c.hot_cache_bytes / 2**20, ssd)
         return cache
 
     @property
@@ -198,9 +205,9 @@ class EngineCore:
         cache = self.scheduler.cache
         return None if cache is None else await self.on_worker(cache.snapshot_stats)
 
-    async def clear_cache(self) -> int:
+    async def clear_cache(self, ssd: bool = False) -> int:
         cache = self.scheduler.cache
-        return 0 if cache is None else await self.on_worker(cache.clear)
+        return 0 if cache is None else await self.on_worker(cache.clear, ssd)
 
     @staticmethod
     def new_request_id(prefix: str = "req") -> str:

@@ -128,6 +128,8 @@ class Scheduler:
 
     def close(self) -> None:
         self._gen.close()
+        if self.cache is not None:
+            self.cache.close()
 
     def _apply_aborts(self) -> list[RequestOutput]:
         with self._aborts_lock:

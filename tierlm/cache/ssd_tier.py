@@ -1,0 +1,232 @@
+"""The SSD tier: one safetensors file per block, under a size cap, surviving restarts.
+
+Threads: `read`, `enqueue` and `flush` are called from the engine's worker
+thread; a writer thread does the file I/O; a scan thread rebuilds the index at
+start-up without delaying readiness. The index (key -> file size, oldest first)
+is shared under a lock.
+
+Queue policy: blocks wait for the writer in a queue bounded by bytes
+(`max_pending_bytes`). When it is full a new block is dropped (counted in
+`write_drops`) rather than blocking decoding or growing memory: the cache is
+an optimization, and a dropped block is only recomputed later.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierlm.cache import block_file
+from tierlm.cache.hot_tier import Block
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".safetensors"
+_STOP = object()
+
+
+@dataclass
+class SSDStats:
+    reads: int = 0
+    read_bytes: int = 0
+    writes: int = 0
+    write_bytes: int = 0
+    write_drops: int = 0
+    errors: int = 0
+    evictions: int = 0
+
+
+class SSDTier:
+    def __init__(self, directory: Path, capacity_bytes: int, fingerprint: bytes, signature: str,
+                 max_pending_bytes: int = 512 * 2**20, min_free_bytes: int = 2 * 2**30):
+        self.dir, self.capacity = Path(directory), capacity_bytes
+        self.fingerprint, self.signature = fingerprint, signature
+        self.max_pending_bytes, self.min_free_bytes = max_pending_bytes, min_free_bytes
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.stats = SSDStats()
+        self._index: OrderedDict[str, int] = OrderedDict()  # hex key -> bytes, oldest first
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._pending_bytes = 0
+        self._queue: queue.Queue = queue.Queue()
+        self.scanned = threading.Event()
+        self._writer = threading.Thread(target=self._write_loop, name="ssd-writer", daemon=True)
+        self._writer.start()
+        threading.Thread(target=self._scan, name="ssd-scan", daemon=True).start()
+
+    # ---- paths and index ----------------------------------------------------
+
+    def path_for(self, hex_key: str) -> Path:
+        return self.dir / hex_key[:2] / hex_key[2:4] / f"{hex_key}{SUFFIX}"
+
+    def contains(self, key: bytes) -> bool:
+        hex_key = key.hex()
+        with self._lock:
+            if hex_key in self._index:
+                return True
+        return not self.scanned.is_set() and self.path_for(hex_key).is_file()
+
+    def _index_add(self, hex_key: str, size: int) -> None:
+        with self._lock:
+            self._bytes += size - self._index.pop(hex_key, 0)
+            self._index[hex_key] = size
+
+    def _index_drop(self, hex_key: str) -> None:
+        with self._lock:
+            self._bytes -= self._index.pop(hex_key, 0)
+
+    def _scan(self) -> None:
+        """Index what earlier processes left: every block file, this model's or not,
+        counts against the cap; leftovers of interrupted writes are removed."""
+        tic, found, entries = time.monotonic(), 0, []
+        for folder, _, files in os.walk(self.dir):
+            for name in files:
+                path = Path(folder) / name
+                try:
+                    stat = path.stat()
+                except FileNotFoundError:
+                    continue
+                if name.endswith(".tmp"):
+                    if time.time() - stat.st_mtime > 60:  # not another live writer's
+                        path.unlink(missing_ok=True)
+                elif name.endswith(SUFFIX):
+                    entries.append((stat.st_mtime, name[: -len(SUFFIX)], stat.st_size))
+                    found += 1
+                    if found % 10000 == 0:
+                        log.info("SSD cache scan: %d files so far", found)
+        for _, hex_key, size in sorted(entries):
+            with self._lock:
+                if hex_key not in self._index:  # a write of this process may have come first
+                    self._index[hex_key] = size
+                    self._index.move_to_end(hex_key, last=False)
+                    self._bytes += size
+        self.scanned.set()
+        log.info("SSD cache %s: %d blocks, %.0f MiB (cap %.0f MiB), scanned in %.1fs", self.dir, found,
+                 self._bytes / 2**20, self.capacity / 2**20, time.monotonic() - tic)
+        self._enforce_cap()
+
+    # ---- reading (worker thread) -----------------------------------------
+
+    def read(self, key: bytes, tokens: tuple[int, ...]) -> Block | None:
+        """The verified block, or None. A file that fails any check is deleted."""
+        hex_key = key.hex()
+        path = self.path_for(hex_key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            self._index_drop(hex_key)
+            return None
+        try:
+            parent, layers = block_file.decode(data, key, tokens, self.fingerprint, self.signature)
+        except block_file.BlockFileError as e:
+            log.warning("SSD block %s rejected (%s): deleted, its tokens will be computed", hex_key[:16], e)
+            self.stats.errors += 1
+            path.unlink(missing_ok=True)
+            self._index_drop(hex_key)
+            return None
+        self.stats.reads += 1
+        self.stats.read_bytes += len(data)
+        os.utime(path)  # recently used: evicted last
+        with self._lock:
+            if hex_key in self._index:
+                self._index.move_to_end(hex_key)
+        return Block(key, parent, tokens, layers, nbytes=0)
+
+    # ---- writing ----------------------------------------------------------
+
+    def enqueue(self, block: Block, wait: float = 0.0) -> bool:
+        """Worker thread: encode now (MLX -> numpy), write later. Drops the block if
+        the queue is full, unless `wait` seconds are allowed (used at shutdown)."""
+        if self.contains(block.key):
+            return True
+        tensors, meta = block_file.encode(block.key, block.parent, block.tokens, block.layers,
+                                          self.fingerprint, self.signature)
+        size = sum(t.nbytes for t in tensors.values())
+        deadline = time.monotonic() + wait
+        while self._pending_bytes + size > self.max_pending_bytes:
+            if time.monotonic() >= deadline:
+                self.stats.write_drops += 1
+                return False
+            time.sleep(0.01)
+        with self._lock:
+            self._pending_bytes += size
+        self._queue.put((block.key.hex(), tensors, meta, size))
+        return True
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every queued block is on disk."""
+        deadline = time.monotonic() + timeout
+        while self._pending_bytes > 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(_STOP)
+        self._writer.join(timeout=10)
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not _STOP:
+            hex_key, tensors, meta, size = item
+            try:
+                self._write(hex_key, tensors, meta)
+            except OSError as e:
+                self.stats.errors += 1
+                log.warning("SSD write of block %s failed: %s", hex_key[:16], e)
+            finally:
+                with self._lock:
+                    self._pending_bytes -= size
+
+    def _write(self, hex_key: str, tensors, meta) -> None:
+        data = block_file.to_bytes(tensors, meta)
+        path = self.path_for(hex_key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(path.parent).free - len(data) < self.min_free_bytes:
+            self.stats.write_drops += 1  # never fill the disk
+            return
+        tmp = path.with_name(f".{hex_key}.{uuid.uuid4().hex[:8]}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)  # readers see the whole file or none of it
+        self._index_add(hex_key, len(data))
+        self.stats.writes += 1
+        self.stats.write_bytes += len(data)
+        self._enforce_cap()
+
+    def _enforce_cap(self) -> None:
+        while True:
+            with self._lock:
+                if self._bytes <= self.capacity or not self._index:
+                    return
+                hex_key, size = self._index.popitem(last=False)
+                self._bytes -= size
+            self.path_for(hex_key).unlink(missing_ok=True)
+            self.stats.evictions += 1
+
+    def clear(self) -> int:
+        """Delete every block file in the folder (all models')."""
+        with self._lock:
+            keys = list(self._index)
+            self._index.clear()
+            self._bytes = 0
+        for hex_key in keys:
+            self.path_for(hex_key).unlink(missing_ok=True)
+        return len(keys)
+
+    def snapshot_stats(self) -> dict:
+        s = self.stats
+        with self._lock:
+            files, size = len(self._index), self._bytes
+        return {
+            "dir": str(self.dir), "files": files, "bytes": size, "capacity_bytes": self.capacity,
+            "pending_bytes": self._pending_bytes, "scanned": self.scanned.is_set(),
+            "reads": s.reads, "read_bytes": s.read_bytes, "writes": s.writes, "write_bytes": s.write_bytes,
+            "write_drops": s.write_drops, "errors": s.errors, "evictions": s.evictions,
+        }
