@@ -86,8 +86,11 @@ def _add_load_args(p: argparse.ArgumentParser, default_concurrency: str = "1") -
         "--num-prompts",
         type=int,
         default=None,
-        help="requests (random), or conversations (multi-turn); default 4 x concurrency, >= 8",
+        help="requests (random, shared-prefix) or conversations (multi-turn); "
+        "default: --prompts-per-concurrency x concurrency, at least --min-prompts",
     )
+    p.add_argument("--prompts-per-concurrency", type=int, default=4)
+    p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--range-ratio", type=float, default=0.0)
@@ -127,7 +130,7 @@ def build_workload(args, tokenizer: str, concurrency: int):
     from tierlm.bench.workloads import TokenSoup, multi_turn_workload, random_workload, shared_prefix_workload
 
     soup = TokenSoup(tokenizer, seed=args.seed * 1000 + concurrency)
-    n = args.num_prompts or max(8, 4 * max(concurrency, 1))
+    n = args.num_prompts or max(args.min_prompts, args.prompts_per_concurrency * max(concurrency, 1))
     if args.workload == "random":
         return random_workload(soup, n, args.input_len, args.output_len, args.range_ratio)
     if args.workload == "shared-prefix":
@@ -135,7 +138,7 @@ def build_workload(args, tokenizer: str, concurrency: int):
         return shared_prefix_workload(
             soup, args.num_prefixes, args.prefix_len, per, args.suffix_len, args.output_len
         )
-    conversations = args.num_prompts or max(2, 2 * max(concurrency, 1))
+    conversations = args.num_prompts or max(1, n // max(args.turns, 1), max(concurrency, 1))
     return multi_turn_workload(
         soup, conversations, args.turns, args.system_len, args.input_len, args.output_len
     )

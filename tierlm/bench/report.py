@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import subprocess
 import time
@@ -105,8 +106,6 @@ def machine_info() -> dict:
         "processor": platform.processor() or platform.machine(),
     }
     try:
-        import os
-
         info["cpus"] = os.cpu_count()
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -135,10 +134,18 @@ def machine_info() -> dict:
             info[pkg] = version(pkg)
         except PackageNotFoundError:
             info[pkg] = None
+    info["git"] = os.environ.get("TIERLM_BENCH_GIT")  # for trees copied without .git
     try:
-        info["git"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True, timeout=5
-        ).stdout.strip()
+        info["git"] = (
+            info["git"]
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+        )
     except (OSError, subprocess.SubprocessError):
         pass
     return info
