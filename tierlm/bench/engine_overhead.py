@@ -1,0 +1,165 @@
+"""In-process engine overhead: tierlm's EngineCore against a bare mlx-lm
+BatchGenerator loop, on the same loaded model and the same prompts.
+
+Both decode greedily with no stop tokens, so both do exactly the same model work;
+what differs is everything tierlm adds around it (the asyncio loop, the worker
+thread hand-offs, per-request samplers, detokenizing, collectors). Runs
+alternate (bare, engine, engine, bare, ...) and the medians are compared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+from tierlm.bench.metrics import median, steady_decode_rate
+
+
+@dataclass
+class OverheadResult:
+    batch: int
+    runner: str  # "bare" | "engine"
+    decode_tok_s: float  # full-batch window, see metrics.steady_decode_rate
+    total_tok_s: float  # all output tokens / (submit -> last token)
+    mean_ttft_s: float
+    wall_s: float
+
+
+def random_prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(n)]
+
+
+def _result(batch: int, runner: str, start: float, times: list[list[float]]) -> OverheadResult:
+    end = max(t[-1] for t in times)
+    n = sum(len(t) for t in times)
+    return OverheadResult(
+        batch,
+        runner,
+        steady_decode_rate(times),
+        n / (end - start),
+        sum(t[0] - start for t in times) / len(times),
+        end - start,
+    )
+
+
+def run_bare(
+    model, prompts: list[list[int]], max_tokens: int, prefill_step_size: int, stream
+) -> OverheadResult:
+    from mlx_lm.generate import BatchGenerator
+
+    batch = len(prompts)
+    gen = BatchGenerator(
+        model,
+        completion_batch_size=batch,
+        prefill_batch_size=min(8, batch),
+        prefill_step_size=prefill_step_size,
+        stream=stream,
+    )
+    try:
+        start = time.perf_counter()
+        uids = gen.insert(prompts, max_tokens=[max_tokens] * batch)
+        index = {uid: i for i, uid in enumerate(uids)}
+        times: list[list[float]] = [[] for _ in prompts]
+        pending = set(uids)
+        while pending:
+            _, responses = gen.next()
+            now = time.perf_counter()
+            for r in responses:
+                times[index[r.uid]].append(now)
+                if r.finish_reason is not None:
+                    pending.discard(r.uid)
+    finally:
+        gen.close()
+    return _result(batch, "bare", start, times)
+
+
+async def _run_engine(model, tokenizer, prompts, max_tokens, prefill_step_size) -> OverheadResult:
+    from tierlm.engine.core import EngineConfig, EngineCore
+    from tierlm.engine.request import Request, SamplingParams
+
+    batch = len(prompts)
+    config = EngineConfig(max_running=batch, prefill_step_size=prefill_step_size)
+    engine = EngineCore("bench", lambda: (model, tokenizer), config)
+    await engine.start()
+    try:
+        times: list[list[float]] = [[] for _ in prompts]
+
+        async def consume(i: int, request: Request) -> None:
+            async for out in engine.stream_outputs(request):
+                if out is not None and out.token_ids:
+                    times[i].extend([time.perf_counter()] * len(out.token_ids))
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        requests = [Request(f"bench-{i}", p, params) for i, p in enumerate(prompts)]
+        start = time.perf_counter()
+        await asyncio.gather(*(consume(i, r) for i, r in enumerate(requests)))
+    finally:
+        await engine.close()
+    return _result(batch, "engine", start, times)
+
+
+def run_engine(model, tokenizer, prompts, max_tokens: int, prefill_step_size: int) -> OverheadResult:
+    return asyncio.run(_run_engine(model, tokenizer, prompts, max_tokens, prefill_step_size))
+
+
+def run_overhead(
+    model_path: str,
+    batches: list[int],
+    prompt_len: int,
+    max_tokens: int,
+    rounds: int,
+    prefill_step_size: int = 2048,
+    seed: int = 0,
+    on_progress=None,
+) -> dict:
+    import mlx.core as mx
+
+    from tierlm.models.loader import load_model
+
+    model, tokenizer = load_model(model_path)
+    vocab = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 32000
+    stream = mx.new_stream(mx.default_device())
+    warm = random_prompts(vocab, 2, min(prompt_len, 32), seed + 999)
+    run_bare(model, warm, 4, prefill_step_size, stream)
+    run_engine(model, tokenizer, warm, 4, prefill_step_size)
+    runs: list[OverheadResult] = []
+    for batch in batches:
+        prompts = random_prompts(vocab, batch, prompt_len, seed + batch)
+        for rnd in range(rounds):
+            order = ("bare", "engine") if rnd % 2 == 0 else ("engine", "bare")
+            for runner in order:
+                if runner == "bare":
+                    runs.append(run_bare(model, prompts, max_tokens, prefill_step_size, stream))
+                else:
+                    runs.append(run_engine(model, tokenizer, prompts, max_tokens, prefill_step_size))
+                if on_progress:
+                    on_progress(runs[-1])
+    return {
+        "model": str(model_path),
+        "batches": batches,
+        "prompt_len": prompt_len,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "device": str(mx.default_device()),
+        "runs": [r.__dict__ for r in runs],
+        "summary": summarize_overhead(runs),
+    }
+
+
+def summarize_overhead(runs: list[OverheadResult]) -> list[dict]:
+    out = []
+    for batch in sorted({r.batch for r in runs}):
+        row: dict = {"batch": batch}
+        for runner in ("bare", "engine"):
+            mine = [r for r in runs if r.batch == batch and r.runner == runner]
+            row[runner] = {
+                k: median([getattr(r, k) for r in mine])
+                for k in ("decode_tok_s", "total_tok_s", "mean_ttft_s")
+            }
+        row["decode_ratio"] = row["engine"]["decode_tok_s"] / row["bare"]["decode_tok_s"]
+        row["total_ratio"] = row["engine"]["total_tok_s"] / row["bare"]["total_tok_s"]
+        out.append(row)
+    return out
