@@ -1,0 +1,194 @@
+"""The SSD tier through real server processes: restarts, damaged files, the size
+cap, SIGKILL during writes, and two models sharing one folder."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import start_server, stop_server
+
+MODEL = "SmolLM2-135M-Instruct"
+BLOCK = "32"
+DOC = "The history of the printing press and its effects on the spread of ideas in Europe. "
+
+
+def prompt(i: int = 0, repeat: int = 12) -> list[dict]:
+    return [{"role": "system", "content": f"Document {i}. " + DOC * repeat},
+            {"role": "user", "content": "Summarize the document in one sentence."}]
+
+
+def ask(server, messages, max_tokens=8):
+    return server.client().chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                   max_tokens=max_tokens)
+
+
+def stats(server) -> dict:
+    return httpx.get(server.v1 + "/cache/stats").json()["prefix_cache"]
+
+
+def block_files(folder: Path) -> list[Path]:
+    return sorted(folder.rglob("*.safetensors"))
+
+
+def serve(model_path, folder: Path, *extra):
+    folder.mkdir(parents=True, exist_ok=True)
+    return start_server(model_path, folder / f"server-{time.monotonic_ns()}.log", "--cache-block-size", BLOCK,
+                        "--ssd-cache-dir", str(folder / "ssd"), *extra)
+
+
+@pytest.fixture(scope="module")
+def reference(model_path, tmp_path_factory):
+    """Answers computed with no cache at all."""
+    srv = start_server(model_path, tmp_path_factory.mktemp("ref") / "server.log", "--no-prefix-cache")
+    answers = {i: ask(srv, prompt(i)).choices[0].message.content for i in range(4)}
+    stop_server(srv)
+    return answers
+
+
+def test_restart_hits_ssd_and_computes_only_the_last_partial_block(model_path, tmp_path, reference):
+    first = serve(model_path, tmp_path)
+    cold = ask(first, prompt(0))
+    hot = ask(first, prompt(0))
+    stop_server(first)  # graceful: the hot tier is flushed to SSD
+    assert block_files(tmp_path / "ssd")
+
+    second = serve(model_path, tmp_path)
+    try:
+        after = ask(second, prompt(0))
+        n = after.usage.prompt_tokens
+        assert after.usage.prompt_tokens_details.cached_tokens == (n - 1) // 32 * 32
+        s = stats(second)
+        assert s["ssd_hit_tokens"] == (n - 1) // 32 * 32 and s["ssd"]["errors"] == 0
+        texts = {cold.choices[0].message.content, hot.choices[0].message.content, after.choices[0].message.content}
+        assert texts == {reference[0]}  # cold, hot hit and SSD hit all agree with no cache
+    finally:
+        stop_server(second)
+
+
+def test_damaged_files_are_deleted_and_the_request_still_succeeds(model_path, tmp_path, reference):
+    first = serve(model_path, tmp_path)
+    ask(first, prompt(1))
+    stop_server(first)
+    files = block_files(tmp_path / "ssd")
+    assert len(files) >= 4
+    # bit-flip the first block of the chain, truncate another
+    first_block = _chain_start(files)
+    data = bytearray(first_block.read_bytes())
+    data[-100] ^= 0xFF
+    first_block.write_bytes(bytes(data))
+    truncated = next(f for f in files if f != first_block)
+    truncated.write_bytes(truncated.read_bytes()[:1000])
+
+    second = serve(model_path, tmp_path)
+    try:
+        answer = ask(second, prompt(1))
+        assert answer.choices[0].message.content == reference[1]
+        assert answer.usage.prompt_tokens_details.cached_tokens == 0  # the chain's first block was bad
+        s = stats(second)
+        assert s["ssd"]["errors"] >= 1
+        assert not first_block.exists()
+    finally:
+        stop_server(second)
+
+
+def _chain_start(files: list[Path]) -> Path:
+    """The block file whose parent is no other file's key: the prompt's first block."""
+    metas = {f: _metadata(f) for f in files}
+    keys = {m["key"] for m in metas.values()}
+    return next(f for f, m in metas.items() if m["parent"] not in keys)
+
+
+def _metadata(path: Path) -> dict:
+    data = path.read_bytes()
+    return json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+
+
+def test_size_cap_holds_under_a_stream_of_new_prompts(model_path, tmp_path):
+    cap = 12 * 2**20
+    srv = serve(model_path, tmp_path, "--ssd-write-through", "--ssd-cache-size", str(cap))
+    try:
+        for i in range(6):
+            ask(srv, prompt(10 + i), max_tokens=2)
+        time.sleep(1)  # let the writer finish
+        s = stats(srv)["ssd"]
+        on_disk = sum(f.stat().st_size for f in block_files(tmp_path / "ssd"))
+        assert s["writes"] > 0 and s["evictions"] > 0
+        assert on_disk <= cap and s["bytes"] <= cap
+    finally:
+        stop_server(srv)
+
+
+def test_sigkill_while_writing_never_leaves_a_block_that_loads_wrong(model_path, tmp_path, reference):
+    rng = random.Random(7)
+    for round_ in range(4):
+        srv = serve(model_path, tmp_path, "--ssd-write-through")
+        workers = [threading.Thread(target=_ask_quietly, args=(srv, prompt(i))) for i in range(4)]
+        for w in workers:
+            w.start()
+        time.sleep(rng.uniform(0.5, 3.0))
+        srv.process.send_signal(signal.SIGKILL)
+        srv.process.wait()
+        for w in workers:
+            w.join()
+    srv = serve(model_path, tmp_path)
+    try:
+        for i in range(4):
+            assert ask(srv, prompt(i)).choices[0].message.content == reference[i]
+        assert stats(srv)["ssd"]["errors"] == 0  # every file that was there was whole and right
+    finally:
+        stop_server(srv)
+
+
+def _ask_quietly(server, messages):
+    try:
+        ask(server, messages)
+    except Exception:
+        pass  # the server was killed under it
+
+
+def test_two_models_sharing_a_folder_never_read_each_others_blocks(model_path, tmp_path, reference):
+    twin = tmp_path / "twin-model"
+    shutil.copytree(model_path, twin)
+    config = json.loads((twin / "config.json").read_text())
+    config["tierlm_test_variant"] = 1  # same weights, another model as far as the cache knows
+    (twin / "config.json").write_text(json.dumps(config))
+
+    a = serve(model_path, tmp_path)
+    ask(a, prompt(2))
+    stop_server(a)
+    files_of_a = set(block_files(tmp_path / "ssd"))
+
+    b = serve(twin, tmp_path)
+    try:
+        answer = b.client().chat.completions.create(model="twin-model", messages=prompt(2), temperature=0,
+                                                    max_tokens=8)
+        assert answer.usage.prompt_tokens_details.cached_tokens == 0
+        assert answer.choices[0].message.content == reference[2]
+        assert stats(b)["ssd"]["reads"] == 0
+    finally:
+        stop_server(b)
+    assert files_of_a <= set(block_files(tmp_path / "ssd"))  # left alone
+
+    # a file of A's under the name of one of B's blocks is caught by its metadata
+    files_of_b = set(block_files(tmp_path / "ssd")) - files_of_a
+    donor = next(iter(files_of_a)).read_bytes()
+    for f in files_of_b:
+        f.write_bytes(donor)
+    b = serve(twin, tmp_path)
+    try:
+        answer = b.client().chat.completions.create(model="twin-model", messages=prompt(2), temperature=0,
+                                                    max_tokens=8)
+        assert answer.usage.prompt_tokens_details.cached_tokens == 0
+        assert answer.choices[0].message.content == reference[2]
+        assert stats(b)["ssd"]["errors"] >= 1
+    finally:
+        stop_server(b)
