@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Runs ON the GPU device machine (MLX's CUDA backend), from the repo root, after
+# /work/shared/tools/gpu/stage.sh's two calls; see scripts/gpu_run.md.
+# For each preset: a random-weight model with real shapes (bf16, SmolLM2's
+# tokenizer), its decode roofline, tierlm's engine vs a bare BatchGenerator, and
+# tierlm served over HTTP at concurrency 1/8/32/64. Results: $OUT/*.json.
+set -uo pipefail
+OUT=${OUT:-/tmp/bench-out}
+PRESETS=${PRESETS:-"llama-1b llama-8b"}
+TOKENIZER=${TOKENIZER:-.bench/tokenizer}
+INPUT_LEN=${INPUT_LEN:-512}
+OUTPUT_LEN=${OUTPUT_LEN:-256}
+BATCHES=${BATCHES:-1,8,32,64}
+ROUNDS=${ROUNDS:-2}
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+log() { echo "[$(date +%H:%M:%S)] $*"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$PY -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+for preset in $PRESETS; do
+  model=/tmp/bench-models/$preset
+  log "$preset: writing random weights"
+  timeout 240 $PY -m tierlm.cli bench make-model "$preset" "$model" --tokenizer "$TOKENIZER" || continue
+  log "$preset: roofline"
+  timeout 120 $PY -m tierlm.cli bench roofline --model "$model" --batch "$BATCHES" \
+    --context $((INPUT_LEN + OUTPUT_LEN)) --json "$OUT/roofline-$preset.json"
+  log "$preset: engine vs bare BatchGenerator"
+  timeout 300 $PY -m tierlm.cli bench engine --model "$model" --batch "$BATCHES" \
+    --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --rounds "$ROUNDS" --json "$OUT/engine-$preset.json"
+  log "$preset: served"
+  port=8765
+  $PY -m tierlm.cli serve --model "$model" --port $port --max-concurrent-requests 64 \
+    --log-level warning > "/tmp/serve-$preset.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 240); do curl -sf "127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
+  timeout 300 $PY -m tierlm.cli bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$model" \
+    --concurrency "$BATCHES" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --no-progress \
+    --json "$OUT/serve-$preset.json"
+  kill "$pid"; wait "$pid" 2>/dev/null
+  tail -5 "/tmp/serve-$preset.log"
+  rm -rf "$model"
+  log "$preset: done"
+done
