@@ -48,6 +48,12 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument(
+        "--queue-factor",
+        type=int,
+        default=0,
+        help="also run K x batch requests, batch at a time (the served workload, in process)",
+    )
     p.add_argument("--json", default=None, help="write results here")
     p.set_defaults(func=cmd_engine)
 
@@ -251,8 +257,10 @@ def cmd_engine(args) -> int:
         args.rounds,
         args.prefill_step_size,
         on_progress=lambda r: console.print(
-            f"  batch {r.batch:3d} {r.runner:6s} decode {r.decode_tok_s:8.1f} tok/s"
+            f"  batch {r.batch:3d} {r.runner:12s} decode {r.decode_tok_s:8.1f} tok/s, "
+            f"total {r.total_tok_s:8.1f} tok/s"
         ),
+        queue_factor=args.queue_factor,
     )
     rows = [
         [

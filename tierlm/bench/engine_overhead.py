@@ -46,11 +46,13 @@ def _result(batch: int, runner: str, start: float, times: list[list[float]]) -> 
 
 
 def run_bare(
-    model, prompts: list[list[int]], max_tokens: int, prefill_step_size: int, stream
+    model, prompts: list[list[int]], max_tokens: int, prefill_step_size: int, stream, batch: int = 0
 ) -> OverheadResult:
+    """All prompts inserted at once; at most `batch` (default: all) decode together,
+    BatchGenerator admitting the next as one finishes."""
     from mlx_lm.generate import BatchGenerator
 
-    batch = len(prompts)
+    batch = batch or len(prompts)
     gen = BatchGenerator(
         model,
         completion_batch_size=batch,
@@ -60,7 +62,7 @@ def run_bare(
     )
     try:
         start = time.perf_counter()
-        uids = gen.insert(prompts, max_tokens=[max_tokens] * batch)
+        uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
         index = {uid: i for i, uid in enumerate(uids)}
         times: list[list[float]] = [[] for _ in prompts]
         pending = set(uids)
@@ -73,14 +75,14 @@ def run_bare(
                     pending.discard(r.uid)
     finally:
         gen.close()
-    return _result(batch, "bare", start, times)
+    return _result(batch, "bare" if batch >= len(prompts) else "bare-queue", start, times)
 
 
-async def _run_engine(model, tokenizer, prompts, max_tokens, prefill_step_size) -> OverheadResult:
+async def _run_engine(model, tokenizer, prompts, max_tokens, prefill_step_size, batch=0) -> OverheadResult:
     from tierlm.engine.core import EngineConfig, EngineCore
     from tierlm.engine.request import Request, SamplingParams
 
-    batch = len(prompts)
+    batch = batch or len(prompts)
     config = EngineConfig(max_running=batch, prefill_step_size=prefill_step_size)
     engine = EngineCore("bench", lambda: (model, tokenizer), config)
     await engine.start()
@@ -98,11 +100,13 @@ async def _run_engine(model, tokenizer, prompts, max_tokens, prefill_step_size) 
         await asyncio.gather(*(consume(i, r) for i, r in enumerate(requests)))
     finally:
         await engine.close()
-    return _result(batch, "engine", start, times)
+    return _result(batch, "engine" if batch >= len(prompts) else "engine-queue", start, times)
 
 
-def run_engine(model, tokenizer, prompts, max_tokens: int, prefill_step_size: int) -> OverheadResult:
-    return asyncio.run(_run_engine(model, tokenizer, prompts, max_tokens, prefill_step_size))
+def run_engine(
+    model, tokenizer, prompts, max_tokens: int, prefill_step_size: int, batch: int = 0
+) -> OverheadResult:
+    return asyncio.run(_run_engine(model, tokenizer, prompts, max_tokens, prefill_step_size, batch))
 
 
 def run_overhead(
@@ -114,7 +118,11 @@ def run_overhead(
     prefill_step_size: int = 2048,
     seed: int = 0,
     on_progress=None,
+    queue_factor: int = 0,
 ) -> dict:
+    """Per batch B: `rounds` alternating bare/engine runs of B requests (decode
+    overhead); with `queue_factor` K, one more of each with K*B requests, B at a
+    time (the served benchmark's workload, in process)."""
     import mlx.core as mx
 
     from tierlm.models.loader import load_model
@@ -137,12 +145,20 @@ def run_overhead(
                     runs.append(run_engine(model, tokenizer, prompts, max_tokens, prefill_step_size))
                 if on_progress:
                     on_progress(runs[-1])
+        if queue_factor > 1:
+            queued = random_prompts(vocab, queue_factor * batch, prompt_len, seed + 7 * batch)
+            runs.append(run_bare(model, queued, max_tokens, prefill_step_size, stream, batch))
+            runs.append(run_engine(model, tokenizer, queued, max_tokens, prefill_step_size, batch))
+            if on_progress:
+                on_progress(runs[-2])
+                on_progress(runs[-1])
     return {
         "model": str(model_path),
         "batches": batches,
         "prompt_len": prompt_len,
         "max_tokens": max_tokens,
         "rounds": rounds,
+        "queue_factor": queue_factor,
         "device": str(mx.default_device()),
         "runs": [r.__dict__ for r in runs],
         "summary": summarize_overhead(runs),
@@ -161,5 +177,9 @@ def summarize_overhead(runs: list[OverheadResult]) -> list[dict]:
             }
         row["decode_ratio"] = row["engine"]["decode_tok_s"] / row["bare"]["decode_tok_s"]
         row["total_ratio"] = row["engine"]["total_tok_s"] / row["bare"]["total_tok_s"]
+        for runner in ("bare-queue", "engine-queue"):
+            mine = [r.total_tok_s for r in runs if r.batch == batch and r.runner == runner]
+            if mine:
+                row[runner] = {"total_tok_s": median(mine)}
         out.append(row)
     return out
