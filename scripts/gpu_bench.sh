@@ -27,7 +27,8 @@ for preset in $PRESETS; do
     --context $((INPUT_LEN + OUTPUT_LEN)) --json "$OUT/roofline-$preset.json"
   log "$preset: engine vs bare BatchGenerator"
   timeout 300 $PY -m tierlm.cli bench engine --model "$model" --batch "$BATCHES" \
-    --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --rounds "$ROUNDS" --json "$OUT/engine-$preset.json"
+    --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --rounds "$ROUNDS" --queue-factor 4 \
+    --json "$OUT/engine-$preset.json"
   log "$preset: served"
   port=8765
   $PY -m tierlm.cli serve --model "$model" --port $port --max-concurrent-requests 64 \
@@ -36,6 +37,7 @@ for preset in $PRESETS; do
   for _ in $(seq 240); do curl -sf "127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
   timeout 300 $PY -m tierlm.cli bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$model" \
     --concurrency "$BATCHES" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --no-progress \
+    --prompts-per-concurrency 4 --min-prompts 4 \
     --json "$OUT/serve-$preset.json"
   kill "$pid"; wait "$pid" 2>/dev/null
   tail -5 "/tmp/serve-$preset.log"
