@@ -1,0 +1,80 @@
+"""Server options through a real server: API key, SSE keep-alives while a long
+prompt prefills, stream_interval; and the settings layers."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from conftest import start_server, stop_server
+from tierlm.config import load_settings, parse_size
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(model_path, tmp_path_factory):
+    srv = start_server(model_path, tmp_path_factory.mktemp("opts") / "server.log", "--api-key", "s3cret",
+                       "--sse-keepalive-s", "0.05", "--stream-interval", "4", "--no-prefix-cache")
+    yield srv
+    stop_server(srv)
+
+
+def test_api_key_is_required(keyed_server):
+    with pytest.raises(openai.AuthenticationError) as e:
+        keyed_server.client(api_key="wrong").models.list()
+    assert e.value.body["code"] == "invalid_api_key"
+    r = httpx.get(keyed_server.v1 + "/models")
+    assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert [m.id for m in keyed_server.client(api_key="s3cret").models.list().data] == [MODEL]
+    assert httpx.get(keyed_server.base_url + "/health").status_code == 200
+
+
+def test_keepalive_comments_while_a_long_prompt_prefills(keyed_server):
+    body = {"model": MODEL, "stream": True, "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": "Repeat after me: " + "all work and no play " * 150}]}
+    lines = []
+    with httpx.stream("POST", keyed_server.v1 + "/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": "Bearer s3cret"}) as r:
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+    first_content = next(i for i, line in enumerate(lines) if line.startswith("data:") and '"content": "' in line
+                         and '"role"' not in line)
+    assert any(line.startswith(": keep-alive") for line in lines[:first_content])
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_stream_interval_groups_tokens(keyed_server):
+    client = keyed_server.client(api_key="s3cret")
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a long story about a dragon."}],
+        max_tokens=17, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert chunks[-1].usage.completion_tokens == 17
+    # the first token at once, then groups of 4: 1 + 4 + 4 + 4 + 4
+    assert len(content) <= 5
+
+
+def test_settings_layers(tmp_path, monkeypatch):
+    settings_file = tmp_path / "settings.toml"
+    settings_file.write_text('port = 9001\nmax_concurrent_requests = 3\nlog_level = "debug"\n')
+    monkeypatch.setenv("TIERLM_CONFIG", str(settings_file))
+    monkeypatch.setenv("TIERLM_MAX_CONCURRENT_REQUESTS", "5")
+    monkeypatch.setenv("TIERLM_PREFIX_CACHE", "false")
+    s = load_settings({"log_level": "warning"})
+    assert (s.port, s.max_concurrent_requests, s.log_level, s.prefix_cache) == (9001, 5, "warning", False)
+    settings_file.write_text("no_such_option = 1\n")
+    with pytest.raises(ValueError):
+        load_settings({})
+
+
+def test_sizes():
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("8GB") == 8 * 10**9
+    assert parse_size("25%", total=400) == 100
+    with pytest.raises(ValueError):
+        parse_size("lots")
