@@ -75,7 +75,6 @@ class PrefixCache:
         result = Lookup(keys, blocks)
         if len(blocks) < usable:
             result.diverged_at = self._divergence(tokens, keys, len(blocks))
-        self._count(result, len(tokens))
         return result
 
     def _from_ssd(self, key: bytes, tokens: tuple[int, ...]) -> Block | None:
@@ -101,7 +100,8 @@ class PrefixCache:
             best = max(best, common)
         return i * self.block_size + best
 
-    def _count(self, result: Lookup, prompt_len: int) -> None:
+    def record(self, result: Lookup, prompt_len: int) -> None:
+        """Count a lookup that a request was served with (not one it waited on)."""
         s = self.stats
         s.lookups += 1
         s.lookup_tokens += prompt_len

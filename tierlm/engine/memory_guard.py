@@ -92,8 +92,9 @@ class MemoryGuard:
         if needed > self.limit:
             raise MemoryGuardError(needed, self.limit, prompt_tokens)
 
-    def fits_now(self, prompt_tokens: int, pending_bytes: int = 0) -> bool:
-        """Whether it fits beside what running requests hold now, plus `pending_bytes`
-        promised to requests admitted in this same step."""
+    def shortfall(self, prompt_tokens: int, pending_bytes: int = 0) -> int:
+        """Bytes missing for this prefill beside what is held now (running requests,
+        cached blocks) plus `pending_bytes` promised to requests admitted in this
+        same step; 0 when it fits."""
         in_use = max(mx.get_active_memory(), self.profile.weight_bytes) + pending_bytes
-        return in_use + self.prefill_bytes(prompt_tokens) <= self.limit
+        return max(0, in_use + self.prefill_bytes(prompt_tokens) - self.limit)

@@ -174,12 +174,11 @@ class Scheduler:
 
     def _make_room(self, prompt_tokens: int, pending: int) -> bool:
         """Whether the prefill fits now, evicting cached blocks if that is what it takes."""
-        if self.guard.fits_now(prompt_tokens, pending):
-            return True
-        if self.cache is not None:
-            self.cache.hot.evict_to(0)
-            return self.guard.fits_now(prompt_tokens, pending)
-        return False
+        missing = self.guard.shortfall(prompt_tokens, pending)
+        if missing and self.cache is not None and self.cache.hot.nbytes:
+            self.cache.hot.evict_to(max(0, self.cache.hot.nbytes - missing))
+            missing = self.guard.shortfall(prompt_tokens, pending)
+        return missing == 0
 
     def _prefix_in_flight(self, lookup) -> bool:
         hit = len(lookup.blocks)
@@ -206,6 +205,7 @@ class Scheduler:
         if lookup:
             state.keys, state.stored_blocks, state.hit_blocks = lookup.keys, len(lookup.blocks), lookup.blocks
             self.cache.acquire(lookup.blocks)
+            self.cache.record(lookup, len(prompt))
             for key in lookup.keys[len(lookup.blocks) :]:
                 self._inflight.setdefault(key, request.request_id)
             self._log_lookup(request, lookup)
