@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from conftest import wait_until
 
 PROMPTS = [

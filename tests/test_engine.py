@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from tierlm.engine import ownership, scheduler as scheduler_module
+from tierlm.engine import ownership
+from tierlm.engine import scheduler as scheduler_module
 from tierlm.engine.collector import OutputCollector
 from tierlm.engine.core import EngineConfig, EngineCore
 from tierlm.engine.request import FinishReason, Request, RequestOutput, SamplingParams

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from conftest import start_server, stop_server
 
 

@@ -7,7 +7,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from conftest import start_server, stop_server
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
 from conftest import start_server, stop_server
+
 from tierlm.config import load_settings, parse_size
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import start_server, stop_server
 
 MODEL = "SmolLM2-135M-Instruct"

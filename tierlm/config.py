@@ -6,9 +6,10 @@ import dataclasses
 import os
 import re
 import shutil
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
+
+import tomllib
 
 HOME = Path(os.environ.get("TIERLM_HOME", Path.home() / ".tierlm"))
 

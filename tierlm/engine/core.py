@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import mlx.core as mx
-
 from mlx_lm.models.cache import make_prompt_cache
 
 from tierlm.cache.codecs import codecs_for
