@@ -9,7 +9,10 @@ import shutil
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-import tomllib
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 HOME = Path(os.environ.get("TIERLM_HOME", Path.home() / ".tierlm"))
 
