@@ -158,7 +158,8 @@ def render_gpu_preset(preset: str, files: dict[str, tuple[dict, Path]]) -> str:
             f"Weights {roof['weight_bytes'] / 2**30:.2f} GiB, KV {roof['kv_bytes_per_token'] / 2**10:.0f} "
             f"KiB/token; measured copy bandwidth {roof['copy_bytes_s'] / 1e12:.2f} TB/s (read + write). "
             f"Roofline: one decode step reads all weights plus {roof['context']} tokens of KV per "
-            "sequence at that bandwidth.\n"
+            "sequence at that bandwidth. (The bandwidth is MLX's own bf16 elementwise op on the device; a "
+            "plain device copy can run faster, so the true ceiling may be higher.)\n"
         )
     bare = {s["batch"]: s for s in (engine or {}).get("summary", [])}
     roofs = {r["batch"]: r for r in (roof or {}).get("rows", [])}
