@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import shlex
 import sys
 import time
@@ -126,7 +127,7 @@ def _concurrencies(text: str) -> list[int]:
 def _default_tokenizer(args) -> str:
     from tierlm.bench.servers import default_model_folder
 
-    if args.tokenizer:
+    if getattr(args, "tokenizer", None):
         return args.tokenizer
     model = getattr(args, "model", None)
     return model if model and Path(model).expanduser().is_dir() else str(default_model_folder())
@@ -195,12 +196,14 @@ def run_one(args, base_url: str, tokenizer: str, concurrency: int, label: str = 
     cfg = load_config(args, base_url, concurrency, getattr(args, "model_id", None))
     desc = f"{label} {workload.name} c={concurrency}".strip()
     with progress_bar(workload.num_requests, desc, args.progress) as done:
+        load = os.getloadavg()[0]
         cpu = time.process_time()
         records, duration = asyncio.run(run_load(workload, cfg, warmup_requests(args, tokenizer), done))
         cpu = time.process_time() - cpu
     summary = summarize(records, duration)
     # near 1.0 the load generator itself, not the server, may be the bottleneck
     summary["client_cpu_frac"] = cpu / duration if duration > 0 else math.nan
+    summary["loadavg_1m_before"] = load  # other work on the machine shows here
     per_request = [
         {
             "ttft": r.ttft if r.ok else None,
