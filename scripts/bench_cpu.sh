@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# This machine's CPU runs, written to docs/bench-results/cpu/, then docs/benchmarks.md.
+# Small on purpose (a 2-core machine shared with other work): the ratios of runs
+# made side by side are what count, not the absolute numbers. llama-server gets
+# one thread: with two, on cores that other processes also use, its spinning
+# thread barriers collapsed it to 1-8 tok/s (compare-random-llama-t2.json).
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+OUT=${OUT:-docs/bench-results/cpu}
+ROUNDS=${ROUNDS:-2}
+mkdir -p "$OUT"
+bash scripts/build_llama_server.sh >/dev/null
+if [ -z "${SKIP_COMPARE:-}" ]; then
+  tierlm bench compare --servers tierlm,mlx_lm,llama --threads "${LLAMA_THREADS:-1}" \
+    --concurrency 1,4,16 --rounds "$ROUNDS" --workload random --input-len 32 --output-len 16 \
+    --prompts-per-concurrency 1 --min-prompts 2 --json "$OUT/compare-random.json"
+fi
+if [ -z "${SKIP_ENGINE:-}" ]; then
+  tierlm bench engine --batch 1,8,32 --input-len 32 --output-len 32 --rounds "$ROUNDS" \
+    --json "$OUT/engine-smollm2.json"
+fi
+tierlm bench docs
