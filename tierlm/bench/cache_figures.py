@@ -108,6 +108,8 @@ async def main_async(args) -> dict:
             f"SSD {med['ssd_cached']:.0f}",
             flush=True,
         )
+    if args.skip_decode:
+        return results
     modes = ["off", "hot", "ssd"]
     runs: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(args.rounds):
@@ -129,8 +131,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", required=True)
-    parser.add_argument("--prefix", type=int, nargs="+", default=[2048, 8000])
+    parser.add_argument("--prefix", type=int, nargs="*", default=[2048, 8000], help="prefix lengths; none: skip TTFT")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--json", help="write the figures here too")
