@@ -20,3 +20,9 @@ if [ -z "${SKIP_ENGINE:-}" ]; then
     --json "$OUT/engine-smollm2.json"
 fi
 tierlm bench docs
+if [ -n "${MULTI_TURN:-}" ]; then  # a coding agent's pattern: the history is resent every turn
+  tierlm bench compare --servers tierlm,llama --threads "${LLAMA_THREADS:-1}" --concurrency 1,4 \
+    --rounds "$ROUNDS" --workload multi-turn --turns 3 --system-len 256 --input-len 32 --output-len 16 \
+    --num-prompts 4 --json "$OUT/compare-multi-turn.json"
+  tierlm bench docs
+fi

@@ -25,6 +25,13 @@ Targets (from the issue that built this harness):
 engine decode throughput ≥ 0.97 × a bare mlx-lm `BatchGenerator` at batch 1, 8, 32;
 against `mlx_lm.server`: no slower at concurrency 1, ≥ 2 × its output tok/s at
 concurrency 16 with a lower p50 TTFT; against `llama-server`: the ratio, honestly.
+
+Same weights, different arithmetic: on the CPU backend tierlm dequantizes the
+default model's 4-bit weights to float32 when they fit (its CPU fast path),
+`mlx_lm.server` computes on the 4-bit weights as stored, and `llama-server` on
+the GGUF's Q4_1. The GPU runs use random bf16 weights with real shapes (no
+weights can be downloaded there), so they time tierlm against a bare
+`BatchGenerator` and the roofline, not against other servers.
 """
 
 
@@ -56,11 +63,21 @@ def render_compare(doc: dict, path: Path) -> str:
     names = [s["name"] for s in doc["servers"]]
     concs = doc["concurrencies"]
     (h, rows), (rh, rrows) = compare_rows(doc["medians"], names, concs)
-    params = next((r["workload_params"] for r in doc["runs"]), {})
+    params = dict(next((r["workload_params"] for r in doc["runs"]), {}))
+    sizes = {
+        r["concurrency"]: r["workload_params"].get(
+            "num_prompts", r["workload_params"].get("num_conversations")
+        )
+        for r in doc["runs"]
+    }
+    params.pop("num_prompts", None)
+    params.pop("num_conversations", None)
+    params["requests (or conversations) per concurrency"] = sizes
+    servers = "\n".join(f"- {s['name']}: `{' '.join(s['cmd'])}`" for s in doc["servers"])
     out = [
         f"### Side by side: {doc['workload']} workload, {doc['rounds']} rounds\n",
         _provenance(doc, path),
-        f"Workload per concurrency: {json.dumps(params)}. Times in ms; medians over rounds.\n",
+        f"Workload: {json.dumps(params)}. Times in ms; medians over rounds. Servers:\n\n{servers}\n",
         markdown_table(h, rows),
         "",
         "Ratios (tok/s above 1: tierlm faster; TTFT below 1: tierlm faster):\n",
