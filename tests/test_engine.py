@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from tiny_models import tiny_model
 
 from tierlm.engine import ownership
 from tierlm.engine import scheduler as scheduler_module
@@ -258,3 +259,27 @@ def test_abort_during_prefill_stores_only_what_was_computed(loaded):
     assert 2 <= stored < len(long_prompt) // 64  # whole chunks only, not the whole prompt
     assert again.cached_tokens == stored * 64  # exactly the stored chain, verified token by token
     assert again.text == reference.text
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next"])
+def test_prefix_cache_through_the_scheduler_for_every_cache_type(name, tokenizer):
+    """Full hits, partial hits and batched hits give exactly the tokens of an
+    uncached engine, for sliced KV, sliding-window and recurrent caches alike."""
+    model = tiny_model(name, vocab_size=len(tokenizer.vocab))
+    prompt = list(range(1000, 1100))
+    variants = [prompt, prompt, prompt[:90] + [5, 6, 7]] + [prompt[:70] + [k, k + 1] for k in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    async def go(**config):
+        engine = EngineCore(f"{name}-{config}", lambda: (model, tokenizer), EngineConfig(**config))
+        await engine.start()
+        first = [await engine.generate(Request(engine.new_request_id(), p, params)) for p in variants[:3]]
+        batched = await asyncio.gather(*[engine.generate(Request(engine.new_request_id(), p, params))
+                                         for p in variants[3:]])
+        await engine.close()
+        return first + list(batched)
+
+    cached = run(go(cache_block_size=16, prefill_step_size=64))
+    plain = run(go(prefix_cache=False))
+    assert [o.cached_tokens for o in cached] == [0, 96, 80, 64, 64, 64]
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]

@@ -33,8 +33,8 @@ CONFIGS = {
 }
 
 
-def tiny_model(name: str, seed: int = 0):
-    config = CONFIGS[name]
+def tiny_model(name: str, seed: int = 0, vocab_size: int | None = None):
+    config = dict(CONFIGS[name], **({"vocab_size": vocab_size} if vocab_size else {}))
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
