@@ -24,6 +24,20 @@ def run(model, tokens, cache):
     return model(mx.array([tokens]), cache=cache)
 
 
+def computed(model, tokens) -> list:
+    """The model's cache after a prefill of `tokens`."""
+    live = make_prompt_cache(model)
+    run(model, tokens, live)
+    return live
+
+
+def filled(model, tokens, hot_bytes=2**30) -> PrefixCache:
+    """A prefix cache holding the blocks of `tokens`."""
+    pc = new_cache(model, hot_bytes)
+    pc.store(tokens, [], computed(model, tokens), 0)
+    return pc
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next"])
 def test_codec_round_trip_continues_exactly(name):
     """Store the blocks of a 48-token prefix, rebuild a cache from them, and the
@@ -50,41 +64,28 @@ def test_snapshot_caches_store_only_at_block_boundaries():
     model = tiny_model("gemma3_text")
     pc = new_cache(model)
     assert not pc.sliceable
-    live = make_prompt_cache(model)
-    tokens = list(range(40))
-    run(model, tokens, live)  # 40 tokens: not a block boundary
-    assert pc.store(tokens, [], live, 0) == 0
+    tokens = list(range(40))  # not a block boundary
+    assert pc.store(tokens, [], computed(model, tokens), 0) == 0
     assert len(pc.hot) == 0
 
 
 def test_kv_blocks_are_sliced_from_any_position():
     model = tiny_model("llama")
-    pc = new_cache(model)
-    live = make_prompt_cache(model)
     tokens = list(range(40))
-    run(model, tokens, live)
-    assert pc.store(tokens, [], live, 0) == 2  # two full blocks of 16
-    assert pc.lookup(tokens + [1]).tokens == 32
+    assert new_cache(model).store(tokens, [], computed(model, tokens), 0) == 2  # two full blocks of 16
+    assert filled(model, tokens).lookup(tokens + [1]).tokens == 32
 
 
 def test_a_hit_always_leaves_one_token_to_compute():
-    model = tiny_model("llama")
-    pc = new_cache(model)
-    live = make_prompt_cache(model)
     tokens = list(range(32))
-    run(model, tokens, live)
-    pc.store(tokens, [], live, 0)
+    pc = filled(tiny_model("llama"), tokens)
     assert pc.lookup(tokens).tokens == 16  # both blocks cached, only one usable
     assert pc.lookup(tokens + [7]).tokens == 32
 
 
 def test_forged_hash_collision_is_caught_by_token_comparison():
-    model = tiny_model("llama")
-    pc = new_cache(model)
-    live = make_prompt_cache(model)
     honest = list(range(16))
-    run(model, honest, live)
-    pc.store(honest, [], live, 0)
+    pc = filled(tiny_model("llama"), honest)
     victim = list(range(100, 116)) + [1, 2]
     forged_key = block_keys(pc.root, victim, BLOCK)[0]
     real = pc.hot.get(block_keys(pc.root, honest, BLOCK)[0])
@@ -97,18 +98,12 @@ def test_forged_hash_collision_is_caught_by_token_comparison():
 
 def test_lru_eviction_spares_blocks_in_use():
     model = tiny_model("llama")
-    probe = new_cache(model)
-    live = make_prompt_cache(model)
-    run(model, list(range(16)), live)
-    probe.store(list(range(16)), [], live, 0)
-    block_bytes = probe.hot.nbytes
+    block_bytes = filled(model, list(range(16))).hot.nbytes
     pc = new_cache(model, hot_bytes=3 * block_bytes)
     prompts = [[p] * 16 for p in range(1, 7)]
     held = None
     for i, p in enumerate(prompts):
-        live = make_prompt_cache(model)
-        run(model, p, live)
-        pc.store(p, [], live, 0)
+        pc.store(p, [], computed(model, p), 0)
         if i == 0:
             held = pc.lookup(p + [0]).blocks
             pc.acquire(held)  # a running request built on this block
@@ -122,26 +117,18 @@ def test_lru_eviction_spares_blocks_in_use():
 
 def test_parents_outlive_children_in_lru_order():
     model = tiny_model("llama")
-    live = make_prompt_cache(model)
     tokens = list(range(48))
-    run(model, tokens, live)
-    probe = new_cache(model)
-    probe.store(tokens, [], live, 0)
-    pc = new_cache(model, hot_bytes=probe.hot.nbytes)
-    pc.store(tokens, [], live, 0)
+    three_blocks = filled(model, tokens).hot.nbytes
+    pc = filled(model, tokens, hot_bytes=three_blocks)
     pc.lookup(tokens + [1])
-    pc.hot.capacity = probe.hot.nbytes * 2 // 3
+    pc.hot.capacity = three_blocks * 2 // 3
     pc.hot.evict_to(pc.hot.capacity)  # room for two of three blocks
     assert pc.lookup(tokens + [1]).tokens == 32  # the leaf went, the chain stays usable
 
 
 def test_divergence_point_is_reported():
-    model = tiny_model("llama")
-    pc = new_cache(model)
-    live = make_prompt_cache(model)
     tokens = list(range(40))
-    run(model, tokens, live)
-    pc.store(tokens, [], live, 0)
+    pc = filled(tiny_model("llama"), tokens)
     other = tokens[:21] + [200] * 19
     lookup = pc.lookup(other)
     assert lookup.tokens == 16 and lookup.diverged_at == 21
