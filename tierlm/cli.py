@@ -21,7 +21,7 @@ _HELP = {
     "served_model_name": "the model id clients use (default: the folder name)",
     "api_key": "require this key as 'Authorization: Bearer KEY'",
     "max_concurrent_requests": "requests decoded together at most; more wait in a queue",
-    "prefill_step_size": "prompt tokens processed per prefill chunk",
+    "prefill_step_size": "prompt tokens per prefill chunk (default 256 on CPU, 2048 on a GPU)",
     "memory_limit": "refuse prefills that would pass this (bytes, 8GB, or 75%%)",
     "cpu_weights_dtype": "weights' dtype on the CPU backend: auto (float32 when it fits), float32, "
                          "bfloat16, float16, or stored",

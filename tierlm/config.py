@@ -26,7 +26,7 @@ class Settings:
     served_model_name: str | None = None
     api_key: str | None = None
     max_concurrent_requests: int = 8
-    prefill_step_size: int = 2048
+    prefill_step_size: int | None = None  # None: 256 on MLX's CPU backend, 2048 on a GPU
     memory_limit: str | None = None  # bytes, "8GB", or "75%" of memory; None = device limit
     cpu_weights_dtype: str = "auto"  # on MLX's CPU backend: auto, float32, bfloat16, float16, stored
     decode_burst_ms: float = 100.0

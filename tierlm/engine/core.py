@@ -41,6 +41,14 @@ def parameter_layout(model) -> bytes:
     return repr(layout).encode()
 
 
+def prefill_step_for(device) -> int:
+    """Prompt tokens per prefill chunk. On MLX's CPU backend attention over a
+    whole chunk dominates long prefills, and smaller chunks skip most of the
+    masked-out half: a 2,048-token prompt prefilled 1.5x faster in chunks of
+    256 than in one chunk (measured on SmolLM2, 2 cores)."""
+    return 256 if device == mx.cpu else 2048
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
@@ -48,7 +56,7 @@ class EngineDeadError(RuntimeError):
 @dataclass
 class EngineConfig:
     max_running: int = 8
-    prefill_step_size: int = 2048
+    prefill_step_size: int | None = None  # None: chosen for the device, see prefill_step_for
     memory_limit: int | None = None  # bytes; None = what the device allows
     decode_burst_ms: float = 100.0  # budget of one hand-off with one request running
     decode_burst_ms_batched: float = 20.0  # ... and with several
@@ -102,10 +110,11 @@ class EngineCore:
         with mx.stream(stream):
             self.profile = profile_model(self.model)
         limit = self.config.memory_limit or default_memory_limit()
-        guard = MemoryGuard(self.profile, limit, self.config.prefill_step_size)
+        prefill_step = self.config.prefill_step_size or prefill_step_for(mx.default_device())
+        guard = MemoryGuard(self.profile, limit, prefill_step)
         sched_config = SchedulerConfig(
             max_running=self.config.max_running,
-            prefill_step_size=self.config.prefill_step_size,
+            prefill_step_size=prefill_step,
         )
         log.info(
             "engine %s ready: weights %.0f MiB, KV %.1f KiB/token, memory limit %.0f MiB",
