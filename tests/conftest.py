@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,10 @@ import httpx
 import openai
 import pytest
 
+from tierlm.bench.servers import free_port
 from tierlm.models.default_model import ensure_default_model
 
 MODEL_DIR = Path(os.environ.get("TIERLM_TEST_MODEL_DIR", Path.home() / ".tierlm" / "models"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

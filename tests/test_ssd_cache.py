@@ -25,8 +25,8 @@ def prompt(i: int = 0, repeat: int = 12) -> list[dict]:
             {"role": "user", "content": "Summarize the document in one sentence."}]
 
 
-def ask(server, messages, max_tokens=8):
-    return server.client().chat.completions.create(model=MODEL, messages=messages, temperature=0,
+def ask(server, messages, max_tokens=8, model=MODEL):
+    return server.client().chat.completions.create(model=model, messages=messages, temperature=0,
                                                    max_tokens=max_tokens)
 
 
@@ -168,8 +168,7 @@ def test_two_models_sharing_a_folder_never_read_each_others_blocks(model_path, t
 
     b = serve(twin, tmp_path)
     try:
-        answer = b.client().chat.completions.create(model="twin-model", messages=prompt(2), temperature=0,
-                                                    max_tokens=8)
+        answer = ask(b, prompt(2), model="twin-model")
         assert answer.usage.prompt_tokens_details.cached_tokens == 0
         assert answer.choices[0].message.content == reference[2]
         assert stats(b)["ssd"]["reads"] == 0
@@ -184,8 +183,7 @@ def test_two_models_sharing_a_folder_never_read_each_others_blocks(model_path, t
         f.write_bytes(donor)
     b = serve(twin, tmp_path)
     try:
-        answer = b.client().chat.completions.create(model="twin-model", messages=prompt(2), temperature=0,
-                                                    max_tokens=8)
+        answer = ask(b, prompt(2), model="twin-model")
         assert answer.usage.prompt_tokens_details.cached_tokens == 0
         assert answer.choices[0].message.content == reference[2]
         assert stats(b)["ssd"]["errors"] >= 1
