@@ -26,3 +26,9 @@ if [ -n "${MULTI_TURN:-}" ]; then  # a coding agent's pattern: the history is re
     --num-prompts 4 --json "$OUT/compare-multi-turn.json"
   tierlm bench docs
 fi
+if [ -n "${SHARED_PREFIX:-}" ]; then  # many requests over a few long prefixes: the prefix cache's case
+  tierlm bench compare --servers tierlm,llama --threads "${LLAMA_THREADS:-1}" --concurrency 1,4 \
+    --rounds "$ROUNDS" --workload shared-prefix --num-prefixes 2 --prefix-len 1024 --suffix-len 32 \
+    --output-len 16 --num-prompts 8 --json "$OUT/compare-shared-prefix.json"
+  tierlm bench docs
+fi

@@ -51,6 +51,8 @@ def tierlm_server(model: Path, max_concurrency: int, extra: list[str] = ()) -> S
         str(max_concurrency),
         "--log-level",
         "warning",
+        # every start is cold, as the other servers' are: no blocks from an earlier round
+        "--no-ssd-cache",
         *extra,
     ]
     return ServerSpec("tierlm", cmd, ready_path="/health")
