@@ -77,40 +77,35 @@ def test_collector_stream_interval_wakes_first_token_then_every_n():
 # ---- bursts -----------------------------------------------------------------
 
 
-def test_decode_burst_runs_several_steps_per_hand_off(loaded):
+def generate_once(loaded, max_tokens: int, ignore_eos: bool = False, **config):
+    """One request through a fresh engine: (its output, the engine's stats)."""
+
     async def go():
-        engine = await started(loaded, decode_burst_ms=5000)
-        result = await engine.generate(request(loaded, engine, max_tokens=12, ignore_eos=True))
+        engine = await started(loaded, **config)
+        result = await engine.generate(request(loaded, engine, max_tokens=max_tokens, ignore_eos=ignore_eos))
         stats = engine.get_stats()
         await engine.close()
         return result, stats
 
-    result, stats = run(go())
+    return run(go())
+
+
+def test_decode_burst_runs_several_steps_per_hand_off(loaded):
+    result, stats = generate_once(loaded, 12, ignore_eos=True, decode_burst_ms=5000)
     assert result.completion_tokens == 12
     assert stats["steps"] > stats["bursts"]
 
 
 def test_decode_burst_off_runs_one_step_per_hand_off(loaded):
-    async def go():
-        engine = await started(loaded, decode_burst_ms=0, decode_burst_ms_batched=0)
-        result = await engine.generate(request(loaded, engine, max_tokens=6, ignore_eos=True))
-        stats = engine.get_stats()
-        await engine.close()
-        return result, stats
-
-    result, stats = run(go())
+    result, stats = generate_once(loaded, 6, ignore_eos=True, decode_burst_ms=0, decode_burst_ms_batched=0)
     assert result.completion_tokens == 6
     assert stats["steps"] == stats["bursts"]
 
 
 def test_burst_and_no_burst_give_the_same_text(loaded):
-    async def go(**config):
-        engine = await started(loaded, **config)
-        result = await engine.generate(request(loaded, engine, max_tokens=10))
-        await engine.close()
-        return result.text
-
-    assert run(go(decode_burst_ms=5000)) == run(go(decode_burst_ms=0))
+    with_burst, _ = generate_once(loaded, 10, decode_burst_ms=5000)
+    without, _ = generate_once(loaded, 10, decode_burst_ms=0)
+    assert with_burst.text == without.text
 
 
 # ---- aborts -----------------------------------------------------------------
