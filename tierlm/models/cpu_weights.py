@@ -66,8 +66,8 @@ def apply(setting: str, model: nn.Module, memory_bytes: int) -> str:
     if choice != "stored":
         convert(model, choice)
     if mx.default_device() == mx.cpu:
-        log.info("CPU fast path: weights %s (setting %s); BLAS %s (%s)", choice, setting,
-                 blas["library"] or "bundled reference", blas["reason"])
+        log.info("CPU fast path: weights %s (setting %s); BLAS %s (%s), one-row gemv route %s",
+                 choice, setting, blas["library"] or "bundled reference", blas["reason"], blas["gemv_route"])
     return choice
 
 
