@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from tierlm.models.model_folder import is_model_folder
+
+log = logging.getLogger(__name__)
 
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length")
 
@@ -38,13 +41,15 @@ def read_model_info(path: Path, name: str | None = None) -> ModelInfo:
 
 def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | None = None):
     """mlx-lm's own loader: (model, tokenizer wrapper), with the weights in the
-    fastest dtype for MLX's CPU backend (models/cpu_weights.py). Call on the
-    engine's thread."""
+    fastest dtype for MLX's CPU backend (models/cpu_weights.py) and, in float32
+    there, attention and SwiGLU on a faster exp (models/cpu_kernels.py). Call on
+    the engine's thread."""
     from mlx_lm import load
 
     from tierlm.config import total_memory
-    from tierlm.models import cpu_weights
+    from tierlm.models import cpu_kernels, cpu_weights
 
     model, tokenizer = load(str(path))
-    cpu_weights.apply(cpu_weights_dtype, model, memory_bytes or total_memory())
+    if cpu_weights.apply(cpu_weights_dtype, model, memory_bytes or total_memory()) == "float32":
+        log.info("CPU kernels in use: %s", ", ".join(cpu_kernels.install(model)) or "none")
     return model, tokenizer

@@ -1,0 +1,116 @@
+"""The CPU fast path: the BLAS and its one-row route, and the exp-based kernels."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from tiny_models import tiny_model
+
+from tierlm import cpu_blas
+from tierlm.models import cpu_kernels, cpu_weights
+
+OPENBLAS = cpu_blas.CANDIDATES[0]
+needs_route = pytest.mark.skipif(
+    shutil.which("cc") is None or not sys.platform.startswith("linux"), reason="needs Linux and a C compiler")
+
+
+def _status_in_fresh_process(**env) -> dict:
+    code = "import tierlm; from tierlm import cpu_blas; print(repr(cpu_blas.status))"
+    out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, **env},
+                         capture_output=True, text=True, check=True).stdout
+    return eval(out)  # noqa: S307 - our own repr of a dict of strings
+
+
+@needs_route
+def test_openblas_loads_behind_the_one_row_route():
+    assert cpu_blas.status == {"library": OPENBLAS, "reason": "loaded", "gemv_route": "on"}
+
+
+@needs_route
+def test_route_and_blas_can_be_turned_off():
+    assert _status_in_fresh_process(TIERLM_GEMV_ROUTE="off")["gemv_route"].startswith("off")
+    assert _status_in_fresh_process(TIERLM_GEMV_ROUTE="off")["library"] == OPENBLAS
+    assert _status_in_fresh_process(TIERLM_BLAS="off")["library"] is None
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_float32_matmuls_match_numpy_in_every_layout(rows):
+    """One-row products go through sgemv (every transpose combination MLX
+    emits); other shapes through sgemm. Both must give numpy's answer."""
+    rng = np.random.default_rng(rows)
+    a, w = rng.standard_normal((rows, 96), np.float32), rng.standard_normal((80, 96), np.float32)
+    c = rng.standard_normal((rows, 80), np.float32)
+    A, W, C = mx.array(a), mx.array(w), mx.array(c)
+    expected = a @ w.T
+    cases = {
+        "a @ w.T": A @ W.T,
+        "a @ contiguous(w.T)": A @ mx.contiguous(W.T),
+        "transposed a": mx.contiguous(A.T).T @ W.T,
+        "addmm": mx.addmm(C, A, W.T, alpha=0.5, beta=2.0),
+    }
+    for name, got in cases.items():
+        want = 0.5 * expected + 2.0 * c if name == "addmm" else expected
+        np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_fast_exp_is_close_to_exp_and_exactly_zero_far_below():
+    x = mx.linspace(-87, 88, 200_001)
+    rel = mx.abs(cpu_kernels.fast_exp(x) / mx.exp(x) - 1)
+    assert mx.max(rel).item() < 5e-5
+    tiny = cpu_kernels.fast_exp(mx.array([-88.0, -1e4, -mx.inf]))
+    assert tiny.tolist() == [0.0, 0.0, 0.0]  # no denormals: they make BLAS crawl
+
+
+def _qkv(batch, heads, kv_heads, length, span, seed=0):
+    mx.random.seed(seed)
+    return (mx.random.normal((batch, heads, length, 32)), mx.random.normal((batch, kv_heads, span, 32)),
+            mx.random.normal((batch, kv_heads, span, 32)))
+
+
+@pytest.mark.parametrize("length,span,mask_kind", [
+    (1, 40, None), (7, 7, "causal"), (5, 40, "causal"), (6, 30, "bool"), (6, 30, "additive"),
+])
+def test_attention_matches_mlx(length, span, mask_kind):
+    q, k, v = _qkv(2, 6, 2, length, span)
+    mask = mask_kind
+    if mask_kind == "bool":
+        mask = mx.random.uniform(shape=(2, 1, length, span)) > 0.3
+        mask[..., -1] = True  # every row keeps one position, as real masks do
+    elif mask_kind == "additive":
+        mask = mx.random.normal((1, 1, length, span))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
+    got = cpu_kernels.attention(q, k, v, 0.2, mask)
+    assert mx.allclose(got, want, rtol=1e-4, atol=1e-5).item()
+
+
+def test_swiglu_matches_mlx():
+    gate, x = mx.random.normal((3, 50)) * 30, mx.random.normal((3, 50))
+    assert mx.allclose(cpu_kernels.swiglu(gate, x), nn.silu(gate) * x, rtol=1e-4, atol=1e-5).item()
+
+
+def test_installed_kernels_give_the_models_own_logits():
+    model = tiny_model("llama")
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    want = model(tokens)
+    try:
+        assert cpu_kernels.install(model) == ["llama.scaled_dot_product_attention", "llama.swiglu"]
+        got = model(tokens)
+    finally:
+        cpu_kernels.uninstall(model)
+    assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()
+
+
+def test_weights_go_float32_only_when_they_fit():
+    model = tiny_model("llama")
+    model_bytes = cpu_weights.float32_bytes(model)
+    if cpu_blas.status["library"] is None:
+        pytest.skip("no BLAS: auto keeps the stored weights")
+    assert cpu_weights.choose_dtype("auto", model, memory_bytes=4 * model_bytes) == "float32"
+    assert cpu_weights.choose_dtype("auto", model, memory_bytes=model_bytes) == "stored"
+    assert cpu_weights.choose_dtype("bfloat16", model, memory_bytes=model_bytes) == "bfloat16"

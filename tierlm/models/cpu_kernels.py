@@ -1,0 +1,122 @@
+"""Attention and SwiGLU for MLX's CPU backend, built around a faster exp.
+
+MLX's Linux CPU build computes `exp` one element at a time (~13 ns each here),
+and softmax and SiLU are mostly exp: in a 500-token prefill of SmolLM2 they took
+~60% of the time, more than every matmul. `fast_exp` is ordinary arithmetic
+that MLX fuses into one compiled kernel: ~3x faster, within 2e-5 relative error.
+
+`attention` is mlx-lm's scaled dot-product attention done as two BLAS matmuls
+(grouped-query heads share one matmul per KV head), the masked exp, and the
+softmax's division applied to the output (L x D) instead of the weights (L x S).
+
+`install(model)` puts both into the model's module in place of mlx-lm's, only on
+MLX's CPU device and only for float32 inputs; everything else (quantized KV
+caches, attention sinks, 16-bit activations) still goes to mlx-lm's own.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# exp(x) = (2^u)^128 with u = x·log2(e)/128: 2^u from its Taylor series (degree 9,
+# error ~1e-9), then seven squarings (error x128). Plain arithmetic, so the
+# compiled kernel stays shapeless: decode's growing shapes reuse it. Below
+# exp(-87) the result is exactly 0: the tiny values the formula would give there
+# are denormals, and one denormal in a matmul makes x86 CPUs ~10x slower.
+_EXP2_TAYLOR = tuple(math.log(2) ** k / math.factorial(k) for k in range(9, -1, -1))
+_SQUARINGS = 7
+_LOWEST = -87.0  # exp(-87) ~ 1.6e-38, just above float32's smallest normal number
+
+
+@partial(mx.compile, shapeless=True)
+def fast_exp(x: mx.array) -> mx.array:
+    u = mx.clip(x * (math.log2(math.e) / 2**_SQUARINGS), _LOWEST * math.log2(math.e) / 2**_SQUARINGS, 1.0)
+    power = _EXP2_TAYLOR[0]
+    for c in _EXP2_TAYLOR[1:]:
+        power = power * u + c
+    for _ in range(_SQUARINGS):
+        power = power * power
+    return mx.where(x < _LOWEST, 0.0, power)
+
+
+@partial(mx.compile, shapeless=True)
+def _shifted_exp(scores: mx.array, row_max: mx.array) -> mx.array:
+    return fast_exp(scores - row_max)
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    return gate / (1 + fast_exp(-gate)) * x
+
+
+def attention(queries, keys, values, scale: float, mask) -> mx.array:
+    """softmax(q kᵀ · scale + mask) v for (B, heads, L, D) queries and (B, kv_heads, S, D) keys."""
+    batch, heads, length, dim = queries.shape
+    kv_heads, span = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads  # query heads h*group .. h*group+group-1 read KV head h
+    grouped = (queries * scale).reshape(batch, kv_heads, group * length, dim)
+    scores = (grouped @ keys.swapaxes(-1, -2)).reshape(batch, heads, length, span)
+    if isinstance(mask, str):  # "causal": query i sits at position span - length + i
+        allowed = mx.arange(span)[None] <= mx.arange(span - length, span)[:, None]
+        scores = mx.where(allowed, scores, -mx.inf)
+    elif mask is not None:
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    weights = _shifted_exp(scores, scores.max(axis=-1, keepdims=True))
+    out = weights.reshape(batch, kv_heads, group * length, span) @ values
+    return out.reshape(batch, heads, length, dim) / weights.sum(axis=-1, keepdims=True)
+
+
+def _wrap_attention(original):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if sinks is not None or hasattr(cache, "bits") or queries.dtype != mx.float32 \
+                or isinstance(mask, str) and mask != "causal":
+            return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        return attention(queries, keys, values, scale, mask)
+
+    scaled_dot_product_attention.original = original
+    return scaled_dot_product_attention
+
+
+def _wrap_swiglu(original):
+    def float32_swiglu(gate, x):
+        if gate.dtype != mx.float32:
+            return original(gate, x)
+        return swiglu(gate, x)
+
+    float32_swiglu.original = original
+    return float32_swiglu
+
+
+_WRAPPERS = {"scaled_dot_product_attention": _wrap_attention, "swiglu": _wrap_swiglu}
+
+
+def install(model: nn.Module) -> list[str]:
+    """Use these kernels in the mlx-lm modules `model` is built from; returns the
+    names replaced (module.function). Only on MLX's CPU device."""
+    if mx.default_device() != mx.cpu:
+        return []
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    replaced = []
+    for module in sorted(modules, key=lambda m: m.__name__):
+        for name, wrap in _WRAPPERS.items():
+            current = getattr(module, name, None)
+            if current is None or not module.__name__.startswith("mlx_lm.models."):
+                continue
+            if not hasattr(current, "original"):
+                setattr(module, name, wrap(current))
+            replaced.append(f"{module.__name__.rsplit('.', 1)[-1]}.{name}")
+    return replaced
+
+
+def uninstall(model: nn.Module) -> None:
+    """Put mlx-lm's own functions back (for comparisons)."""
+    for module in {sys.modules[type(m).__module__] for m in model.modules()}:
+        for name in _WRAPPERS:
+            current = getattr(module, name, None)
+            if hasattr(current, "original"):
+                setattr(module, name, current.original)
