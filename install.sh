@@ -6,15 +6,19 @@ extras=""
 [ "${1:-}" = "test" ] && extras="[test]"
 
 # MLX's Linux CPU backend is slow on its bundled reference BLAS; tierlm loads
-# OpenBLAS instead when it is there (tierlm/cpu_blas.py). Debian/Ubuntu package:
+# OpenBLAS instead when it is there, behind a small C route it compiles itself
+# (tierlm/cpu_blas.py). Debian/Ubuntu packages:
+packages=""
 blas="/usr/lib/$(uname -m)-linux-gnu/openblas-pthread/libopenblas.so.0"
-if [ "$(uname -s)" = "Linux" ] && [ ! -e "$blas" ] && command -v apt-get >/dev/null; then
+[ -e "$blas" ] || packages="libopenblas0-pthread"
+command -v cc >/dev/null || packages="${packages:+$packages }gcc libc6-dev"
+if [ "$(uname -s)" = "Linux" ] && [ -n "$packages" ] && command -v apt-get >/dev/null; then
   sudo=""
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
-  echo "installing OpenBLAS (libopenblas0-pthread) for MLX's CPU backend"
-  $sudo apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 \
-    || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q libopenblas0-pthread >/dev/null; } \
-    || echo "warning: OpenBLAS not installed; tierlm will run on MLX's slow reference BLAS"
+  echo "installing $packages for MLX's CPU backend"
+  $sudo apt-get install -y -q $packages >/dev/null 2>&1 \
+    || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q $packages >/dev/null; } \
+    || echo "warning: not installed ($packages); tierlm will run on a slower CPU path"
 fi
 
 python3 -m venv .venv

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ needs_route = pytest.mark.skipif(
 
 def _status_in_fresh_process(**env) -> dict:
     code = "import tierlm; from tierlm import cpu_blas; print(repr(cpu_blas.status))"
-    out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, **env},
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
                          capture_output=True, text=True, check=True).stdout
     return eval(out)  # noqa: S307 - our own repr of a dict of strings
 
@@ -37,6 +38,13 @@ def test_route_and_blas_can_be_turned_off():
     assert _status_in_fresh_process(TIERLM_GEMV_ROUTE="off")["gemv_route"].startswith("off")
     assert _status_in_fresh_process(TIERLM_GEMV_ROUTE="off")["library"] == OPENBLAS
     assert _status_in_fresh_process(TIERLM_BLAS="off")["library"] is None
+
+
+@needs_route
+def test_without_a_compiler_the_blas_still_loads(tmp_path):
+    status = _status_in_fresh_process(CC="/nonexistent/cc", XDG_CACHE_HOME=str(tmp_path))
+    assert status["library"] == OPENBLAS
+    assert status["gemv_route"].startswith("off (could not build")
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -93,9 +93,9 @@ def _route_for(blas_path: str) -> str:
         return "off (TIERLM_GEMV_ROUTE=off)"
     try:
         built = _build_route()
+        route = ctypes.CDLL(str(built), mode=ctypes.RTLD_LOCAL)
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        return f"off (could not build it: {e})"
-    route = ctypes.CDLL(str(built), mode=ctypes.RTLD_LOCAL)
+        return f"off (could not build or load it: {e})"
     if not route.tierlm_route_open(blas_path.encode()):
         return "off (the library lacks cblas_sgemm or cblas_sgemv)"
     ctypes.CDLL(str(built), mode=ctypes.RTLD_GLOBAL)  # now global, ahead of the real BLAS
