@@ -129,6 +129,7 @@ def run_overhead(
 
     model, tokenizer = load_model(model_path)
     vocab = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 32000
+    vocab = min(vocab, getattr(getattr(model, "args", None), "vocab_size", None) or vocab)  # ids both know
     stream = mx.new_stream(mx.default_device())
     warm = random_prompts(vocab, 2, min(prompt_len, 32), seed + 999)
     run_bare(model, warm, 4, prefill_step_size, stream)
