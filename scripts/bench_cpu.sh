@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # This machine's CPU runs, written to docs/bench-results/cpu/, then docs/benchmarks.md.
+# Options: SKIP_COMPARE, SKIP_ENGINE, MULTI_TURN, SHARED_PREFIX, CPU_TARGETS (=1 to set).
 # Small on purpose (a 2-core machine shared with other work): the ratios of runs
 # made side by side are what count, not the absolute numbers. llama-server gets
 # one thread: with two, on cores that other processes also use, its spinning
@@ -30,5 +31,16 @@ if [ -n "${SHARED_PREFIX:-}" ]; then  # many requests over a few long prefixes: 
   tierlm bench compare --servers tierlm,llama --threads "${LLAMA_THREADS:-1}" --concurrency 1,4 \
     --rounds "$ROUNDS" --workload shared-prefix --num-prefixes 2 --prefix-len 1024 --suffix-len 32 \
     --output-len 16 --num-prompts 8 --json "$OUT/compare-shared-prefix.json"
+  tierlm bench docs
+fi
+if [ -n "${CPU_TARGETS:-}" ]; then  # the CPU fast path's targets: 1 and 16 streams, TTFT of a 500-token prompt
+  for threads in 1 2; do
+    tierlm bench compare --servers tierlm,llama --threads "$threads" --concurrency 1,16 \
+      --rounds "$ROUNDS" --workload random --input-len 32 --output-len 64 \
+      --prompts-per-concurrency 1 --min-prompts 2 --json "$OUT/compare-decode-llama-t$threads.json"
+    tierlm bench compare --servers tierlm,llama --threads "$threads" --concurrency 1 \
+      --rounds "$ROUNDS" --workload random --input-len 500 --output-len 4 --num-prompts 3 \
+      --json "$OUT/compare-ttft500-llama-t$threads.json"
+  done
   tierlm bench docs
 fi
