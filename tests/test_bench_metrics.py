@@ -63,3 +63,20 @@ def test_steady_decode_rate_counts_the_full_batch_window():
     # window (2.0, 3.5]: 15 tokens of each over 1.5 s
     assert rate == pytest.approx(30 / 1.5, rel=1e-6)
     assert math.isnan(steady_decode_rate([]))
+
+
+def test_engine_table_shows_each_rounds_ratio(tmp_path):
+    from tierlm.bench.docs import render_engine
+
+    def run(runner, decode):
+        return {"batch": 8, "runner": runner, "decode_tok_s": decode, "total_tok_s": decode, "mean_ttft_s": 0.1}
+
+    doc = {
+        "model": "/m/tiny", "device": "cpu", "rounds": 2, "prompt_len": 4, "max_tokens": 8,
+        "runs": [run("bare", 100.0), run("engine", 90.0), run("engine", 110.0), run("bare", 100.0)],
+        "summary": [{"batch": 8, "bare": {"decode_tok_s": 100.0, "total_tok_s": 100.0},
+                     "engine": {"decode_tok_s": 100.0, "total_tok_s": 100.0},
+                     "decode_ratio": 1.0, "total_ratio": 1.0}],
+    }
+    row = next(line for line in render_engine(doc, tmp_path / "e.json").splitlines() if line.startswith("| 8 "))
+    assert "| 0.90–1.10 |" in row

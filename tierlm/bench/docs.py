@@ -107,6 +107,18 @@ def render_compare(doc: dict, path: Path) -> str:
     return "\n".join(out)
 
 
+def _round_ratios(doc: dict, batch: int) -> list[float]:
+    """Engine ÷ bare decode tok/s of each round (the runs of one round sit side by side)."""
+    runs = [r for r in doc["runs"] if r["batch"] == batch]
+    bare = [r["decode_tok_s"] for r in runs if r["runner"] == "bare"]
+    engine = [r["decode_tok_s"] for r in runs if r["runner"] == "engine"]
+    return [e / b for b, e in zip(bare, engine) if b > 0 and not math.isnan(b) and not math.isnan(e)]
+
+
+def _spread(values: list[float]) -> str:
+    return f"{num(min(values), 2)}–{num(max(values), 2)}" if values else "-"
+
+
 def render_engine(doc: dict, path: Path) -> str:
     header = [
         "batch",
@@ -114,6 +126,7 @@ def render_engine(doc: dict, path: Path) -> str:
         "engine decode tok/s",
         "ratio",
         "≥ 0.97",
+        "ratio per round",
         "bare total tok/s",
         "engine total tok/s",
         "ratio",
@@ -125,6 +138,7 @@ def render_engine(doc: dict, path: Path) -> str:
             num(s["engine"]["decode_tok_s"]),
             num(s["decode_ratio"], 3),
             _mark(s["decode_ratio"] >= 0.97),
+            _spread(_round_ratios(doc, s["batch"])),
             num(s["bare"]["total_tok_s"]),
             num(s["engine"]["total_tok_s"]),
             num(s["total_ratio"], 3),
@@ -139,7 +153,9 @@ def render_engine(doc: dict, path: Path) -> str:
                 f"{doc['rounds']} rounds per batch, alternating bare/engine; prompts of {doc['prompt_len']} random "
                 f"tokens, {doc['max_tokens']} greedy tokens each, no stop tokens. *Decode tok/s* counts tokens "
                 "while the whole batch decodes (after the last first token, before the first finish); *total* "
-                "is all output tokens over submit-to-last-token, prefill included.\n"
+                "is all output tokens over submit-to-last-token, prefill included. *Ratio per round*: the "
+                "lowest and highest engine ÷ bare of the rounds, each pair run back to back: how much the "
+                "machine moved between runs.\n"
             ),
             markdown_table(header, rows),
             "",
