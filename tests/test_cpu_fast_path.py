@@ -122,3 +122,20 @@ def test_weights_go_float32_only_when_they_fit():
     assert cpu_weights.choose_dtype("auto", model, memory_bytes=4 * model_bytes) == "float32"
     assert cpu_weights.choose_dtype("auto", model, memory_bytes=model_bytes) == "stored"
     assert cpu_weights.choose_dtype("bfloat16", model, memory_bytes=model_bytes) == "bfloat16"
+
+
+def test_no_cpu_kernels_keeps_mlx_lms_functions(model_path):
+    import mlx_lm.models.llama as llama
+
+    from tierlm.models.loader import load_model
+
+    model, _ = load_model(model_path, use_cpu_kernels=False)
+    cpu_kernels.uninstall(model)  # another test in this process may have loaded it with them
+    model, _ = load_model(model_path, use_cpu_kernels=False)
+    assert not hasattr(llama.scaled_dot_product_attention, "original")
+    assert not hasattr(llama.swiglu, "original")
+    model, _ = load_model(model_path)
+    try:
+        assert hasattr(llama.scaled_dot_product_attention, "original")
+    finally:
+        cpu_kernels.uninstall(model)

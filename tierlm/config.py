@@ -29,6 +29,7 @@ class Settings:
     prefill_step_size: int | None = None  # None: 256 on MLX's CPU backend, 2048 on a GPU
     memory_limit: str | None = None  # bytes, "8GB", or "75%" of memory; None = device limit
     cpu_weights_dtype: str = "auto"  # on MLX's CPU backend: auto, float32, bfloat16, float16, stored
+    cpu_kernels: bool = True  # on MLX's CPU backend, float32: tierlm's attention and SwiGLU
     decode_burst_ms: float = 100.0
     decode_burst_ms_batched: float = 20.0
     stream_interval: int = 1

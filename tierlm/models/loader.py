@@ -39,11 +39,12 @@ def read_model_info(path: Path, name: str | None = None) -> ModelInfo:
     )
 
 
-def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | None = None):
+def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | None = None,
+               use_cpu_kernels: bool = True):
     """mlx-lm's own loader: (model, tokenizer wrapper), with the weights in the
     fastest dtype for MLX's CPU backend (models/cpu_weights.py) and, in float32
-    there, attention and SwiGLU on a faster exp (models/cpu_kernels.py). Call on
-    the engine's thread."""
+    there, attention and SwiGLU on a faster exp (models/cpu_kernels.py) unless
+    `use_cpu_kernels` is off. Call on the engine's thread."""
     from mlx_lm import load
 
     from tierlm.config import total_memory
@@ -51,5 +52,8 @@ def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | 
 
     model, tokenizer = load(str(path))
     if cpu_weights.apply(cpu_weights_dtype, model, memory_bytes or total_memory()) == "float32":
-        log.info("CPU kernels in use: %s", ", ".join(cpu_kernels.install(model)) or "none")
+        if use_cpu_kernels:
+            log.info("CPU kernels in use: %s", ", ".join(cpu_kernels.install(model)) or "none")
+        else:
+            log.info("CPU kernels off (--no-cpu-kernels): mlx-lm's attention and SwiGLU")
     return model, tokenizer
