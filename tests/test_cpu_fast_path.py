@@ -102,16 +102,32 @@ def test_swiglu_matches_mlx():
     assert mx.allclose(cpu_kernels.swiglu(gate, x), nn.silu(gate) * x, rtol=1e-4, atol=1e-5).item()
 
 
-def test_installed_kernels_give_the_models_own_logits():
-    model = tiny_model("llama")
-    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
-    want = model(tokens)
+def _logits_through_a_cache(model) -> list[mx.array]:
+    """A 40-token prefill (past gemma3's 32-token window) and three decode steps."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    out = [model(mx.array([[(7 * i) % 250 + 3 for i in range(40)]]), cache=cache)]
+    for token in (5, 9, 2):
+        out.append(model(mx.array([[token]]), cache=cache))
+    return out
+
+
+@pytest.mark.parametrize("name,replaced", [
+    ("llama", ["llama.scaled_dot_product_attention", "llama.swiglu"]),
+    ("gemma3_text", ["gemma3_text.scaled_dot_product_attention"]),
+    ("qwen3_next", ["qwen3_next.scaled_dot_product_attention", "qwen3_next.swiglu", "switch_layers.swiglu"]),
+])
+def test_installed_kernels_give_the_models_own_logits(name, replaced):
+    model = tiny_model(name)
+    want = _logits_through_a_cache(model)
     try:
-        assert cpu_kernels.install(model) == ["llama.scaled_dot_product_attention", "llama.swiglu"]
-        got = model(tokens)
+        assert cpu_kernels.install(model) == replaced
+        got = _logits_through_a_cache(model)
     finally:
         cpu_kernels.uninstall(model)
-    assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()
+    for w, g in zip(want, got):
+        assert mx.allclose(g, w, rtol=1e-4, atol=1e-4).item()
 
 
 def test_weights_go_float32_only_when_they_fit():
