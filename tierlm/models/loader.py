@@ -42,8 +42,8 @@ def read_model_info(path: Path, name: str | None = None) -> ModelInfo:
 def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | None = None,
                use_cpu_kernels: bool = True):
     """mlx-lm's own loader: (model, tokenizer wrapper), with the weights in the
-    fastest dtype for MLX's CPU backend (models/cpu_weights.py) and, in float32
-    there, attention and SwiGLU on a faster exp (models/cpu_kernels.py) unless
+    fastest dtype for MLX's CPU backend (models/cpu_weights.py) and there, for
+    float32, attention and SwiGLU on a faster exp (models/cpu_kernels.py) unless
     `use_cpu_kernels` is off. Call on the engine's thread."""
     from mlx_lm import load
 
@@ -51,9 +51,9 @@ def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | 
     from tierlm.models import cpu_kernels, cpu_weights
 
     model, tokenizer = load(str(path))
-    if cpu_weights.apply(cpu_weights_dtype, model, memory_bytes or total_memory()) == "float32":
-        if use_cpu_kernels:
-            log.info("CPU kernels in use: %s", ", ".join(cpu_kernels.install(model)) or "none")
-        else:
-            log.info("CPU kernels off (--no-cpu-kernels): mlx-lm's attention and SwiGLU")
+    cpu_weights.apply(cpu_weights_dtype, model, memory_bytes or total_memory())
+    if not use_cpu_kernels:
+        log.info("CPU kernels off (--no-cpu-kernels): mlx-lm's attention and SwiGLU")
+    elif replaced := cpu_kernels.install(model):  # installs on MLX's CPU device only
+        log.info("CPU kernels in use for float32: %s", ", ".join(replaced))
     return model, tokenizer
