@@ -55,6 +55,8 @@ def add_bench_parser(sub) -> None:
         default=0,
         help="also run K x batch requests, batch at a time (the served workload, in process)",
     )
+    p.add_argument("--bare-in-thread", action="store_true",
+                   help="run the bare loop on a worker thread, as the engine does")
     p.add_argument("--json", default=None, help="write results here")
     p.set_defaults(func=cmd_engine)
 
@@ -264,6 +266,7 @@ def cmd_engine(args) -> int:
             f"total {r.total_tok_s:8.1f} tok/s"
         ),
         queue_factor=args.queue_factor,
+        bare_in_thread=args.bare_in_thread,
     )
     rows = [
         [

@@ -150,7 +150,9 @@ def render_engine(doc: dict, path: Path) -> str:
             f"### Engine overhead: `{Path(doc['model']).name}` on {doc['device']}\n",
             _provenance(doc, path),
             (
-                f"{doc['rounds']} rounds per batch, alternating bare/engine; prompts of {doc['prompt_len']} random "
+                f"{doc['rounds']} rounds per batch, alternating bare/engine"
+                f"{' (the bare loop on a worker thread of its own)' if doc.get('bare_in_thread') else ''}; "
+                f"prompts of {doc['prompt_len']} random "
                 f"tokens, {doc['max_tokens']} greedy tokens each, no stop tokens. *Decode tok/s* counts tokens "
                 "while the whole batch decodes (after the last first token, before the first finish); *total* "
                 "is all output tokens over submit-to-last-token, prefill included. *Ratio per round*: the "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tierlm.bench.metrics import median, steady_decode_rate
@@ -119,10 +120,13 @@ def run_overhead(
     seed: int = 0,
     on_progress=None,
     queue_factor: int = 0,
+    bare_in_thread: bool = False,
 ) -> dict:
     """Per batch B: `rounds` alternating bare/engine runs of B requests (decode
     overhead); with `queue_factor` K, one more of each with K*B requests, B at a
-    time (the served benchmark's workload, in process)."""
+    time (the served benchmark's workload, in process). `bare_in_thread` runs the
+    bare loop on a worker thread of its own, as the engine runs its steps: it tells
+    a cost of running MLX off the main thread from a cost of the engine."""
     import mlx.core as mx
 
     from tierlm.models.loader import load_model
@@ -130,9 +134,14 @@ def run_overhead(
     model, tokenizer = load_model(model_path)
     vocab = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 32000
     vocab = min(vocab, getattr(getattr(model, "args", None), "vocab_size", None) or vocab)  # ids both know
-    stream = mx.new_stream(mx.default_device())
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bare") if bare_in_thread else None
+
+    def on_bare_thread(fn, *args):
+        return worker.submit(fn, *args).result() if worker else fn(*args)
+
+    stream = on_bare_thread(mx.new_stream, mx.default_device())
     warm = random_prompts(vocab, 2, min(prompt_len, 32), seed + 999)
-    run_bare(model, warm, 4, prefill_step_size, stream)
+    on_bare_thread(run_bare, model, warm, 4, prefill_step_size, stream)
     run_engine(model, tokenizer, warm, 4, prefill_step_size)
     runs: list[OverheadResult] = []
     for batch in batches:
@@ -141,18 +150,20 @@ def run_overhead(
             order = ("bare", "engine") if rnd % 2 == 0 else ("engine", "bare")
             for runner in order:
                 if runner == "bare":
-                    runs.append(run_bare(model, prompts, max_tokens, prefill_step_size, stream))
+                    runs.append(on_bare_thread(run_bare, model, prompts, max_tokens, prefill_step_size, stream))
                 else:
                     runs.append(run_engine(model, tokenizer, prompts, max_tokens, prefill_step_size))
                 if on_progress:
                     on_progress(runs[-1])
         if queue_factor > 1:
             queued = random_prompts(vocab, queue_factor * batch, prompt_len, seed + 7 * batch)
-            runs.append(run_bare(model, queued, max_tokens, prefill_step_size, stream, batch))
+            runs.append(on_bare_thread(run_bare, model, queued, max_tokens, prefill_step_size, stream, batch))
             runs.append(run_engine(model, tokenizer, queued, max_tokens, prefill_step_size, batch))
             if on_progress:
                 on_progress(runs[-2])
                 on_progress(runs[-1])
+    if worker:
+        worker.shutdown()
     return {
         "model": str(model_path),
         "batches": batches,
@@ -160,6 +171,7 @@ def run_overhead(
         "max_tokens": max_tokens,
         "rounds": rounds,
         "queue_factor": queue_factor,
+        "bare_in_thread": bare_in_thread,
         "device": str(mx.default_device()),
         "runs": [r.__dict__ for r in runs],
         "summary": summarize_overhead(runs),
