@@ -6,24 +6,24 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tierlm.bench.servers import free_port
+from tierlm.bench.servers import RunningServer, ServerSpec
 from tierlm.models.default_model import ensure_default_model
 
 MODEL_DIR = Path(os.environ.get("TIERLM_TEST_MODEL_DIR", Path.home() / ".tierlm" / "models"))
 
 
-@dataclass
-class Server:
-    base_url: str
-    process: subprocess.Popen
-    log_path: Path
+class Server(RunningServer):
+    """A tierlm server process, with what the tests ask of it."""
+
+    @property
+    def process(self) -> subprocess.Popen:
+        return self.proc
 
     @property
     def v1(self) -> str:
@@ -40,35 +40,16 @@ class Server:
 
 
 def start_server(model_path: Path, log_path: Path, *extra: str, timeout: float = 180) -> Server:
-    """A server process; unless told otherwise its SSD cache lives beside its log."""
-    port = free_port()
+    """A server process, started and healthy; unless told otherwise its SSD cache
+    lives beside its log."""
     if "--ssd-cache-dir" not in extra and "--no-ssd-cache" not in extra:
         extra = (*extra, "--ssd-cache-dir", str(log_path.parent / "ssd-cache"))
-    cmd = [sys.executable, "-m", "tierlm.cli", "serve", "--model", str(model_path),
-           "--port", str(port), *extra]
-    log = open(log_path, "w")
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{server.log()}")
-        try:
-            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    process.kill()
-    raise RuntimeError(f"server not healthy after {timeout}s:\n{server.log()}")
+    cmd = [sys.executable, "-m", "tierlm.cli", "serve", "--model", str(model_path), "--port", "{port}", *extra]
+    return Server(ServerSpec("tierlm", cmd, ready_path="/health"), log_path=log_path).start(timeout)
 
 
 def stop_server(server: Server) -> None:
-    server.process.terminate()
-    try:
-        server.process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
+    server.stop()
 
 
 @pytest.fixture(scope="session")

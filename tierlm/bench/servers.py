@@ -118,11 +118,15 @@ def llama_server(
 
 
 class RunningServer:
-    def __init__(self, spec: ServerSpec, port: int | None = None, log_dir: Path | None = None):
+    def __init__(self, spec: ServerSpec, port: int | None = None, log_dir: Path | None = None,
+                 log_path: Path | None = None):
+        """The log goes to `log_path`, or to a file named after the server in `log_dir`."""
         self.spec, self.port = spec, port or free_port()
-        log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tierlm-bench-"))
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"{spec.name}-{self.port}.log"
+        if log_path is None:
+            log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tierlm-bench-"))
+            log_path = log_dir / f"{spec.name}-{self.port}.log"
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -153,15 +157,16 @@ class RunningServer:
         raise TimeoutError(f"{self.spec.name} not ready after {timeout_s:.0f}s: {self.log_tail()}")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        self._log.close()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()  # also when the process was killed from outside
 
     def log_tail(self, n: int = 1500) -> str:
         try:
