@@ -95,17 +95,22 @@ def _wrap_swiglu(original):
 _WRAPPERS = {"scaled_dot_product_attention": _wrap_attention, "swiglu": _wrap_swiglu}
 
 
+def _mlx_lm_modules(model: nn.Module) -> list:
+    """The mlx-lm model modules whose classes `model` is built from."""
+    names = {type(m).__module__ for m in model.modules()}
+    return [sys.modules[n] for n in sorted(names) if n.startswith("mlx_lm.models.")]
+
+
 def install(model: nn.Module) -> list[str]:
     """Use these kernels in the mlx-lm modules `model` is built from; returns the
     names replaced (module.function). Only on MLX's CPU device."""
     if mx.default_device() != mx.cpu:
         return []
-    modules = {sys.modules[type(m).__module__] for m in model.modules()}
     replaced = []
-    for module in sorted(modules, key=lambda m: m.__name__):
+    for module in _mlx_lm_modules(model):
         for name, wrap in _WRAPPERS.items():
             current = getattr(module, name, None)
-            if current is None or not module.__name__.startswith("mlx_lm.models."):
+            if current is None:
                 continue
             if not hasattr(current, "original"):
                 setattr(module, name, wrap(current))
@@ -115,7 +120,7 @@ def install(model: nn.Module) -> list[str]:
 
 def uninstall(model: nn.Module) -> None:
     """Put mlx-lm's own functions back (for comparisons)."""
-    for module in {sys.modules[type(m).__module__] for m in model.modules()}:
+    for module in _mlx_lm_modules(model):
         for name in _WRAPPERS:
             current = getattr(module, name, None)
             if hasattr(current, "original"):
