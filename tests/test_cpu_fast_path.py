@@ -1,7 +1,9 @@
-"""The CPU fast path: the BLAS and its one-row route, and the exp-based kernels."""
+"""The CPU fast path: the BLAS and the route in front of it (one-row products,
+AMX bfloat16 products), the native softmax and the exp-based kernels."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -15,11 +17,14 @@ import pytest
 from tiny_models import tiny_model
 
 from tierlm import cpu_blas
-from tierlm.models import cpu_kernels, cpu_weights
+from tierlm.models import cpu_amx, cpu_kernels, cpu_weights
 
 OPENBLAS = cpu_blas.CANDIDATES[0]
 needs_route = pytest.mark.skipif(
     shutil.which("cc") is None or not sys.platform.startswith("linux"), reason="needs Linux and a C compiler")
+needs_amx = pytest.mark.skipif(cpu_blas.status["amx"] != "available", reason="no AMX-BF16 here")
+NATIVE_SOFTMAX = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not cpu_kernels.native_softmax(), reason="no AVX-512 here"))]
 
 
 def _status_in_fresh_process(**env) -> dict:
@@ -30,8 +35,11 @@ def _status_in_fresh_process(**env) -> dict:
 
 
 @needs_route
-def test_openblas_loads_behind_the_one_row_route():
-    assert cpu_blas.status == {"library": OPENBLAS, "reason": "loaded", "gemv_route": "on"}
+def test_openblas_loads_behind_the_route():
+    status = cpu_blas.status
+    assert (status["library"], status["reason"], status["gemv_route"]) == (OPENBLAS, "loaded", "on")
+    assert status["amx"] == "available" or status["amx"].startswith("off (no AMX-BF16")
+    assert status["softmax"] == "avx512" or status["softmax"].startswith("off (no AVX-512")
 
 
 @needs_route
@@ -46,6 +54,18 @@ def test_without_a_compiler_the_blas_still_loads(tmp_path):
     status = _status_in_fresh_process(CC="/nonexistent/cc", XDG_CACHE_HOME=str(tmp_path))
     assert status["library"] == OPENBLAS
     assert status["gemv_route"].startswith("off (could not build")
+
+
+@needs_route
+def test_a_compiler_without_amx_builds_the_rest(tmp_path):
+    """An older compiler fails on the AMX intrinsics (a fault this machine's
+    compiler cannot cause, so a stand-in refuses the build that has them)."""
+    old_cc = tmp_path / "old-cc"
+    old_cc.write_text('#!/bin/sh\ncase "$*" in *TIERLM_NO_AMX*) exec cc "$@";; esac\necho no AMX >&2; exit 1\n')
+    old_cc.chmod(0o755)
+    status = _status_in_fresh_process(CC=str(old_cc), XDG_CACHE_HOME=str(tmp_path))
+    assert status["gemv_route"] == "on"
+    assert status["amx"] == "off (the C compiler has no AMX intrinsics)"
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -68,6 +88,54 @@ def test_float32_matmuls_match_numpy_in_every_layout(rows):
         np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+def _bfloat16(a: np.ndarray) -> np.ndarray:
+    """`a` rounded to bfloat16 (nearest, ties to even), as float64."""
+    bits = a.astype(np.float32).view(np.uint32)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.view(np.float32).astype(np.float64)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 33])
+def test_packed_weight_multiplies_in_bfloat16_on_amx(rows):
+    """80 x 96: five 16-column blocks (one left over after the pairs) and three
+    32-deep steps (one left over); 33 rows take the two-row-block path too."""
+    rng = np.random.default_rng(rows)
+    a, w = rng.standard_normal((rows, 96), np.float32), rng.standard_normal((80, 96), np.float32)
+    c = rng.standard_normal((rows, 80), np.float32)
+    A, W, C = mx.array(a), mx.array(w), mx.array(c)
+    mx.eval(W)
+    address = np.array(W, copy=False).ctypes.data
+    assert cpu_blas.native.tierlm_amx_pack(address, 80, 96)
+    try:
+        got, got_addmm = np.array(A @ W.T), np.array(mx.addmm(C, A, W.T, alpha=0.5, beta=2.0))
+    finally:
+        cpu_blas.native.tierlm_amx_unpack(address)
+    want = _bfloat16(a) @ _bfloat16(w).T
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_addmm, 0.5 * want + 2.0 * c, rtol=1e-4, atol=1e-4)
+    exact = a.astype(np.float64) @ w.T.astype(np.float64)
+    assert not np.allclose(got, exact, rtol=1e-4, atol=1e-4)  # bfloat16, so not the BLAS's answer
+    np.testing.assert_allclose(np.array(A @ W.T), exact, rtol=1e-4, atol=1e-4)  # unpacked: the BLAS again
+
+
+@needs_amx
+def test_a_packed_model_keeps_its_logits_and_frees_its_copies():
+    model = tiny_model("llama")
+    want = _logits_through_a_cache(model)
+    mx.eval(want)  # before packing: MLX is lazy
+    assert cpu_amx.pack(model) == 2 * 7 + 1  # seven Linears a layer, and the tied embedding
+    assert cpu_amx.packed_bytes(model) == sum(w.size * 2 for w in cpu_amx._matmul_weights(model))
+    got = _logits_through_a_cache(model)
+    for w, g in zip(want, got):
+        assert not mx.array_equal(g, w).item()
+        assert mx.allclose(g, w, rtol=0.05, atol=0.05).item()
+    model_id = id(model)
+    del model
+    gc.collect()
+    assert model_id not in cpu_amx._packed_bytes
+
+
 def test_fast_exp_is_close_to_exp_and_exactly_zero_far_below():
     x = mx.linspace(-87, 88, 200_001)
     rel = mx.abs(cpu_kernels.fast_exp(x) / mx.exp(x) - 1)
@@ -82,10 +150,11 @@ def _qkv(batch, heads, kv_heads, length, span, seed=0):
             mx.random.normal((batch, kv_heads, span, 32)))
 
 
+@pytest.mark.parametrize("native", NATIVE_SOFTMAX)
 @pytest.mark.parametrize("length,span,mask_kind", [
     (1, 40, None), (7, 7, "causal"), (5, 40, "causal"), (6, 30, "bool"), (6, 30, "additive"),
 ])
-def test_attention_matches_mlx(length, span, mask_kind):
+def test_attention_matches_mlx(length, span, mask_kind, native):
     q, k, v = _qkv(2, 6, 2, length, span)
     mask = mask_kind
     if mask_kind == "bool":
@@ -94,8 +163,19 @@ def test_attention_matches_mlx(length, span, mask_kind):
     elif mask_kind == "additive":
         mask = mx.random.normal((1, 1, length, span))
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
-    got = cpu_kernels.attention(q, k, v, 0.2, mask)
+    got = cpu_kernels.attention(q, k, v, 0.2, mask, native=native)
     assert mx.allclose(got, want, rtol=1e-4, atol=1e-5).item()
+
+
+@pytest.mark.skipif(not cpu_kernels.native_softmax(), reason="no AVX-512 here")
+def test_native_softmax_gives_zeros_for_a_row_that_sees_nothing():
+    q, k, v = _qkv(1, 2, 1, 3, 17)
+    mask = mx.ones((1, 1, 3, 17), dtype=mx.bool_)
+    mask[..., 1, :] = False
+    got = cpu_kernels.attention(q, k, v, 0.2, mask, native=True)
+    assert mx.all(got[:, :, 1] == 0).item()
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mx.ones_like(mask))
+    assert mx.allclose(got[:, :, ::2], want[:, :, ::2], rtol=1e-4, atol=1e-5).item()
 
 
 def test_swiglu_matches_mlx():
@@ -139,6 +219,16 @@ def test_weights_go_float32_only_when_they_fit():
     assert cpu_weights.choose_dtype("auto", model, memory_bytes=4 * model_bytes) == "float32"
     assert cpu_weights.choose_dtype("auto", model, memory_bytes=model_bytes) == "stored"
     assert cpu_weights.choose_dtype("bfloat16", model, memory_bytes=model_bytes) == "bfloat16"
+
+
+@needs_amx
+def test_the_loader_packs_for_amx_unless_told_not_to(model_path):
+    from tierlm.models.loader import load_model
+
+    model, _ = load_model(model_path, use_amx=False)
+    assert cpu_amx.packed_bytes(model) == 0
+    model, _ = load_model(model_path)
+    assert cpu_amx.packed_bytes(model) > 100 * 2**20  # SmolLM2's 135M weights, two bytes each
 
 
 def test_no_cpu_kernels_keeps_mlx_lms_functions(model_path):

@@ -26,6 +26,7 @@ _HELP = {
     "cpu_weights_dtype": "weights' dtype on the CPU backend: auto (float32 when it fits), float32, "
                          "bfloat16, float16, or stored",
     "cpu_kernels": "on the CPU backend in float32, tierlm's attention and SwiGLU (default on)",
+    "cpu_amx": "on CPUs with AMX, float32 weights multiply as bfloat16 on the tile unit (default on)",
     "decode_burst_ms": "decode time per hand-off to the event loop with one request (0: off)",
     "decode_burst_ms_batched": "the same with several requests running",
     "stream_interval": "tokens per streamed chunk",

@@ -30,6 +30,7 @@ class Settings:
     memory_limit: str | None = None  # bytes, "8GB", or "75%" of memory; None = device limit
     cpu_weights_dtype: str = "auto"  # on MLX's CPU backend: auto, float32, bfloat16, float16, stored
     cpu_kernels: bool = True  # on MLX's CPU backend, float32: tierlm's attention and SwiGLU
+    cpu_amx: bool = True  # on MLX's CPU backend, CPUs with AMX: float32 weights' matmuls in bfloat16 tiles
     decode_burst_ms: float = 100.0
     decode_burst_ms_batched: float = 20.0
     stream_interval: int = 1

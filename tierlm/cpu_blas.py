@@ -6,14 +6,17 @@ over. Measured here: a float32 matmul of SmolLM2's shapes goes from ~4 to
 120-250 GFLOP/s. MLX sends only float32 matmuls to BLAS, which is why the CPU
 fast path also runs the weights in float32 (see models/cpu_weights.py).
 
-MLX also calls `cblas_sgemm` for the one-row products of decoding a single
-sequence, a shape OpenBLAS's sgemm reads at a third of the memory bandwidth its
-sgemv reaches; native/gemv_route.c, built here with the system C compiler,
-sends those to `cblas_sgemv` (SmolLM2 decode at batch 1: 86 -> 50 ms a step).
+In front of the BLAS sits native/sgemm_route.c, built here with the system C
+compiler (with native/amx_bf16.c). It takes MLX's `cblas_sgemm` calls and sends
+- products by a weight packed for AMX (models/cpu_amx.py) to the tile unit;
+- the one-row products of decoding a single sequence to `cblas_sgemv`: OpenBLAS's
+  sgemm reads that shape at a third of the memory bandwidth its sgemv reaches
+  (SmolLM2 decode at batch 1: 86 -> 50 ms a step);
+- the rest to the BLAS's own `cblas_sgemm`.
 
 This must run before anything imports `mlx.core`; `tierlm/__init__.py` calls it.
 TIERLM_BLAS=off turns it off, TIERLM_BLAS=/path/to/lib.so picks a library,
-TIERLM_GEMV_ROUTE=off loads the library without the one-row route.
+TIERLM_GEMV_ROUTE=off leaves the one-row products to the BLAS's sgemm.
 """
 
 from __future__ import annotations
@@ -37,9 +40,12 @@ CANDIDATES = (
     "/usr/lib64/libopenblas.so.0",
 )
 
-status = {"library": None, "reason": "not attempted", "gemv_route": "off"}
+status = {"library": None, "reason": "not attempted", "gemv_route": "off", "amx": "off", "softmax": "off"}
 
-ROUTE_SOURCE = Path(__file__).parent / "native" / "gemv_route.c"
+NATIVE_SOURCES = [Path(__file__).parent / "native" / name for name in ("sgemm_route.c", "amx_bf16.c", "softmax.c")]
+
+# tierlm's native library once loaded (the route, AMX packing, softmax): models/ call into it
+native: ctypes.CDLL | None = None
 
 
 def _has_cuda_mlx() -> bool:
@@ -76,37 +82,53 @@ def preload() -> dict:
 
 
 def _load(path: str) -> dict:
-    """Loads the BLAS at `path` globally, behind the one-row route when it builds."""
-    route = _route_for(path)  # says why when it is off; never raises
+    """Loads the BLAS at `path` globally, behind the route when it builds."""
+    routed = _route_for(path)  # says why when it is off; never raises
     try:
         lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # after the route: MLX finds its sgemm first
     except OSError as e:
         return {"reason": f"could not load {path}: {e}"}
     if not hasattr(lib, "cblas_sgemm"):
         return {"reason": "no cblas_sgemm in it"}
-    return {"library": path, "reason": "loaded", "gemv_route": route}
+    return {"library": path, "reason": "loaded", **routed}
 
 
-def _route_for(blas_path: str) -> str:
-    """Puts the one-row route in front of `blas_path`; says whether it did."""
-    if os.environ.get("TIERLM_GEMV_ROUTE") == "off":
-        return "off (TIERLM_GEMV_ROUTE=off)"
+def _route_for(blas_path: str) -> dict:
+    """Puts the route in front of `blas_path`; the status of its two paths."""
+    global native
+    one_row = os.environ.get("TIERLM_GEMV_ROUTE") != "off"
     try:
         built = _build_route()
-        route = ctypes.CDLL(str(built), mode=ctypes.RTLD_LOCAL)
+        lib = ctypes.CDLL(str(built), mode=ctypes.RTLD_LOCAL)
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        return f"off (could not build or load it: {e})"
-    if not route.tierlm_route_open(blas_path.encode()):
-        return "off (the library lacks cblas_sgemm or cblas_sgemv)"
+        return {"gemv_route": f"off (could not build or load it: {e})"}
+    if not lib.tierlm_route_open(blas_path.encode(), int(one_row)):
+        return {"gemv_route": "off (the library lacks cblas_sgemm or cblas_sgemv)"}
     ctypes.CDLL(str(built), mode=ctypes.RTLD_GLOBAL)  # now global, ahead of the real BLAS
-    return "on"
+    _declare(lib)
+    native = lib
+    return {"gemv_route": "on" if one_row else "off (TIERLM_GEMV_ROUTE=off)", "amx": _amx_status(lib),
+            "softmax": "avx512" if lib.tierlm_softmax_available() else "off (no AVX-512 on this CPU)"}
+
+
+def _amx_status(lib: ctypes.CDLL) -> str:
+    if not lib.tierlm_amx_compiled():
+        return "off (the C compiler has no AMX intrinsics)"
+    return "available" if lib.tierlm_amx_available() else "off (no AMX-BF16 on this CPU)"
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The argument types of what models/ call in the native library."""
+    lib.tierlm_amx_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.tierlm_amx_unpack.argtypes = [ctypes.c_void_p]
+    lib.tierlm_softmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
 
 
 def _build_route() -> Path:
-    """The compiled route, built once per source version into the user's cache."""
-    digest = hashlib.sha256(ROUTE_SOURCE.read_bytes()).hexdigest()[:16]
+    """The compiled native library, built once per source version into the user's cache."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in NATIVE_SOURCES)).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm" / "native"
-    built = cache / f"gemv_route-{digest}.so"
+    built = cache / f"tierlm_native-{digest}.so"
     if built.exists():
         return built
     compiler = shutil.which(os.environ.get("CC", "cc"))
@@ -115,7 +137,10 @@ def _build_route() -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:  # then a rename: safe when two start at once
         tmp = Path(scratch) / built.name
-        subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(ROUTE_SOURCE), "-ldl"],
-                       check=True, capture_output=True, timeout=120)
+        command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp), *map(str, NATIVE_SOURCES), "-ldl", "-lpthread"]
+        try:
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
+        except subprocess.CalledProcessError:  # a compiler too old for AMX: build the rest
+            subprocess.run([*command, "-DTIERLM_NO_AMX"], check=True, capture_output=True, timeout=120)
         os.replace(tmp, built)
     return built

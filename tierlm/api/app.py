@@ -55,7 +55,9 @@ async def _load_served_model(app: FastAPI, model_path: Path) -> None:
         info = read_model_info(model_path, settings.served_model_name)
         config = engine_config(settings, model_path)
         memory = config.memory_limit or total_memory()
-        engine = EngineCore(info.name, lambda: load_model(model_path, settings.cpu_weights_dtype, memory, settings.cpu_kernels), config)
+        engine = EngineCore(info.name, lambda: load_model(
+            model_path, settings.cpu_weights_dtype, memory, use_cpu_kernels=settings.cpu_kernels,
+            use_amx=settings.cpu_amx), config)
         await engine.start()
         app.state.served = ServedModel(info, engine, aliases=("default",))
         log.info("serving %s (context %d) at http://%s:%d/v1", info.name, info.context_length,

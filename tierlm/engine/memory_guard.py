@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from tierlm.engine.request import MemoryGuardError
+from tierlm.models import cpu_amx
 
 _FP32 = 4
 
@@ -22,12 +23,13 @@ _FP32 = 4
 class ModelProfile:
     """Sizes of one loaded model that drive the memory estimate."""
 
-    weight_bytes: int
+    weight_bytes: int  # MLX's arrays plus native_bytes
     kv_bytes_per_token: int
     fixed_cache_bytes: int  # recurrent / sliding-window state that does not grow
     num_heads: int
     hidden_size: int
     intermediate_size: int
+    native_bytes: int = 0  # held outside MLX's allocator: the AMX weight copies (models/cpu_amx.py)
 
 
 def _arg(model, *names: str, default: int = 0) -> int:
@@ -43,7 +45,8 @@ def profile_model(model) -> ModelProfile:
     """Measure the model on its own worker thread: one token through a fresh cache."""
     from mlx.utils import tree_flatten
 
-    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    native_bytes = cpu_amx.packed_bytes(model)
+    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) + native_bytes
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
@@ -62,6 +65,7 @@ def profile_model(model) -> ModelProfile:
         num_heads=_arg(model, "num_attention_heads", "n_heads", default=32),
         hidden_size=hidden,
         intermediate_size=_arg(model, "intermediate_size", default=4 * hidden),
+        native_bytes=native_bytes,
     )
 
 
@@ -96,5 +100,6 @@ class MemoryGuard:
         """Bytes missing for this prefill beside what is held now (running requests,
         cached blocks) plus `pending_bytes` promised to requests admitted in this
         same step; 0 when it fits."""
-        in_use = max(mx.get_active_memory(), self.profile.weight_bytes) + pending_bytes
+        held = mx.get_active_memory() + self.profile.native_bytes
+        in_use = max(held, self.profile.weight_bytes) + pending_bytes
         return max(0, in_use + self.prefill_bytes(prompt_tokens) - self.limit)

@@ -22,6 +22,9 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+
+from tierlm import cpu_blas
 
 # exp(x) = (2^u)^128 with u = x·log2(e)/128: 2^u from its Taylor series (degree 9,
 # error ~1e-9), then seven squarings (error x128). Plain arithmetic, so the
@@ -54,21 +57,40 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return gate / (1 + fast_exp(-gate)) * x
 
 
-def attention(queries, keys, values, scale: float, mask) -> mx.array:
-    """softmax(q kᵀ · scale + mask) v for (B, heads, L, D) queries and (B, kv_heads, S, D) keys."""
+def attention(queries, keys, values, scale: float, mask, native: bool | None = None) -> mx.array:
+    """softmax(q kᵀ · scale + mask) v for (B, heads, L, D) queries and (B, kv_heads, S, D) keys;
+    the softmax in native code when `native` (by default where the CPU allows)."""
     batch, heads, length, dim = queries.shape
     kv_heads, span = keys.shape[1], keys.shape[2]
     group = heads // kv_heads  # query heads h*group .. h*group+group-1 read KV head h
     grouped = (queries * scale).reshape(batch, kv_heads, group * length, dim)
     scores = (grouped @ keys.swapaxes(-1, -2)).reshape(batch, heads, length, span)
-    if isinstance(mask, str):  # "causal": query i sits at position span - length + i
+    causal = isinstance(mask, str)  # "causal": query i sits at position span - length + i
+    if not causal and mask is not None:
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    if native if native is not None else native_softmax():
+        weights = _native_softmax(scores, length if causal else 0)
+        return (weights.reshape(batch, kv_heads, group * length, span) @ values).reshape(batch, heads, length, dim)
+    if causal:
         allowed = mx.arange(span)[None] <= mx.arange(span - length, span)[:, None]
         scores = mx.where(allowed, scores, -mx.inf)
-    elif mask is not None:
-        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
     weights = _shifted_exp(scores, scores.max(axis=-1, keepdims=True))
     out = weights.reshape(batch, kv_heads, group * length, span) @ values
     return out.reshape(batch, heads, length, dim) / weights.sum(axis=-1, keepdims=True)
+
+
+def native_softmax() -> bool:
+    return cpu_blas.status["softmax"] == "avx512"
+
+
+def _native_softmax(scores: mx.array, causal: int) -> mx.array:
+    """native/softmax.c over the evaluated scores, in place. Evaluating here
+    splits the step's graph, which costs far less than MLX's one-at-a-time exp."""
+    mx.eval(scores)
+    view = np.array(scores, copy=False)  # MLX's own buffer, fresh from the matmul (or the mask)
+    rows, cols = scores.size // scores.shape[-1], scores.shape[-1]
+    cpu_blas.native.tierlm_softmax_rows(view.ctypes.data, rows, cols, causal)
+    return scores
 
 
 def _wrap_attention(original):

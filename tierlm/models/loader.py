@@ -40,15 +40,16 @@ def read_model_info(path: Path, name: str | None = None) -> ModelInfo:
 
 
 def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | None = None,
-               use_cpu_kernels: bool = True):
+               use_cpu_kernels: bool = True, use_amx: bool = True):
     """mlx-lm's own loader: (model, tokenizer wrapper), with the weights in the
-    fastest dtype for MLX's CPU backend (models/cpu_weights.py) and there, for
+    fastest dtype for MLX's CPU backend (models/cpu_weights.py); there, for
     float32, attention and SwiGLU on a faster exp (models/cpu_kernels.py) unless
-    `use_cpu_kernels` is off. Call on the engine's thread."""
+    `use_cpu_kernels` is off, and the matmuls on AMX tiles where the CPU has them
+    (models/cpu_amx.py) unless `use_amx` is off. Call on the engine's thread."""
     from mlx_lm import load
 
     from tierlm.config import total_memory
-    from tierlm.models import cpu_kernels, cpu_weights
+    from tierlm.models import cpu_amx, cpu_kernels, cpu_weights
 
     model, tokenizer = load(str(path))
     cpu_weights.apply(cpu_weights_dtype, model, memory_bytes or total_memory())
@@ -56,4 +57,10 @@ def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | 
         log.info("CPU kernels off (--no-cpu-kernels): mlx-lm's attention and SwiGLU")
     elif replaced := cpu_kernels.install(model):  # installs on MLX's CPU device only
         log.info("CPU kernels in use for float32: %s", ", ".join(replaced))
+    if cpu_amx.available():
+        if not use_amx:
+            log.info("AMX off (--no-cpu-amx): float32 matmuls through the BLAS")
+        elif packed := cpu_amx.pack(model):
+            log.info("AMX: %d float32 weights packed as bfloat16 tiles (%.0f MiB)",
+                     packed, cpu_amx.packed_bytes(model) / 2**20)
     return model, tokenizer

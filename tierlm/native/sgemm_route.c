@@ -1,13 +1,17 @@
-/* Routes MLX's single-row float32 matmuls to the BLAS's matrix-vector product.
+/* Routes MLX's float32 matmuls to the fastest kernel this CPU has for them.
  *
- * MLX's CPU backend calls cblas_sgemm for every float32 matmul, including the
- * 1 x K by K x N products of decoding one sequence. OpenBLAS's sgemm handles
- * that shape far below memory bandwidth (its sgemv reads the same weights ~2-3x
- * faster here), so this library defines cblas_sgemm, sends M == 1 to
- * cblas_sgemv and everything else to the real cblas_sgemm. tierlm/cpu_blas.py
- * builds it with the system C compiler, calls tierlm_route_open() with the real
- * BLAS, then makes this library global and the real BLAS after it, so that MLX
- * finds this cblas_sgemm first and every other BLAS/LAPACK symbol there. */
+ * MLX's CPU backend calls cblas_sgemm for every float32 matmul. This library
+ * defines cblas_sgemm and sends each call:
+ * - to amx_bf16.c when B is a weight packed there (CPUs with AMX; the weight is
+ *   read as bfloat16, half the bytes, on the tile unit);
+ * - for one-row products (decoding one sequence), to cblas_sgemv: OpenBLAS's
+ *   sgemm handles 1 x K by K x N far below memory bandwidth, its sgemv reads the
+ *   same weights ~2-3x faster here;
+ * - everything else to the real cblas_sgemm.
+ * tierlm/cpu_blas.py builds it with the system C compiler, calls
+ * tierlm_route_open() with the real BLAS, then makes this library global and the
+ * real BLAS after it, so that MLX finds this cblas_sgemm first and every other
+ * BLAS/LAPACK symbol there. */
 #include <dlfcn.h>
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
@@ -17,22 +21,31 @@ typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int
 typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const float *,
                          int, float, float *, int);
 
+int tierlm_amx_sgemm(int m, int n, int k, float alpha, const float *a, int lda, const float *w,
+                     float beta, float *c, int ldc);
+
 static sgemm_fn real_sgemm;
 static sgemv_fn real_sgemv;
+static int one_row_route = 1;
 
 /* Returns 1 when the real BLAS is loaded and has both functions. */
-int tierlm_route_open(const char *path) {
+int tierlm_route_open(const char *path, int route_one_row) {
   void *handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
   if (!handle) return 0;
   real_sgemm = (sgemm_fn)dlsym(handle, "cblas_sgemm");
   real_sgemv = (sgemv_fn)dlsym(handle, "cblas_sgemv");
+  one_row_route = route_one_row;
   return real_sgemm != 0 && real_sgemv != 0;
 }
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha,
                  const float *A, int lda, const float *B, int ldb, float beta, float *C,
                  int ldc) {
-  if (order == ROW_MAJOR && M == 1) {
+  /* x . W^T with W stored N x K, as nn.Linear multiplies */
+  if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && ldb == K &&
+      tierlm_amx_sgemm(M, N, K, alpha, A, lda, B, beta, C, ldc))
+    return;
+  if (one_row_route && order == ROW_MAJOR && M == 1) {
     /* C (1 x N) = alpha * a (1 x K) . op(B) (K x N) + beta * C, as y = op(B)^T a. */
     int inc_a = trans_a == NO_TRANS ? 1 : lda;
     if (trans_b == TRANS) /* B is stored N x K */
