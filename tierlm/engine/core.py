@@ -2,7 +2,8 @@
 
 The event loop never touches MLX. It hands scheduler steps to one worker thread
 (`run_in_executor`), several steps per hand-off (a decode burst bounded by a time
-budget), and routes the resulting outputs into per-request collectors.
+budget), keeps the next burst queued behind the running one so the worker never
+waits for the loop, and routes the resulting outputs into per-request collectors.
 """
 
 from __future__ import annotations
@@ -232,27 +233,41 @@ class EngineCore:
 
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        while not self._closed or self.scheduler.has_work():
-            if not self.scheduler.has_work():
-                self._wake.clear()
-                if not self.scheduler.has_work() and not self._closed:
-                    await self._wake.wait()  # idle costs nothing
-                continue
-            try:
-                outputs = await loop.run_in_executor(self._worker, self._burst)
-            except Exception as e:  # a step raised: fail what was in flight, keep serving
-                log.exception("engine %s step failed", self.name)
-                outputs = await loop.run_in_executor(
-                    self._worker, self.scheduler.fail_all, f"generation failed: {e}"
-                )
-            self._dispatch(outputs)
+        ahead: asyncio.Future | None = None  # the next burst, queued behind the running one
+        while True:
+            if ahead is None:
+                if not self.scheduler.has_work():
+                    if self._closed:
+                        return
+                    self._wake.clear()
+                    if not self.scheduler.has_work() and not self._closed:
+                        await self._wake.wait()  # idle costs nothing
+                    continue
+                ahead = loop.run_in_executor(self._worker, self._burst)
+            # Queue the following burst before waiting for this one: the worker starts
+            # it the moment this one ends, instead of idling while this loop wakes up,
+            # dispatches and hands it more work (~10 % of a small model's decode on a GPU).
+            current = ahead
+            ahead = loop.run_in_executor(self._worker, self._burst) if self.scheduler.has_work() else None
+            self._dispatch(await current)
             self._reap_orphans()
             self._maybe_log()
 
     def _burst(self) -> list[RequestOutput]:
-        """Worker thread: scheduler steps until the time budget is spent, or until
-        something the client waits for happens (a first token, a finish)."""
+        """Worker thread: a burst of steps. A step that raises fails what was in
+        flight right here, before any queued burst can step the broken batch."""
+        try:
+            return self._steps()
+        except Exception as e:
+            log.exception("engine %s step failed", self.name)
+            return self.scheduler.fail_all(f"generation failed: {e}")
+
+    def _steps(self) -> list[RequestOutput]:
+        """Scheduler steps until the time budget is spent, or until something the
+        client waits for happens (a first token, a finish)."""
         outputs: list[RequestOutput] = []
+        if not self.scheduler.has_work():  # a burst queued ahead, after the work ran out
+            return outputs
         self.bursts += 1
         running = max(1, len(self.scheduler.running))
         budget_ms = self.config.decode_burst_ms if running == 1 else self.config.decode_burst_ms_batched
