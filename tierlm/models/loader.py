@@ -52,7 +52,6 @@ def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | 
     from tierlm.models import cpu_amx, cpu_kernels, cpu_weights
 
     model, tokenizer = load(str(path))
-    _evaluate_all(model)
     cpu_weights.apply(cpu_weights_dtype, model, memory_bytes or total_memory())
     if not use_cpu_kernels:
         log.info("CPU kernels off (--no-cpu-kernels): mlx-lm's attention and SwiGLU")
@@ -64,15 +63,16 @@ def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | 
         elif packed := cpu_amx.pack(model):
             log.info("AMX: %d float32 weights packed as bfloat16 tiles (%.0f MiB)",
                      packed, cpu_amx.packed_bytes(model) / 2**20)
+    _evaluate_all(model)
     return model, tokenizer
 
 
 def _evaluate_all(model) -> None:
-    """Every array the model holds, private ones too: RoPE's `_freqs` is not a
-    parameter and would stay a lazy graph on the loading thread's stream, which
-    another thread cannot run on CUDA (`There is no Stream(gpu, 0) in current
-    thread`). Evaluated, the model can be handed to any thread."""
+    """Every array the model holds, private ones too: RoPE's `_freqs` (kept in the
+    module's dict but left out of `parameters()`) would stay a lazy graph on the
+    loading thread's stream, which another thread cannot run on CUDA (`There is
+    no Stream(gpu, 0) in current thread`). Evaluated, any thread can use the model."""
     import mlx.core as mx
 
-    held = [v for m in model.modules() for v in vars(m).values() if isinstance(v, mx.array)]
+    held = [v for m in model.modules() for v in m.values() if isinstance(v, mx.array)]
     mx.eval(model.parameters(), held)
