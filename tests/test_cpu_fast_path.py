@@ -17,6 +17,7 @@ import pytest
 from tiny_models import tiny_model
 
 from tierlm import cpu_blas
+from tierlm.engine.core import parameter_layout
 from tierlm.models import cpu_amx, cpu_kernels, cpu_weights
 
 OPENBLAS = cpu_blas.CANDIDATES[0]
@@ -39,7 +40,7 @@ def test_openblas_loads_behind_the_route():
     status = cpu_blas.status
     assert (status["library"], status["reason"], status["gemv_route"]) == (OPENBLAS, "loaded", "on")
     assert status["amx"] == "available" or status["amx"].startswith("off (no AMX-BF16")
-    assert status["softmax"] == "avx512" or status["softmax"].startswith("off (no AVX-512")
+    assert status["attention"] == "avx512" or status["attention"].startswith("off (no AVX-512")
 
 
 @needs_route
@@ -68,13 +69,15 @@ def test_a_compiler_without_amx_builds_the_rest(tmp_path):
     assert status["amx"] == "off (the C compiler has no AMX intrinsics)"
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_float32_matmuls_match_numpy_in_every_layout(rows):
-    """One-row products go through sgemv (every transpose combination MLX
-    emits); other shapes through sgemm. Both must give numpy's answer."""
+@pytest.mark.parametrize("rows,cols", [(1, 80), (3, 80), (9, 80), (9, 64), (600, 700)])
+def test_float32_matmuls_match_numpy_in_every_layout(rows, cols):
+    """Every route the sgemm route has: one-row products through sgemv, small
+    products through the exact kernels (eight-row and two-row blocks and their
+    tails, the 64-wide path), large ones through the BLAS, in every transpose
+    combination MLX emits. All must give numpy's answer."""
     rng = np.random.default_rng(rows)
-    a, w = rng.standard_normal((rows, 96), np.float32), rng.standard_normal((80, 96), np.float32)
-    c = rng.standard_normal((rows, 80), np.float32)
+    a, w = rng.standard_normal((rows, 96), np.float32), rng.standard_normal((cols, 96), np.float32)
+    c = rng.standard_normal((rows, cols), np.float32)
     A, W, C = mx.array(a), mx.array(w), mx.array(c)
     expected = a @ w.T
     cases = {
@@ -124,7 +127,9 @@ def test_a_packed_model_keeps_its_logits_and_frees_its_copies():
     model = tiny_model("llama")
     want = _logits_through_a_cache(model)
     mx.eval(want)  # before packing: MLX is lazy
+    layout = parameter_layout(model)
     assert cpu_amx.pack(model) == 2 * 7 + 1  # seven Linears a layer, and the tied embedding
+    assert parameter_layout(model) != layout  # other arithmetic, other KV: other prefix-cache keys
     assert cpu_amx.packed_bytes(model) == sum(w.size * 2 for w in cpu_amx._matmul_weights(model))
     got = _logits_through_a_cache(model)
     for w, g in zip(want, got):
@@ -165,6 +170,29 @@ def test_attention_matches_mlx(length, span, mask_kind, native):
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
     got = cpu_kernels.attention(q, k, v, 0.2, mask, native=native)
     assert mx.allclose(got, want, rtol=1e-4, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("native", NATIVE_SOFTMAX)
+def test_attention_is_bit_exact_alone_and_left_padded_in_a_batch(native):
+    """Batched prefill masks left padding and the causal future with an array;
+    alone the mask is "causal". The outputs must be identical, not just close:
+    greedy output and cached KV must not depend on what else ran."""
+    q, k, v = _qkv(1, 6, 2, 9, 23)
+    alone = cpu_kernels.attention(q, k, v, 0.2, "causal", native=native)
+    for pad in (1, 5, 16, 17):
+        zeros = mx.zeros((1, 2, pad, 32))
+        span = 23 + pad
+        visible = (mx.arange(span)[None] <= mx.arange(span - 9, span)[:, None]) & (mx.arange(span)[None] >= pad)
+        batched = cpu_kernels.attention(q, mx.concatenate([zeros, k], axis=2), mx.concatenate([zeros, v], axis=2),
+                                        0.2, visible[None, None], native=native)
+        assert mx.array_equal(batched, alone).item(), f"left padding {pad}"
+
+
+@pytest.mark.skipif(not cpu_kernels.native_softmax(), reason="no AVX-512 here")
+def test_native_softmax_of_a_strided_array_works_on_a_copy():
+    scores = mx.random.normal((1, 2, 5, 7)).transpose(0, 1, 3, 2)  # not row-major
+    got = cpu_kernels._native_softmax(scores, causal=0)
+    assert mx.allclose(got, mx.softmax(scores, axis=-1), rtol=1e-5, atol=1e-6).item()
 
 
 @pytest.mark.skipif(not cpu_kernels.native_softmax(), reason="no AVX-512 here")

@@ -9,6 +9,8 @@ fast path also runs the weights in float32 (see models/cpu_weights.py).
 In front of the BLAS sits native/sgemm_route.c, built here with the system C
 compiler (with native/amx_bf16.c). It takes MLX's `cblas_sgemm` calls and sends
 - products by a weight packed for AMX (models/cpu_amx.py) to the tile unit;
+- attention's small products, with AVX-512, to kernels that sum in one fixed
+  order, so batching changes no bit (native/exact_gemm.c);
 - the one-row products of decoding a single sequence to `cblas_sgemv`: OpenBLAS's
   sgemm reads that shape at a third of the memory bandwidth its sgemv reaches
   (SmolLM2 decode at batch 1: 86 -> 50 ms a step);
@@ -16,7 +18,8 @@ compiler (with native/amx_bf16.c). It takes MLX's `cblas_sgemm` calls and sends
 
 This must run before anything imports `mlx.core`; `tierlm/__init__.py` calls it.
 TIERLM_BLAS=off turns it off, TIERLM_BLAS=/path/to/lib.so picks a library,
-TIERLM_GEMV_ROUTE=off leaves the one-row products to the BLAS's sgemm.
+TIERLM_GEMV_ROUTE=off leaves the one-row products to the BLAS's sgemm,
+TIERLM_EXACT_ATTENTION=off attention's products (faster, not bit-exact batched).
 """
 
 from __future__ import annotations
@@ -40,11 +43,11 @@ CANDIDATES = (
     "/usr/lib64/libopenblas.so.0",
 )
 
-status = {"library": None, "reason": "not attempted", "gemv_route": "off", "amx": "off", "softmax": "off"}
+status = {"library": None, "reason": "not attempted", "gemv_route": "off", "amx": "off", "attention": "off"}
 
-NATIVE_SOURCES = [Path(__file__).parent / "native" / name for name in ("sgemm_route.c", "amx_bf16.c", "softmax.c")]
+NATIVE_SOURCES = [Path(__file__).parent / "native" / name for name in ("sgemm_route.c", "amx_bf16.c", "exact_gemm.c", "softmax.c")]
 
-# tierlm's native library once loaded (the route, AMX packing, softmax): models/ call into it
+# tierlm's native library once loaded (the route, AMX packing, attention's softmax): models/ call into it
 native: ctypes.CDLL | None = None
 
 
@@ -97,18 +100,25 @@ def _route_for(blas_path: str) -> dict:
     """Puts the route in front of `blas_path`; the status of its two paths."""
     global native
     one_row = os.environ.get("TIERLM_GEMV_ROUTE") != "off"
+    exact = os.environ.get("TIERLM_EXACT_ATTENTION") != "off"
     try:
         built = _build_route()
         lib = ctypes.CDLL(str(built), mode=ctypes.RTLD_LOCAL)
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         return {"gemv_route": f"off (could not build or load it: {e})"}
-    if not lib.tierlm_route_open(blas_path.encode(), int(one_row)):
+    if not lib.tierlm_route_open(blas_path.encode(), int(one_row), int(exact)):
         return {"gemv_route": "off (the library lacks cblas_sgemm or cblas_sgemv)"}
     ctypes.CDLL(str(built), mode=ctypes.RTLD_GLOBAL)  # now global, ahead of the real BLAS
     _declare(lib)
     native = lib
     return {"gemv_route": "on" if one_row else "off (TIERLM_GEMV_ROUTE=off)", "amx": _amx_status(lib),
-            "softmax": "avx512" if lib.tierlm_softmax_available() else "off (no AVX-512 on this CPU)"}
+            "attention": _attention_status(lib, exact)}
+
+
+def _attention_status(lib: ctypes.CDLL, exact: bool) -> str:
+    if not lib.tierlm_softmax_available():
+        return "off (no AVX-512 on this CPU)"
+    return "avx512" if exact else "avx512, products through the BLAS (TIERLM_EXACT_ATTENTION=off)"
 
 
 def _amx_status(lib: ctypes.CDLL) -> str:

@@ -28,6 +28,7 @@ from tierlm.engine.collector import OutputCollector
 from tierlm.engine.memory_guard import MemoryGuard, ModelProfile, default_memory_limit, profile_model
 from tierlm.engine.request import FinishReason, Request, RequestOutput
 from tierlm.engine.scheduler import Scheduler, SchedulerConfig
+from tierlm.models import cpu_amx
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +36,13 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def parameter_layout(model) -> bytes:
-    """Names, shapes and dtypes of the weights as loaded (a cast changes the KV)."""
+    """Names, shapes and dtypes of the weights as loaded, and whether their
+    products run in bfloat16 on AMX: a cast or another arithmetic changes the KV."""
     from mlx.utils import tree_flatten
 
     layout = sorted((k, tuple(v.shape), str(v.dtype)) for k, v in tree_flatten(model.parameters()))
-    return repr(layout).encode()
+    products = b" products: bfloat16 on AMX" if cpu_amx.packed_bytes(model) else b""
+    return repr(layout).encode() + products
 
 
 def prefill_step_for(device) -> int:

@@ -80,7 +80,7 @@ def attention(queries, keys, values, scale: float, mask, native: bool | None = N
 
 
 def native_softmax() -> bool:
-    return cpu_blas.status["softmax"] == "avx512"
+    return cpu_blas.status["attention"].startswith("avx512")
 
 
 def _native_softmax(scores: mx.array, causal: int) -> mx.array:
@@ -88,9 +88,12 @@ def _native_softmax(scores: mx.array, causal: int) -> mx.array:
     splits the step's graph, which costs far less than MLX's one-at-a-time exp."""
     mx.eval(scores)
     view = np.array(scores, copy=False)  # MLX's own buffer, fresh from the matmul (or the mask)
+    in_place = view.flags.c_contiguous and view.flags.writeable  # row-major out of both, so far
+    if not in_place:
+        view = np.ascontiguousarray(view, dtype=np.float32)
     rows, cols = scores.size // scores.shape[-1], scores.shape[-1]
     cpu_blas.native.tierlm_softmax_rows(view.ctypes.data, rows, cols, causal)
-    return scores
+    return scores if in_place else mx.array(view)
 
 
 def _wrap_attention(original):

@@ -187,6 +187,19 @@ static void write_block(const product_t *p, const float *tile, int mb, int nb) {
     write_block(p, block, (mb), (nb)); \
   } while (0)
 
+/* k step kb of blocks_1x2: A into tile ta, the two n-blocks into tb0 and tb1
+ * (tile numbers must be constants, hence a macro). */
+#define STEP_1X2(kb, ta, tb0, tb1)                          \
+  do {                                                      \
+    _tile_loadd(ta, A_TILE(p, mb, kb), p->k * 2);           \
+    _tile_loadd(tb0, B_TILE(p, nb, kb), 64);                \
+    _tile_dpbf16ps(0, ta, tb0);                             \
+    if (two) {                                              \
+      _tile_loadd(tb1, B_TILE(p, nb + 1, kb), 64);          \
+      _tile_dpbf16ps(1, ta, tb1);                           \
+    }                                                       \
+  } while (0)
+
 /* One m-block by one or two n-blocks. Even and odd k steps load into different
  * tiles, so the next loads overlap the running products. */
 static void blocks_1x2(const product_t *p, int mb, int nb, int two) {
@@ -195,30 +208,10 @@ static void blocks_1x2(const product_t *p, int mb, int nb, int two) {
   _tile_zero(1);
   int kb = 0;
   for (; kb + 1 < p->kbs; kb += 2) {
-    _tile_loadd(2, A_TILE(p, mb, kb), p->k * 2);
-    _tile_loadd(4, B_TILE(p, nb, kb), 64);
-    _tile_dpbf16ps(0, 2, 4);
-    if (two) {
-      _tile_loadd(5, B_TILE(p, nb + 1, kb), 64);
-      _tile_dpbf16ps(1, 2, 5);
-    }
-    _tile_loadd(3, A_TILE(p, mb, kb + 1), p->k * 2);
-    _tile_loadd(6, B_TILE(p, nb, kb + 1), 64);
-    _tile_dpbf16ps(0, 3, 6);
-    if (two) {
-      _tile_loadd(7, B_TILE(p, nb + 1, kb + 1), 64);
-      _tile_dpbf16ps(1, 3, 7);
-    }
+    STEP_1X2(kb, 2, 4, 5);
+    STEP_1X2(kb + 1, 3, 6, 7);
   }
-  if (kb < p->kbs) {
-    _tile_loadd(2, A_TILE(p, mb, kb), p->k * 2);
-    _tile_loadd(4, B_TILE(p, nb, kb), 64);
-    _tile_dpbf16ps(0, 2, 4);
-    if (two) {
-      _tile_loadd(5, B_TILE(p, nb + 1, kb), 64);
-      _tile_dpbf16ps(1, 2, 5);
-    }
-  }
+  if (kb < p->kbs) STEP_1X2(kb, 2, 4, 5);
   FLUSH(0, mb, nb);
   if (two) FLUSH(1, mb, nb + 1);
 }

@@ -41,6 +41,18 @@ static __m512 exp512(__m512 x) {
   return _mm512_maskz_scalef_ps(~underflow, p, n);
 }
 
+/* 1 + the index of the last column above -inf (0 when there is none). */
+static long last_seen(const float *row, long n) {
+  const __m512 masked = _mm512_set1_ps(-INFINITY);
+  long j = n;
+  for (; j >= 16; j -= 16) {
+    __mmask16 seen = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j - 16), masked, _CMP_NEQ_UQ);
+    if (seen) return j - 16 + 32 - __builtin_clz((unsigned)seen);
+  }
+  while (j > 0 && row[j - 1] == -INFINITY) j--;
+  return j;
+}
+
 static float row_max(const float *row, long n) {
   __m512 best = _mm512_set1_ps(-INFINITY);
   long j = 0;
@@ -53,8 +65,9 @@ static float row_max(const float *row, long n) {
 /* row[j] = exp(row[j] - shift) for j < n; returns the sum. The 16 partial sums
  * take elements by their distance from the row's end (the first, partial vector
  * is loaded from before the row, its missing lanes masked), so masked-out
- * columns at the start (left padding in a batch) only add zeros: the sum, and
- * so the output, is bit for bit the same alone and batched. */
+ * columns at the start (left padding in a batch) only add zeros. With the row
+ * cut after its last visible column, the sum, and so the output, is bit for bit
+ * the same alone and batched. */
 static float exp_row(float *row, long n, float shift) {
   __m512 sum = _mm512_setzero_ps(), s = _mm512_set1_ps(shift);
   for (long j = n - 16; j >= 0; j -= 16) {
@@ -84,12 +97,15 @@ static void scale_row(float *row, long n, float factor) {
 /* softmax over each of `rows` rows of `cols` floats, in place. With `causal` > 0
  * the rows are the queries of blocks of `causal` consecutive positions ending at
  * the last column: row r sees columns up to cols - causal + r % causal, and the
- * rest become 0. A row that sees nothing (all -inf) becomes all 0. */
+ * rest become 0. Masked columns (-inf) at a row's end are cut off the same way,
+ * so a mask array (batched prefill) gives what "causal" gives alone. A row that
+ * sees nothing (all -inf) becomes all 0. */
 void tierlm_softmax_rows(float *x, long rows, long cols, long causal) {
   for (long r = 0; r < rows; r++) {
     float *row = x + r * cols;
     long seen = causal > 0 ? cols - causal + r % causal + 1 : cols;
     if (seen < 0) seen = 0;
+    seen = last_seen(row, seen);
     float top = seen ? row_max(row, seen) : -INFINITY;
     if (top == -INFINITY) seen = 0;
     else scale_row(row, seen, 1.0f / exp_row(row, seen, top));
