@@ -25,7 +25,7 @@ needs_route = pytest.mark.skipif(
     shutil.which("cc") is None or not sys.platform.startswith("linux"), reason="needs Linux and a C compiler")
 needs_amx = pytest.mark.skipif(cpu_blas.status["amx"] != "available", reason="no AMX-BF16 here")
 NATIVE_SOFTMAX = [False, pytest.param(True, marks=pytest.mark.skipif(
-    not cpu_kernels.native_softmax(), reason="no AVX-512 here"))]
+    not cpu_kernels.native_kernels(), reason="no AVX-512 here"))]
 
 
 def _status_in_fresh_process(**env) -> dict:
@@ -188,14 +188,14 @@ def test_attention_is_bit_exact_alone_and_left_padded_in_a_batch(native):
         assert mx.array_equal(batched, alone).item(), f"left padding {pad}"
 
 
-@pytest.mark.skipif(not cpu_kernels.native_softmax(), reason="no AVX-512 here")
+@pytest.mark.skipif(not cpu_kernels.native_kernels(), reason="no AVX-512 here")
 def test_native_softmax_of_a_strided_array_works_on_a_copy():
     scores = mx.random.normal((1, 2, 5, 7)).transpose(0, 1, 3, 2)  # not row-major
     got = cpu_kernels._native_softmax(scores, causal=0)
     assert mx.allclose(got, mx.softmax(scores, axis=-1), rtol=1e-5, atol=1e-6).item()
 
 
-@pytest.mark.skipif(not cpu_kernels.native_softmax(), reason="no AVX-512 here")
+@pytest.mark.skipif(not cpu_kernels.native_kernels(), reason="no AVX-512 here")
 def test_native_softmax_gives_zeros_for_a_row_that_sees_nothing():
     q, k, v = _qkv(1, 2, 1, 3, 17)
     mask = mx.ones((1, 1, 3, 17), dtype=mx.bool_)
@@ -209,6 +209,16 @@ def test_native_softmax_gives_zeros_for_a_row_that_sees_nothing():
 def test_swiglu_matches_mlx():
     gate, x = mx.random.normal((3, 50)) * 30, mx.random.normal((3, 50))
     assert mx.allclose(cpu_kernels.swiglu(gate, x), nn.silu(gate) * x, rtol=1e-4, atol=1e-5).item()
+
+
+@pytest.mark.skipif(not cpu_kernels.native_kernels(), reason="no AVX-512 here")
+def test_native_swiglu_matches_mlx_and_leaves_views_to_the_compiled_one():
+    gate, x = mx.random.normal((3, 50)) * 30, mx.random.normal((3, 50))
+    want = nn.silu(gate) * x
+    mx.eval(want)
+    assert mx.allclose(cpu_kernels._native_swiglu(gate, x), want, rtol=1e-5, atol=1e-5).item()
+    both = mx.random.normal((3, 100))
+    assert cpu_kernels._native_swiglu(both[:, :50], both[:, 50:]) is None  # views of one buffer
 
 
 def _logits_through_a_cache(model) -> list[mx.array]:

@@ -45,7 +45,8 @@ CANDIDATES = (
 
 status = {"library": None, "reason": "not attempted", "gemv_route": "off", "amx": "off", "attention": "off"}
 
-NATIVE_SOURCES = [Path(__file__).parent / "native" / name for name in ("sgemm_route.c", "amx_bf16.c", "exact_gemm.c", "softmax.c")]
+NATIVE_SOURCES = [Path(__file__).parent / "native" / name for name in ("sgemm_route.c", "amx_bf16.c", "exact_gemm.c", "softmax.c", "swiglu.c")]
+NATIVE_HEADERS = [Path(__file__).parent / "native" / "exp512.h"]
 
 # tierlm's native library once loaded (the route, AMX packing, attention's softmax): models/ call into it
 native: ctypes.CDLL | None = None
@@ -132,11 +133,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tierlm_amx_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.tierlm_amx_unpack.argtypes = [ctypes.c_void_p]
     lib.tierlm_softmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
+    lib.tierlm_swiglu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
 
 
 def _build_route() -> Path:
     """The compiled native library, built once per source version into the user's cache."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in NATIVE_SOURCES)).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in NATIVE_SOURCES + NATIVE_HEADERS)).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm" / "native"
     built = cache / f"tierlm_native-{digest}.so"
     if built.exists():

@@ -68,7 +68,7 @@ def attention(queries, keys, values, scale: float, mask, native: bool | None = N
     causal = isinstance(mask, str)  # "causal": query i sits at position span - length + i
     if not causal and mask is not None:
         scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
-    if native if native is not None else native_softmax():
+    if native if native is not None else native_kernels():
         weights = _native_softmax(scores, length if causal else 0)
         return (weights.reshape(batch, kv_heads, group * length, span) @ values).reshape(batch, heads, length, dim)
     if causal:
@@ -79,7 +79,7 @@ def attention(queries, keys, values, scale: float, mask, native: bool | None = N
     return out.reshape(batch, heads, length, dim) / weights.sum(axis=-1, keepdims=True)
 
 
-def native_softmax() -> bool:
+def native_kernels() -> bool:
     return cpu_blas.status["attention"].startswith("avx512")
 
 
@@ -107,10 +107,23 @@ def _wrap_attention(original):
     return scaled_dot_product_attention
 
 
+def _native_swiglu(gate: mx.array, x: mx.array) -> mx.array | None:
+    """native/swiglu.c into the evaluated gate projection, in place; None when
+    the two are not plain row-major arrays of one shape (a split's views)."""
+    mx.eval(gate, x)
+    g, u = np.array(gate, copy=False), np.array(x, copy=False)
+    if g.shape != u.shape or not (g.flags.c_contiguous and g.flags.writeable and u.flags.c_contiguous):
+        return None
+    cpu_blas.native.tierlm_swiglu(g.ctypes.data, u.ctypes.data, g.size)
+    return gate
+
+
 def _wrap_swiglu(original):
     def float32_swiglu(gate, x):
-        if gate.dtype != mx.float32:
+        if gate.dtype != mx.float32 or x.dtype != mx.float32:
             return original(gate, x)
+        if native_kernels() and (out := _native_swiglu(gate, x)) is not None:
+            return out
         return swiglu(gate, x)
 
     float32_swiglu.original = original
