@@ -2,12 +2,14 @@
 
 MLX's Linux CPU build computes `exp` one element at a time (~13 ns each here),
 and softmax and SiLU are mostly exp: in a 500-token prefill of SmolLM2 they took
-~60% of the time, more than every matmul. `fast_exp` is ordinary arithmetic
-that MLX fuses into one compiled kernel: ~3x faster, within 3e-5 relative error.
+~60% of the time, more than every matmul. On CPUs with AVX-512 both run in
+native code (native/softmax.c, native/swiglu.c) on evaluated arrays, in place:
+the softmax of a prefill layer ~25 -> ~0.7 ms. Elsewhere `fast_exp`, ordinary
+arithmetic that MLX compiles, is ~3x faster than MLX's, within 3e-5.
 
-`attention` is mlx-lm's scaled dot-product attention done as two BLAS matmuls
-(grouped-query heads share one matmul per KV head), the masked exp, and the
-softmax's division applied to the output (L x D) instead of the weights (L x S).
+`attention` is mlx-lm's scaled dot-product attention done as two matmuls
+(grouped-query heads share one per KV head; the sgemm route sends them to
+native/exact_gemm.c, bit-exact whatever the padding) around the softmax.
 
 `install(model)` puts both into the model's module in place of mlx-lm's, only on
 MLX's CPU device and only for float32 inputs; everything else (quantized KV
@@ -80,6 +82,7 @@ def attention(queries, keys, values, scale: float, mask, native: bool | None = N
 
 
 def native_kernels() -> bool:
+    """Attention's softmax and SwiGLU in native code (CPUs with AVX-512)."""
     return cpu_blas.status["attention"].startswith("avx512")
 
 
@@ -108,8 +111,9 @@ def _wrap_attention(original):
 
 
 def _native_swiglu(gate: mx.array, x: mx.array) -> mx.array | None:
-    """native/swiglu.c into the evaluated gate projection, in place; None when
-    the two are not plain row-major arrays of one shape (a split's views)."""
+    """native/swiglu.c into the evaluated gate projection, in place (mlx-lm's
+    models pass a fresh projection output, or column views of a fused one); None
+    when the two are not plain row-major arrays of one shape."""
     mx.eval(gate, x)
     g, u = np.array(gate, copy=False), np.array(x, copy=False)
     if g.shape != u.shape or not (g.flags.c_contiguous and g.flags.writeable and u.flags.c_contiguous):

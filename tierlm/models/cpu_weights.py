@@ -66,8 +66,9 @@ def apply(setting: str, model: nn.Module, memory_bytes: int) -> str:
     if choice != "stored":
         convert(model, choice)
     if mx.default_device() == mx.cpu:
-        log.info("CPU fast path: weights %s (setting %s); BLAS %s (%s), one-row gemv route %s",
-                 choice, setting, blas["library"] or "bundled reference", blas["reason"], blas["gemv_route"])
+        log.info("CPU fast path: weights %s (setting %s); BLAS %s (%s), one-row gemv route %s, AMX %s, "
+                 "native attention %s", choice, setting, blas["library"] or "bundled reference", blas["reason"],
+                 blas["gemv_route"], blas["amx"], blas["attention"])
     return choice
 
 
