@@ -189,6 +189,27 @@ def test_attention_is_bit_exact_alone_and_left_padded_in_a_batch(native):
 
 
 @pytest.mark.skipif(not cpu_kernels.native_kernels(), reason="no AVX-512 here")
+def test_native_logsumexp_matches_mlx_and_serves_mlx_lms_batch_step():
+    import sys
+
+    logits = mx.random.normal((3, 1000)) * 20
+    logits[1, :] = -mx.inf  # a row that sees nothing
+    want = mx.logsumexp(logits, axis=-1, keepdims=True)
+    got = cpu_kernels._native_logsumexp(logits)
+    assert got.shape == (3, 1) and got[1, 0].item() == -np.inf
+    assert mx.allclose(got[::2], want[::2], rtol=1e-6, atol=1e-5).item()
+    generate = sys.modules["mlx_lm.generate"]
+    model = tiny_model("llama")
+    try:
+        cpu_kernels.install(model)
+        assert isinstance(generate.mx, cpu_kernels._GenerateMx)
+        assert generate.mx.logsumexp is cpu_kernels._GenerateMx.logsumexp and generate.mx.arange is mx.arange
+    finally:
+        cpu_kernels.uninstall(model)
+    assert generate.mx is mx
+
+
+@pytest.mark.skipif(not cpu_kernels.native_kernels(), reason="no AVX-512 here")
 def test_native_softmax_of_a_strided_array_works_on_a_copy():
     scores = mx.random.normal((1, 2, 5, 7)).transpose(0, 1, 3, 2)  # not row-major
     got = cpu_kernels._native_softmax(scores, causal=0)
@@ -241,7 +262,8 @@ def test_installed_kernels_give_the_models_own_logits(name, replaced):
     model = tiny_model(name)
     want = _logits_through_a_cache(model)
     try:
-        assert cpu_kernels.install(model) == replaced
+        native = ["generate.logsumexp"] if cpu_kernels.native_kernels() else []
+        assert cpu_kernels.install(model) == replaced + native
         got = _logits_through_a_cache(model)
     finally:
         cpu_kernels.uninstall(model)

@@ -134,6 +134,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tierlm_amx_unpack.argtypes = [ctypes.c_void_p]
     lib.tierlm_softmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
     lib.tierlm_swiglu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+    lib.tierlm_logsumexp_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
 
 
 def _build_route() -> Path:
@@ -149,7 +150,7 @@ def _build_route() -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:  # then a rename: safe when two start at once
         tmp = Path(scratch) / built.name
-        command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp), *map(str, NATIVE_SOURCES), "-ldl", "-lpthread"]
+        command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp), *map(str, NATIVE_SOURCES), "-ldl", "-lpthread", "-lm"]
         try:
             subprocess.run(command, check=True, capture_output=True, timeout=120)
         except subprocess.CalledProcessError:  # a compiler too old for AMX: build the rest

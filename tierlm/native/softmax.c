@@ -1,4 +1,5 @@
-/* Row softmax in place, with AVX-512, for attention on MLX's CPU backend.
+/* Row softmax in place, with AVX-512, for attention on MLX's CPU backend (and
+ * the row log-sum-exp mlx-lm takes of every step's logits).
  *
  * MLX's Linux CPU build computes exp one element at a time, and its compiled
  * kernels split a polynomial exp into several passes over memory: the softmax of
@@ -44,17 +45,17 @@ static float row_max(const float *row, long n) {
   return _mm512_reduce_max_ps(best);
 }
 
-/* row[j] = exp(row[j] - shift) for j < n; returns the sum. The 16 partial sums
- * take elements by their distance from the row's end (the first, partial vector
- * is loaded from before the row, its missing lanes masked), so masked-out
- * columns at the start (left padding in a batch) only add zeros. With the row
- * cut after its last visible column, the sum, and so the output, is bit for bit
- * the same alone and batched. */
-static float exp_row(float *row, long n, float shift) {
+/* The sum of exp(row[j] - shift) for j < n, the terms written to row when
+ * `store` (in place). The 16 partial sums take elements by their distance from
+ * the row's end (the first, partial vector is loaded from before the row, its
+ * missing lanes masked), so masked-out columns at the start (left padding in a
+ * batch) only add zeros. With the row cut after its last visible column, the
+ * sum, and so the output, is bit for bit the same alone and batched. */
+static float exp_row(float *row, long n, float shift, int store) {
   __m512 sum = _mm512_setzero_ps(), s = _mm512_set1_ps(shift);
   for (long j = n - 16; j >= 0; j -= 16) {
     __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), s));
-    _mm512_storeu_ps(row + j, e);
+    if (store) _mm512_storeu_ps(row + j, e);
     sum = _mm512_add_ps(sum, e);
   }
   long head = n % 16;
@@ -62,7 +63,7 @@ static float exp_row(float *row, long n, float shift) {
     __mmask16 lanes = (__mmask16)(0xFFFF << (16 - head)); /* row[0 .. head) in the top lanes */
     float *start = row + head - 16;
     __m512 e = _mm512_maskz_mov_ps(lanes, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, start), s)));
-    _mm512_mask_storeu_ps(start, lanes, e);
+    if (store) _mm512_mask_storeu_ps(start, lanes, e);
     sum = _mm512_add_ps(sum, e);
   }
   return _mm512_reduce_add_ps(sum);
@@ -90,14 +91,25 @@ void tierlm_softmax_rows(float *x, long rows, long cols, long causal) {
     seen = last_seen(row, seen);
     float top = seen ? row_max(row, seen) : -INFINITY;
     if (top == -INFINITY) seen = 0;
-    else scale_row(row, seen, 1.0f / exp_row(row, seen, top));
+    else scale_row(row, seen, 1.0f / exp_row(row, seen, top, 1));
     memset(row + seen, 0, (cols - seen) * sizeof(float));
+  }
+}
+
+/* out[r] = log(sum_j exp(x[r][j])) over each of `rows` rows of `cols` floats:
+ * the normalizer mlx-lm's BatchGenerator subtracts from every step's logits. */
+void tierlm_logsumexp_rows(float *x, long rows, long cols, float *out) {
+  for (long r = 0; r < rows; r++) {
+    float *row = x + r * cols, top = row_max(row, cols);
+    out[r] = top == -INFINITY ? -INFINITY : top + logf(exp_row(row, cols, top, 0));
   }
 }
 
 #pragma GCC pop_options
 #else
 int tierlm_softmax_available(void) { return 0; }
+
+void tierlm_logsumexp_rows(float *x, long rows, long cols, float *out) {}
 
 void tierlm_softmax_rows(float *x, long rows, long cols, long causal) {}
 #endif
