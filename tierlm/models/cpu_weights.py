@@ -3,7 +3,8 @@
 With a real BLAS loaded, float32 weights decode ~2-15x faster than the stored
 4-bit ones (whose CPU matmul does not get faster with batch size), and 16-bit
 weights never win (MLX's CPU matmul for them does not use BLAS). So by default a
-model is dequantized to float32 when that fits comfortably in memory; otherwise
+model is dequantized to float32 when that (with the AMX copies, where the CPU
+has AMX) fits comfortably in memory; otherwise
 it keeps its stored format. Nothing changes on Metal or CUDA.
 """
 
@@ -16,6 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from tierlm import cpu_blas
+from tierlm.models import cpu_amx
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,9 @@ def choose_dtype(setting: str, model: nn.Module, memory_bytes: int) -> str:
         return setting
     if cpu_blas.status["library"] is None:
         return "stored"  # without BLAS float32 gains little and costs 8x the memory
-    return "float32" if float32_bytes(model) <= memory_bytes // 2 else "stored"
+    # On AMX machines the float32 weights get bfloat16 copies too (models/cpu_amx.py).
+    needed = float32_bytes(model) * (3 if cpu_amx.available() else 2) // 2
+    return "float32" if needed <= memory_bytes // 2 else "stored"
 
 
 def convert(model: nn.Module, dtype_name: str) -> None:
