@@ -192,11 +192,12 @@ def test_attention_is_bit_exact_alone_and_left_padded_in_a_batch(native):
 def test_native_logsumexp_matches_mlx_and_serves_mlx_lms_batch_step():
     import sys
 
-    logits = mx.random.normal((3, 1000)) * 20
+    logits = mx.random.normal((4, 1000)) * 20
     logits[1, :] = -mx.inf  # a row that sees nothing
+    logits[3, 500] = mx.nan  # a broken model's logits must not look fine
     want = mx.logsumexp(logits, axis=-1, keepdims=True)
     got = cpu_kernels._native_logsumexp(logits)
-    assert got.shape == (3, 1) and got[1, 0].item() == -np.inf
+    assert got.shape == (4, 1) and got[1, 0].item() == -np.inf and np.isnan(got[3, 0].item())
     assert mx.allclose(got[::2], want[::2], rtol=1e-6, atol=1e-5).item()
     generate = sys.modules["mlx_lm.generate"]
     model = tiny_model("llama")
@@ -291,6 +292,24 @@ def test_the_loader_packs_for_amx_unless_told_not_to(model_path):
     assert cpu_amx.packed_bytes(model) == 0
     model, _ = load_model(model_path)
     assert cpu_amx.packed_bytes(model) > 100 * 2**20  # SmolLM2's 135M weights, two bytes each
+
+
+@needs_amx
+def test_a_collected_model_does_not_free_tiles_a_queued_graph_still_reads(model_path):
+    """mlx-lm queues the next step with mx.async_eval; if the model is dropped
+    meanwhile, its packed copies must outlive the products still running (this
+    segfaulted when unpacking freed them at once)."""
+    from tierlm.models.loader import load_model
+
+    import time
+
+    model, _ = load_model(model_path)
+    logits = model(mx.array([[(7 * i) % 1000 + 3 for i in range(2048)]]))
+    mx.async_eval(logits)
+    time.sleep(0.2)  # let the products start (a race: this can miss it, never fail falsely)
+    del model
+    gc.collect()
+    assert bool(mx.isfinite(logits).all().item())
 
 
 def test_no_cpu_kernels_keeps_mlx_lms_functions(model_path):

@@ -239,27 +239,36 @@ static void blocks_2x2(const product_t *p, int mb, int nb) {
   FLUSH(3, mb + 1, nb + 1);
 }
 
+static void multiply(const product_t *p, int n) {
+  int nbs = n / 16, mbs = (p->m + 15) / 16;
+  if (!tiles_configured) configure_tiles();
+  for (int nb = 0; nb < nbs; nb += 2) { /* n outermost: two n-blocks of W stay in cache over all of A */
+    int two = nb + 1 < nbs, mb = 0;
+    if (two)
+      for (; mb + 1 < mbs; mb += 2) blocks_2x2(p, mb, nb);
+    for (; mb < mbs; mb++) blocks_1x2(p, mb, nb, two);
+  }
+}
+
 /* C (m x n) = alpha * A (m x k, row stride lda) . W^T + beta * C, when W is
- * packed with this n and k; returns 0 (and touches nothing) otherwise. */
+ * packed with this n and k; returns 0 (and touches nothing) otherwise. The read
+ * lock is held through the product: a model can be collected while a graph it
+ * queued (mx.async_eval) still multiplies by its weights, and unpacking then
+ * waits for the product instead of freeing the tiles under it; later products
+ * find no copy and take the BLAS path on the float32 weights, which the graph
+ * keeps alive. */
 int tierlm_amx_sgemm(int m, int n, int k, float alpha, const float *a, int lda, const float *w,
                      float beta, float *c, int ldc) {
   pthread_rwlock_rdlock(&table_lock);
   pack_t *slot = find(w);
   const uint16_t *b = slot && slot->n == n && slot->k == k ? slot->tiles : 0;
-  pthread_rwlock_unlock(&table_lock); /* unpack only runs once the weight is gone */
-  if (!b) return 0;
-  const uint16_t *a16 = a_as_bf16(a, m, k, lda);
-  if (!a16) return 0;
-  product_t p = {a16, b, m, k, k / 32, alpha, beta, c, ldc};
-  int nbs = n / 16, mbs = (m + 15) / 16;
-  if (!tiles_configured) configure_tiles();
-  for (int nb = 0; nb < nbs; nb += 2) { /* n outermost: two n-blocks of W stay in cache over all of A */
-    int two = nb + 1 < nbs, mb = 0;
-    if (two)
-      for (; mb + 1 < mbs; mb += 2) blocks_2x2(&p, mb, nb);
-    for (; mb < mbs; mb++) blocks_1x2(&p, mb, nb, two);
+  const uint16_t *a16 = b ? a_as_bf16(a, m, k, lda) : 0;
+  if (a16) {
+    product_t p = {a16, b, m, k, k / 32, alpha, beta, c, ldc};
+    multiply(&p, n);
   }
-  return 1;
+  pthread_rwlock_unlock(&table_lock);
+  return a16 != 0;
 }
 
 #pragma GCC pop_options
