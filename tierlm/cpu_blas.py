@@ -98,7 +98,7 @@ def _load(path: str) -> dict:
 
 
 def _route_for(blas_path: str) -> dict:
-    """Puts the route in front of `blas_path`; the status of its two paths."""
+    """Puts the route in front of `blas_path`; the status of what it routes."""
     global native
     one_row = os.environ.get("TIERLM_GEMV_ROUTE") != "off"
     exact = os.environ.get("TIERLM_EXACT_ATTENTION") != "off"
@@ -117,7 +117,7 @@ def _route_for(blas_path: str) -> dict:
 
 
 def _attention_status(lib: ctypes.CDLL, exact: bool) -> str:
-    if not lib.tierlm_softmax_available():
+    if not lib.tierlm_avx512_available():
         return "off (no AVX-512 on this CPU)"
     return "avx512" if exact else "avx512, products through the BLAS (TIERLM_EXACT_ATTENTION=off)"
 

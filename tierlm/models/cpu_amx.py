@@ -19,8 +19,8 @@ import logging
 import weakref
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+from mlx import nn
 
 from tierlm import cpu_blas
 
@@ -65,12 +65,13 @@ def pack(model: nn.Module) -> int:
         return 0
     native = cpu_blas.native
     mx.eval(model.parameters())
-    packed = []
+    packed, copies = [], 0
     for weight in _matmul_weights(model):
         address = _address(weight)
         if address and native.tierlm_amx_pack(address, *weight.shape):
             packed.append(address)
-            _packed_bytes[id(model)] = packed_bytes(model) + weight.size * 2
+            copies += weight.size * 2  # bfloat16
+    _packed_bytes[id(model)] = copies
     # Forget the copies before the float32 arrays can be freed and their addresses reused.
     weakref.finalize(model, _unpack, native, packed, id(model))
     return len(packed)

@@ -21,7 +21,9 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-int tierlm_exact_available(void) {
+/* 1 when the CPU has AVX-512F: the route's exact kernels, and softmax.c and
+ * swiglu.c (models/cpu_kernels.py asks through cpu_blas.py). */
+int tierlm_avx512_available(void) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f");
 }
@@ -163,7 +165,7 @@ int tierlm_exact_sgemm(int trans_b, int m, int n, int k, float alpha, const floa
 
 #pragma GCC pop_options
 #else
-int tierlm_exact_available(void) { return 0; }
+int tierlm_avx512_available(void) { return 0; }
 
 int tierlm_exact_sgemm(int trans_b, int m, int n, int k, float alpha, const float *a, int lda,
                        const float *b, int ldb, float beta, float *c, int ldc) {

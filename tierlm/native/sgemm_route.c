@@ -26,7 +26,7 @@ typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const fl
 
 int tierlm_amx_sgemm(int m, int n, int k, float alpha, const float *a, int lda, const float *w,
                      float beta, float *c, int ldc);
-int tierlm_exact_available(void);
+int tierlm_avx512_available(void);
 int tierlm_exact_sgemm(int trans_b, int m, int n, int k, float alpha, const float *a, int lda,
                        const float *b, int ldb, float beta, float *c, int ldc);
 
@@ -41,7 +41,7 @@ int tierlm_route_open(const char *path, int route_one_row, int route_exact) {
   real_sgemm = (sgemm_fn)dlsym(handle, "cblas_sgemm");
   real_sgemv = (sgemv_fn)dlsym(handle, "cblas_sgemv");
   one_row_route = route_one_row;
-  exact_route = route_exact && tierlm_exact_available();
+  exact_route = route_exact && tierlm_avx512_available();
   return real_sgemm != 0 && real_sgemv != 0;
 }
 

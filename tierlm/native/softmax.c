@@ -14,11 +14,6 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-int tierlm_softmax_available(void) {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
-}
-
 #pragma GCC push_options
 #pragma GCC target("avx512f")
 
@@ -107,8 +102,6 @@ void tierlm_logsumexp_rows(float *x, long rows, long cols, float *out) {
 
 #pragma GCC pop_options
 #else
-int tierlm_softmax_available(void) { return 0; }
-
 void tierlm_logsumexp_rows(float *x, long rows, long cols, float *out) {}
 
 void tierlm_softmax_rows(float *x, long rows, long cols, long causal) {}
