@@ -11,9 +11,9 @@ import subprocess
 import sys
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx import nn
 from tiny_models import tiny_model
 
 from tierlm import cpu_blas
@@ -299,9 +299,9 @@ def test_a_collected_model_does_not_free_tiles_a_queued_graph_still_reads(model_
     """mlx-lm queues the next step with mx.async_eval; if the model is dropped
     meanwhile, its packed copies must outlive the products still running (this
     segfaulted when unpacking freed them at once)."""
-    from tierlm.models.loader import load_model
-
     import time
+
+    from tierlm.models.loader import load_model
 
     model, _ = load_model(model_path)
     logits = model(mx.array([[(7 * i) % 1000 + 3 for i in range(2048)]]))
@@ -313,7 +313,7 @@ def test_a_collected_model_does_not_free_tiles_a_queued_graph_still_reads(model_
 
 
 def test_no_cpu_kernels_keeps_mlx_lms_functions(model_path):
-    import mlx_lm.models.llama as llama
+    from mlx_lm.models import llama
 
     from tierlm.models.loader import load_model
 

@@ -24,8 +24,8 @@ import types
 from functools import partial
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+from mlx import nn
 
 from tierlm import cpu_blas
 
