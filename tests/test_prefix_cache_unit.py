@@ -76,6 +76,21 @@ def test_kv_blocks_are_sliced_from_any_position():
     assert filled(model, tokens).lookup(tokens + [1]).tokens == 32
 
 
+def test_store_many_stores_a_shared_prefix_once_and_every_tail():
+    """Two sequences finishing in the same step, stored together: the block they
+    share is stored once, each keeps its own, and both continue from the cache."""
+    model = tiny_model("llama")
+    shared = list(range(16))
+    a, b = shared + list(range(100, 132)), shared + list(range(200, 216))
+    pc = new_cache(model)
+    assert pc.store_many([(a, [], computed(model, a), 0), (b, [], computed(model, b), 0)]) == [3, 2]
+    assert pc.stats.stored_blocks == 4 and len(pc.hot) == 4
+    assert pc.lookup(a + [1]).tokens == 48 and pc.lookup(b + [1]).tokens == 32
+    expected = run(model, [7], computed(model, b))
+    got = run(model, [7], pc.rebuild(pc.lookup(b + [1]).blocks))
+    assert mx.allclose(expected, got, atol=1e-5).item()
+
+
 def test_a_hit_always_leaves_one_token_to_compute():
     tokens = list(range(32))
     pc = filled(tiny_model("llama"), tokens)

@@ -96,8 +96,8 @@ def payload_bytes(codecs: list, layers: list) -> int:
     return sum(a.nbytes for codec, payload in zip(codecs, layers) for a in codec.arrays(payload))
 
 
-def materialize(codecs: list, layers: list) -> None:
-    """Compute the payload now, so a stored block never holds a lazy graph that
-    keeps the whole source cache alive."""
-    mx.eval([a for codec, payload in zip(codecs, layers) for a in codec.arrays(payload)])
+def materialize(codecs: list, blocks) -> None:
+    """Compute the blocks' payloads now, in one evaluation, so a stored block never
+    holds a lazy graph that keeps the whole source cache alive."""
+    mx.eval([a for b in blocks for codec, payload in zip(codecs, b.layers) for a in codec.arrays(payload)])
 

@@ -130,6 +130,26 @@ class PrefixCache:
         holds) from block `first_block` on; returns the number of leading blocks
         now stored. Snapshot caches only describe their current position, so with
         them only the block that ends exactly there can be stored."""
+        return self.store_many([(tokens, keys, layer_caches, first_block)])[0]
+
+    def store_many(self, items: list[tuple[list[int], list[bytes], list, int]]) -> list[int]:
+        """`store` for several (tokens, keys, layer_caches, first_block) at once:
+        every new block is computed in one evaluation, so a step where 32 requests
+        finish waits for the device once, not once per block (~1.5 ms each on a GPU)."""
+        counts, blocks = [], {}
+        for tokens, keys, layer_caches, first_block in items:
+            counts.append(self._new_blocks(tokens, keys, layer_caches, first_block, blocks))
+        materialize(self.codecs, blocks.values())
+        for block in blocks.values():
+            self.hot.put(block)
+            self.stats.stored_blocks += 1
+            if self.ssd is not None and self.write_through:
+                self.ssd.enqueue(block)
+        return counts
+
+    def _new_blocks(self, tokens, keys, layer_caches, first_block: int, blocks: dict) -> int:
+        """Adds the not yet cached blocks of one sequence to `blocks` (by key),
+        payloads still lazy; returns the number of leading blocks stored after."""
         if not self._consistent(tokens, layer_caches):
             return first_block
         full = len(tokens) // self.block_size
@@ -142,8 +162,8 @@ class PrefixCache:
         else:
             return first_block
         for i in wanted:
-            if keys[i] not in self.hot:
-                self._put(i, tokens, keys, layer_caches)
+            if keys[i] not in self.hot and keys[i] not in blocks:
+                blocks[keys[i]] = self._block(i, tokens, keys, layer_caches)
         return full
 
     def _consistent(self, tokens: list[int], layer_caches: list) -> bool:
@@ -153,19 +173,14 @@ class PrefixCache:
                 return False
         return True
 
-    def _put(self, i: int, tokens: list[int], keys: list[bytes], layer_caches: list) -> None:
+    def _block(self, i: int, tokens: list[int], keys: list[bytes], layer_caches: list) -> Block:
         start, end = i * self.block_size, (i + 1) * self.block_size
         layers = [
             codec.slice(cache, start, end) if codec.sliceable else codec.snapshot(cache)
             for codec, cache in zip(self.codecs, layer_caches)
         ]
-        materialize(self.codecs, layers)
         parent = keys[i - 1] if i else self.root
-        block = Block(keys[i], parent, tuple(tokens[start:end]), layers, payload_bytes(self.codecs, layers))
-        self.hot.put(block)
-        self.stats.stored_blocks += 1
-        if self.ssd is not None and self.write_through:
-            self.ssd.enqueue(block)
+        return Block(keys[i], parent, tuple(tokens[start:end]), layers, payload_bytes(self.codecs, layers))
 
     def clear(self, ssd: bool = False) -> int:
         """Drop the hot tier (without writing it back) and, if asked, every SSD file."""

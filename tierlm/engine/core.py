@@ -9,6 +9,7 @@ waits for the loop, and routes the resulting outputs into per-request collectors
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import sys
@@ -268,21 +269,29 @@ class EngineCore:
     def _steps(self) -> list[RequestOutput]:
         """Scheduler steps until the time budget is spent, or until something the
         client waits for happens (a first token, a finish)."""
-        outputs: list[RequestOutput] = []
         if not self.scheduler.has_work():  # a burst queued ahead, after the work ran out
-            return outputs
-        self.bursts += 1
+            return []
+        steps_before = self.scheduler.counters.steps
         running = max(1, len(self.scheduler.running))
         budget_ms = self.config.decode_burst_ms if running == 1 else self.config.decode_burst_ms_batched
         deadline = time.perf_counter() + budget_ms / 1000
+        # One output per request per burst, merged here: the event loop's work, and
+        # its turns at the GIL that the worker then waits for, grow with the number
+        # of outputs it is handed.
+        merged: dict[str, RequestOutput] = {}
         while True:
             step_outputs = self.scheduler.step()
-            outputs.extend(step_outputs)
+            for output in step_outputs:
+                earlier = merged.get(output.request_id)
+                if earlier is None:
+                    merged[output.request_id] = output
+                else:
+                    earlier.merge(output)
             urgent = any(o.finished or o.first_token_time for o in step_outputs)
-            if urgent or budget_ms <= 0 or time.perf_counter() >= deadline:
-                return outputs
-            if not self.scheduler.has_work():
-                return outputs
+            if urgent or budget_ms <= 0 or time.perf_counter() >= deadline or not self.scheduler.has_work():
+                # a hand-off that only stored the last step's blocks ran no model step
+                self.bursts += self.scheduler.counters.steps > steps_before
+                return list(merged.values())
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -309,7 +318,7 @@ class EngineCore:
             error="engine stopped", error_type="internal",
         )
         for request_id, collector in self._collectors.items():
-            collector.put(RequestOutput(**{**dead.__dict__, "request_id": request_id}))
+            collector.put(dataclasses.replace(dead, request_id=request_id))
 
     def _maybe_log(self) -> None:
         now = time.monotonic()

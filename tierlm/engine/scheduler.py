@@ -65,6 +65,9 @@ class Scheduler:
         self.model, self.tokenizer, self.config, self.guard = model, tokenizer, config, guard
         self.cache = cache
         self._inflight: dict[bytes, str] = {}  # block key -> request now prefilling it
+        # (request or None, tokens, caches) computed in the last step, stored at the
+        # start of the next one: the step's outputs go out without waiting for it
+        self._to_store: list[tuple[_Running | None, list[int], list]] = []
         self._stream = stream
         self._incoming: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._aborts: set[str] = set()
@@ -95,13 +98,15 @@ class Scheduler:
             self._aborts.add(request_id)
 
     def has_work(self) -> bool:
-        return bool(not self._incoming.empty() or self.waiting or self.running or self._aborts)
+        return bool(not self._incoming.empty() or self.waiting or self.running or self._aborts or self._to_store)
 
     # ---- worker thread ----------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step: aborts, admission, then one decode step plus one
-        prefill chunk of everything admitted."""
+        prefill chunk of everything admitted. Blocks computed by the previous step
+        are stored first, before admission looks for them."""
+        self._flush_stores()
         while not self._incoming.empty():
             self.waiting.append(self._incoming.get_nowait())
         outputs = self._apply_aborts()
@@ -122,11 +127,13 @@ class Scheduler:
         for uid in list(self.running):
             self._finish(uid, completed=False)
         self.waiting.clear()
+        self._to_store.clear()
         self._gen.close()
         self._gen = self._new_generator()
         return outputs
 
     def close(self) -> None:
+        self._flush_stores()
         self._gen.close()
         if self.cache is not None:
             self.cache.close()
@@ -266,14 +273,22 @@ class Scheduler:
         return outputs
 
     def _store(self, state: _Running | None, tokens: list[int], caches: list) -> None:
-        """Keep the computed blocks; those a waiting request may be held for go first."""
-        keys = state.keys if state else []
-        first = state.stored_blocks if state else 0
-        stored = self.cache.store(list(tokens), keys, caches, first)
-        if state is not None:
-            for key in keys[state.stored_blocks : stored]:
-                self._inflight.pop(key, None)
-            state.stored_blocks = max(state.stored_blocks, stored)
+        """Keep the computed blocks, at the start of the next step (`_flush_stores`)."""
+        self._to_store.append((state, list(tokens), caches))
+
+    def _flush_stores(self) -> None:
+        """Store what the last step computed, in one evaluation; the keys a waiting
+        request may be held for are released as their blocks land."""
+        if not self._to_store:
+            return
+        pending, self._to_store = self._to_store, []
+        items = [(tokens, state.keys if state else [], caches, state.stored_blocks if state else 0)
+                 for state, tokens, caches in pending]
+        for (state, _, _), stored in zip(pending, self.cache.store_many(items)):
+            if state is not None:
+                for key in state.keys[state.stored_blocks : stored]:
+                    self._inflight.pop(key, None)
+                state.stored_blocks = max(state.stored_blocks, stored)
 
     def _on_token(self, state: _Running, token: int, gen_finish: str | None) -> RequestOutput:
         state.completion_tokens += 1

@@ -1,0 +1,33 @@
+"""The in-process engine-overhead benchmark on the default model: both runners do
+the same work, and the engine stays up (and its prefix cache is emptied) between
+rounds."""
+
+from tierlm.bench.engine_overhead import EngineRunner, random_prompts, run_overhead
+
+
+def test_engine_and_bare_produce_every_token_in_alternating_rounds(model_path):
+    result = run_overhead(str(model_path), [1, 2], prompt_len=16, max_tokens=6, rounds=2)
+    runners = [(r["batch"], r["runner"]) for r in result["runs"]]
+    assert runners == [(1, "bare"), (1, "engine"), (1, "engine"), (1, "bare"),
+                       (2, "bare"), (2, "engine"), (2, "engine"), (2, "bare")]
+    for row in result["summary"]:
+        assert row["bare"]["total_tok_s"] > 0 and row["engine"]["total_tok_s"] > 0
+        assert row["total_ratio"] > 0
+
+
+def test_engine_runner_reuses_one_engine_and_starts_each_run_with_an_empty_cache(model_path):
+    from tierlm.models.loader import load_model
+
+    model, tokenizer = load_model(str(model_path))
+    runner = EngineRunner(model, tokenizer, batch=2, prefill_step_size=256)
+    try:
+        prompts = random_prompts(1000, 2, 300, seed=1)  # a full 256-token block each
+        first, second = runner.run(prompts, 4), runner.run(prompts, 4)
+        stats = runner.engine.get_stats()
+        assert stats["finished_requests"] == 4 and stats["generated_tokens_total"] == 16
+        cache = runner.loop.run_until_complete(runner.engine.cache_stats())
+        assert cache["stored_blocks"] >= 2  # each run stored its prompts ...
+        assert cache["hit_tokens"] == 0  # ... and the second computed them again
+        assert first.total_tok_s > 0 and second.total_tok_s > 0
+    finally:
+        runner.close()
