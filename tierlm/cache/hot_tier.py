@@ -97,7 +97,10 @@ def payload_bytes(codecs: list, layers: list) -> int:
 
 
 def materialize(codecs: list, blocks) -> None:
-    """Compute the blocks' payloads now, in one evaluation, so a stored block never
-    holds a lazy graph that keeps the whole source cache alive."""
-    mx.eval([a for b in blocks for codec, payload in zip(codecs, b.layers) for a in codec.arrays(payload)])
+    """Schedule the blocks' payloads now, in one evaluation, so a stored block never
+    holds a lazy graph that keeps the whole source cache alive. Not waited for: a
+    wait here would also wait for the decode step queued ahead of the copies, and
+    leave the device idle while the next step is built. Readers (a rebuild on this
+    stream, an SSD encode) wait for the copies themselves."""
+    mx.async_eval([a for b in blocks for codec, payload in zip(codecs, b.layers) for a in codec.arrays(payload)])
 
