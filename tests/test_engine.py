@@ -102,6 +102,13 @@ def test_decode_burst_off_runs_one_step_per_hand_off(loaded):
     assert stats["steps"] == stats["bursts"]
 
 
+def test_burst_budget_grows_with_the_batch_up_to_the_single_stream_budget():
+    budget = EngineCore("x", lambda: None, EngineConfig(decode_burst_ms=100, decode_burst_ms_batched=20))
+    assert [budget._burst_budget_ms(n) for n in (1, 2, 8, 16, 32, 64)] == [100, 20, 20, 40, 80, 100]
+    off = EngineCore("x", lambda: None, EngineConfig(decode_burst_ms=0, decode_burst_ms_batched=0))
+    assert off._burst_budget_ms(1) == off._burst_budget_ms(32) == 0
+
+
 def test_burst_and_no_burst_give_the_same_text(loaded):
     with_burst, _ = generate_once(loaded, 10, decode_burst_ms=5000)
     without, _ = generate_once(loaded, 10, decode_burst_ms=0)

@@ -28,7 +28,7 @@ _HELP = {
     "cpu_kernels": "on the CPU backend in float32, tierlm's attention and SwiGLU (default on)",
     "cpu_amx": "on CPUs with AMX, float32 weights multiply as bfloat16 on the tile unit (default on)",
     "decode_burst_ms": "decode time per hand-off to the event loop with one request (0: off)",
-    "decode_burst_ms_batched": "the same with several requests running",
+    "decode_burst_ms_batched": "the same per 8 requests running, with several (up to the larger of the two)",
     "stream_interval": "tokens per streamed chunk",
     "prefix_cache": "reuse the KV of prompt prefixes seen before (default on)",
     "cache_block_size": "tokens per prefix-cache block",

@@ -64,7 +64,7 @@ class EngineConfig:
     prefill_step_size: int | None = None  # None: chosen for the device, see prefill_step_for
     memory_limit: int | None = None  # bytes; None = what the device allows
     decode_burst_ms: float = 100.0  # budget of one hand-off with one request running
-    decode_burst_ms_batched: float = 20.0  # ... and with several
+    decode_burst_ms_batched: float = 20.0  # ... and per 8 of several (see _burst_budget_ms)
     stream_interval: int = 1
     prefix_cache: bool = True
     cache_block_size: int = 256
@@ -272,8 +272,7 @@ class EngineCore:
         if not self.scheduler.has_work():  # a burst queued ahead, after the work ran out
             return []
         steps_before = self.scheduler.counters.steps
-        running = max(1, len(self.scheduler.running))
-        budget_ms = self.config.decode_burst_ms if running == 1 else self.config.decode_burst_ms_batched
+        budget_ms = self._burst_budget_ms(len(self.scheduler.running))
         deadline = time.perf_counter() + budget_ms / 1000
         # One output per request per burst, merged here: the event loop's work, and
         # its turns at the GIL that the worker then waits for, grow with the number
@@ -292,6 +291,18 @@ class EngineCore:
                 # a hand-off that only stored the last step's blocks ran no model step
                 self.bursts += self.scheduler.counters.steps > steps_before
                 return list(merged.values())
+
+    def _burst_budget_ms(self, running: int) -> float:
+        """With one request, decode_burst_ms. With several, decode_burst_ms_batched
+        per 8 running, up to the larger of the two: the event loop wakes every reader
+        once per burst; that work grows with the batch, and the GIL serializes it
+        with the worker's steps, which it slows when they are CPU-bound (a small
+        model on a GPU)."""
+        c = self.config
+        if running <= 1:
+            return c.decode_burst_ms
+        scaled = c.decode_burst_ms_batched * max(1.0, running / 8)
+        return min(scaled, max(c.decode_burst_ms, c.decode_burst_ms_batched))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
