@@ -139,7 +139,7 @@ def machine_info() -> dict:
         info["git"] = (
             info["git"]
             or subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
+                ["git", "describe", "--always", "--dirty"],  # -dirty: uncommitted changes ran
                 check=False,
                 capture_output=True,
                 text=True,

@@ -29,6 +29,8 @@ class IncrementalText:
         return self._release(self._detok.last_segment, final=True)
 
     def _release(self, segment: str, final: bool) -> str:
+        if not self._stop:  # nothing to hold back or look for (most requests)
+            return segment
         if self.stopped:
             return ""
         text = self._held + segment
