@@ -153,7 +153,10 @@ def render_engine(doc: dict, path: Path) -> str:
                 f"{doc['rounds']} rounds per batch, alternating bare/engine"
                 f"{' (the bare loop on a worker thread of its own)' if doc.get('bare_in_thread') else ''}; "
                 f"prompts of {doc['prompt_len']} random "
-                f"tokens, {doc['max_tokens']} greedy tokens each, no stop tokens. *Decode tok/s* counts tokens "
+                f"tokens, {doc['max_tokens']} greedy tokens each, no stop tokens; "
+                + ("one engine per batch size, its prefix cache emptied before each run. "
+                   if doc.get("engine_per_batch") else "a fresh engine for every run. ")
+                + "*Decode tok/s* counts tokens "
                 "while the whole batch decodes (after the last first token, before the first finish); *total* "
                 "is all output tokens over submit-to-last-token, prefill included. *Ratio per round*: the "
                 "lowest and highest engine ÷ bare of the rounds, each pair run back to back: how much the "

@@ -187,6 +187,7 @@ def run_overhead(
         "rounds": rounds,
         "queue_factor": queue_factor,
         "bare_in_thread": bare_in_thread,
+        "engine_per_batch": True,  # one EngineRunner per batch size (older files: one engine per run)
         "device": str(mx.default_device()),
         "runs": [r.__dict__ for r in runs],
         "summary": summarize_overhead(runs),
