@@ -115,3 +115,39 @@ def test_body_too_large_is_413(server):
 def test_server_still_serves_after_bad_input(client):
     r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MSG, max_tokens=3, temperature=0)
     assert r.usage.completion_tokens >= 1
+
+
+# ---- a model folder whose tokenizer knows more tokens than its embedding has rows
+
+
+@pytest.fixture(scope="module")
+def small_vocab_server(model_path, tmp_path_factory):
+    """A random tiny llama with the default tokenizer (49,152 tokens) and only
+    1,000 embedding rows: ids past 999 would read outside the table."""
+    import json
+
+    import mlx.core as mx
+    from conftest import start_server, stop_server
+
+    from tierlm.bench.gpu import make_random_model
+
+    folder = make_random_model("tiny", tmp_path_factory.mktemp("small-vocab") / "model", model_path, "float32")
+    weights = mx.load(str(folder / "model.safetensors"))
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:1000]
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+    srv = start_server(folder, folder.parent / "server.log", "--no-ssd-cache")
+    yield srv
+    stop_server(srv)
+
+
+def test_ids_past_the_embedding_are_refused_not_read(small_vocab_server):
+    srv = small_vocab_server
+    error = assert_openai_error(post(srv, "/completions", {"prompt": [5, 30000], "max_tokens": 2}), 400, "prompt")
+    assert "30000" in error["message"] and "[0, 1000)" in error["message"]
+    # text whose tokens fall past the table: the same refusal, for chat too
+    assert_openai_error(post(srv, "/chat/completions", {"messages": MSG, "max_tokens": 2}), 400, "messages")
+    ok = srv.client().completions.create(model="model", prompt=[5, 6, 999], max_tokens=2, temperature=0)
+    assert ok.usage.prompt_tokens == 3
+    assert "embedding has 1000 rows" in srv.log()

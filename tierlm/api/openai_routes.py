@@ -151,8 +151,6 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     model = served(http, body.model)
     _reject_unsupported(body)
     tokens, prompt_text = await asyncio.to_thread(_prompt_tokens, model, body.prompt)
-    if any(not 0 <= t < model.vocab_size for t in tokens):
-        raise APIError(400, f"prompt token ids must be in [0, {model.vocab_size})", "prompt")
     request = model.make_request("cmpl", tokens, body, body.max_tokens or 16)
     echo = prompt_text if body.echo else ""
     if body.stream:

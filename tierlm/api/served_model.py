@@ -4,6 +4,7 @@ limits. Turns validated request fields into engine requests; knows no MLX."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from fastapi import Request as HTTPRequest
 
@@ -13,13 +14,14 @@ from tierlm.engine.core import EngineCore
 from tierlm.engine.request import MemoryGuardError, Request, RequestOutput, SamplingParams
 from tierlm.models.loader import ModelInfo
 
+log = logging.getLogger(__name__)
+
 
 class ServedModel:
     def __init__(self, info: ModelInfo, engine: EngineCore, aliases: tuple[str, ...] = ()):
         self.info, self.engine = info, engine
         self.names = {info.name, str(info.path), *aliases}
-        # once: building the vocabulary dict takes ~17 ms and holds the GIL
-        self.vocab_size = len(engine.tokenizer.vocab)
+        self.vocab_size = usable_vocab_size(info.name, engine.tokenizer, engine.model)
 
     @property
     def tokenizer(self):
@@ -77,6 +79,10 @@ class ServedModel:
         )
 
     def make_request(self, prefix: str, tokens: list[int], body: SamplingFields, max_tokens: int | None) -> Request:
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"prompt token id {bad} is outside this model's vocabulary [0, {self.vocab_size})",
+                           "prompt" if prefix == "cmpl" else "messages", "invalid_token_id")
         limit = self.check_prompt(len(tokens), max_tokens)
         return Request(self.engine.new_request_id(prefix), tokens, self.sampling_params(body, limit))
 
@@ -90,6 +96,18 @@ class ServedModel:
             if await http.is_disconnected():
                 task.cancel()  # stream_outputs' cleanup aborts the request
                 raise APIError(499, "client disconnected")
+
+
+def usable_vocab_size(name: str, tokenizer, model) -> int:
+    """Token ids a request may use: known to the tokenizer *and* given a row by the
+    model's embedding. A model folder whose tokenizer lists more tokens than the
+    embedding has rows would otherwise read past the table (NaN logits, or worse)."""
+    known = len(tokenizer.vocab)  # once: building this dict takes ~17 ms and holds the GIL
+    rows = getattr(getattr(model, "args", None), "vocab_size", None) or known
+    if rows < known:
+        log.warning("%s: the tokenizer knows %d tokens, the embedding has %d rows; "
+                    "prompts holding ids past %d are refused", name, known, rows, rows - 1)
+    return min(known, rows)
 
 
 def usage(output: RequestOutput) -> dict:
