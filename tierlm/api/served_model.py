@@ -79,8 +79,8 @@ class ServedModel:
         )
 
     def make_request(self, prefix: str, tokens: list[int], body: SamplingFields, max_tokens: int | None) -> Request:
-        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
+        if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):  # min/max: C speed on long prompts
+            bad = next(t for t in tokens if not 0 <= t < self.vocab_size)
             raise APIError(400, f"prompt token id {bad} is outside this model's vocabulary [0, {self.vocab_size})",
                            "prompt" if prefix == "cmpl" else "messages", "invalid_token_id")
         limit = self.check_prompt(len(tokens), max_tokens)
