@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import start_server, stop_server
+from conftest import start_server, stop_server, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = "32"
@@ -187,5 +187,27 @@ def test_two_models_sharing_a_folder_never_read_each_others_blocks(model_path, t
         assert answer.usage.prompt_tokens_details.cached_tokens == 0
         assert answer.choices[0].message.content == reference[2]
         assert stats(b)["ssd"]["errors"] >= 1
+    finally:
+        stop_server(b)
+
+
+def test_clearing_one_models_ssd_files_leaves_the_other_models_files(model_path, tmp_path):
+    twin = tmp_path / "twin-model"
+    shutil.copytree(model_path, twin)
+    config = json.loads((twin / "config.json").read_text())
+    (twin / "config.json").write_text(json.dumps({**config, "tierlm_test_variant": 2}))
+    a = serve(model_path, tmp_path)
+    ask(a, prompt(0))
+    stop_server(a)  # writes its hot tier to the folder
+    files_of_a = set(block_files(tmp_path / "ssd"))
+    b = serve(twin, tmp_path, "--ssd-write-through")
+    try:
+        ask(b, prompt(1), model="twin-model")
+        wait_until(lambda: stats(b)["ssd"]["pending_bytes"] == 0)
+        files_of_b = set(block_files(tmp_path / "ssd")) - files_of_a
+        assert files_of_a and files_of_b
+        cleared = httpx.delete(b.v1 + "/cache", params={"ssd": "true"}).json()["cleared_blocks"]
+        assert cleared >= len(files_of_b)  # its hot blocks and its files
+        assert set(block_files(tmp_path / "ssd")) == files_of_a
     finally:
         stop_server(b)

@@ -103,7 +103,7 @@ def create_app(settings: Settings, model_path: Path) -> FastAPI:
 
     @app.delete("/v1/cache")
     async def clear_cache(ssd: bool = False):
-        """Drop the hot tier; with ?ssd=true also every file of the SSD folder."""
+        """Drop the hot tier; with ?ssd=true also this model's files in the SSD folder."""
         served = _ready(app)
         return {"cleared_blocks": await served.engine.clear_cache(ssd)}
 

@@ -84,11 +84,28 @@ def to_bytes(tensors: dict[str, np.ndarray], meta: dict[str, str]) -> bytes:
     return st_save(tensors, metadata={**meta, "checksum": _checksum(tensors)})
 
 
+def _metadata(header: bytes) -> dict:
+    """The metadata of a safetensors file from its start (8-byte length, JSON header)."""
+    header_len = int.from_bytes(header[:8], "little")
+    return json.loads(header[8 : 8 + header_len]).get("__metadata__", {})
+
+
+def fingerprint_of(path) -> str | None:
+    """The hex model fingerprint a block file was written for; None if unreadable.
+    Reads only the header."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            head += f.read(int.from_bytes(head, "little"))
+        return _metadata(head).get("fingerprint")
+    except (OSError, ValueError):
+        return None
+
+
 def decode(data: bytes, key: bytes, tokens: tuple[int, ...], fingerprint: bytes, signature: str):
     """Worker thread: (parent key, layers) of a verified block, or BlockFileError."""
     try:
-        header_len = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
+        meta = _metadata(data)
         tensors = st_load(data)
     except Exception as e:  # truncated, garbled, not safetensors at all
         raise BlockFileError(f"unreadable: {e}") from e

@@ -211,14 +211,15 @@ class SSDTier:
             self.stats.evictions += 1
 
     def clear(self) -> int:
-        """Delete every block file in the folder (all models')."""
+        """Delete this model's block files. Other models sharing the folder keep
+        theirs: a file's header says which model it was written for."""
         with self._lock:
             keys = list(self._index)
-            self._index.clear()
-            self._bytes = 0
-        for hex_key in keys:
+        mine = [k for k in keys if block_file.fingerprint_of(self.path_for(k)) == self.fingerprint.hex()]
+        for hex_key in mine:
+            self._index_drop(hex_key)
             self.path_for(hex_key).unlink(missing_ok=True)
-        return len(keys)
+        return len(mine)
 
     def snapshot_stats(self) -> dict:
         s = self.stats
