@@ -78,3 +78,12 @@ def test_sizes():
     assert parse_size("25%", total=400) == 100
     with pytest.raises(ValueError):
         parse_size("lots")
+
+
+def test_health_probes_stay_out_of_the_access_log(server, client):
+    client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "hi"}],
+                                   max_tokens=1)
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    log = server.log()
+    assert '"POST /v1/chat/completions HTTP/1.1" 200' in log  # the access log is on
+    assert "GET /health" not in log  # though the fixture polled it until the model was up

@@ -67,9 +67,22 @@ async def _load_served_model(app: FastAPI, model_path: Path) -> None:
         app.state.load_error = f"{type(e).__name__}: {e}"
 
 
+class QuietHealthProbes(logging.Filter):
+    """Keeps /health out of uvicorn's access log: a load balancer or a supervisor
+    polls it every few seconds, and those lines would bury the requests."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args  # uvicorn: (client, method, path, http version, status)
+        return not (isinstance(args, tuple) and len(args) > 2 and str(args[2]).startswith("/health"))
+
+
 def create_app(settings: Settings, model_path: Path) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # here, not at import: uvicorn configures its loggers before it starts the app
+        access = logging.getLogger("uvicorn.access")
+        if not any(isinstance(f, QuietHealthProbes) for f in access.filters):
+            access.addFilter(QuietHealthProbes())
         loading = asyncio.create_task(_load_served_model(app, model_path))
         yield
         await loading
