@@ -34,7 +34,7 @@ from mlx_lm.generate import BatchGenerator
 
 from tierlm.bench.engine_overhead import EngineRunner, random_prompts
 from tierlm.engine import core, scheduler
-from tierlm.models.loader import load_model
+from tierlm.models.loader import load_model, usable_vocab_size
 
 SCHEDULER_PARTS = ("step", "_apply_aborts", "_admit", "_advance", "_on_token", "_publish_load", "_flush_stores")
 ENGINE_PARTS = {"_dispatch": "dispatch(main)", "_burst": "burst"}
@@ -97,7 +97,7 @@ def bare_step_times(model, prompts, max_tokens: int, stream) -> dict:
 
 def profile(model_dir: str, batches: list[int], rounds: int = 3, max_tokens: int = 256) -> dict:
     model, tokenizer = load_model(model_dir)
-    vocab = min(len(tokenizer.vocab), model.args.vocab_size)
+    vocab = usable_vocab_size(tokenizer, model)
     stream = mx.new_stream(mx.default_device())
     rows = {}
     for batch in batches:

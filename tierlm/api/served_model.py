@@ -4,7 +4,6 @@ limits. Turns validated request fields into engine requests; knows no MLX."""
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from fastapi import Request as HTTPRequest
 
@@ -12,16 +11,14 @@ from tierlm.api.errors import APIError
 from tierlm.api.openai_schemas import SamplingFields
 from tierlm.engine.core import EngineCore
 from tierlm.engine.request import MemoryGuardError, Request, RequestOutput, SamplingParams
-from tierlm.models.loader import ModelInfo
-
-log = logging.getLogger(__name__)
+from tierlm.models.loader import ModelInfo, usable_vocab_size
 
 
 class ServedModel:
     def __init__(self, info: ModelInfo, engine: EngineCore, aliases: tuple[str, ...] = ()):
         self.info, self.engine = info, engine
         self.names = {info.name, str(info.path), *aliases}
-        self.vocab_size = usable_vocab_size(info.name, engine.tokenizer, engine.model)
+        self.vocab_size = usable_vocab_size(engine.tokenizer, engine.model, info.name)
 
     @property
     def tokenizer(self):
@@ -96,18 +93,6 @@ class ServedModel:
             if await http.is_disconnected():
                 task.cancel()  # stream_outputs' cleanup aborts the request
                 raise APIError(499, "client disconnected")
-
-
-def usable_vocab_size(name: str, tokenizer, model) -> int:
-    """Token ids a request may use: known to the tokenizer *and* given a row by the
-    model's embedding. A model folder whose tokenizer lists more tokens than the
-    embedding has rows would otherwise read past the table (NaN logits, or worse)."""
-    known = len(tokenizer.vocab)  # once: building this dict takes ~17 ms and holds the GIL
-    rows = getattr(getattr(model, "args", None), "vocab_size", None) or known
-    if rows < known:
-        log.warning("%s: the tokenizer knows %d tokens, the embedding has %d rows; "
-                    "prompts holding ids past %d are refused", name, known, rows, rows - 1)
-    return min(known, rows)
 
 
 def usage(output: RequestOutput) -> dict:

@@ -141,11 +141,10 @@ def run_overhead(
     a cost of running MLX off the main thread from a cost of the engine."""
     import mlx.core as mx
 
-    from tierlm.models.loader import load_model
+    from tierlm.models.loader import load_model, usable_vocab_size
 
     model, tokenizer = load_model(model_path)
-    vocab = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 32000
-    vocab = min(vocab, getattr(getattr(model, "args", None), "vocab_size", None) or vocab)  # ids both know
+    vocab = usable_vocab_size(tokenizer, model)
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bare") if bare_in_thread else None
 
     def on_bare_thread(fn, *args):

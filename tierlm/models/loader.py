@@ -76,3 +76,15 @@ def _evaluate_all(model) -> None:
 
     held = [v for m in model.modules() for v in m.values() if isinstance(v, mx.array)]
     mx.eval(model.parameters(), held)
+
+
+def usable_vocab_size(tokenizer, model, name: str = "model") -> int:
+    """Token ids a request may use: known to the tokenizer *and* given a row by the
+    model's embedding. A model folder whose tokenizer lists more tokens than the
+    embedding has rows would otherwise read past the table (NaN logits, or worse)."""
+    known = len(tokenizer.vocab)  # once: building this dict takes ~17 ms and holds the GIL
+    rows = getattr(getattr(model, "args", None), "vocab_size", None) or known
+    if rows < known:
+        log.warning("%s: the tokenizer knows %d tokens, the embedding has %d rows; "
+                    "prompts holding ids past %d are refused", name, known, rows, rows - 1)
+    return min(known, rows)
