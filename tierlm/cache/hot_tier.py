@@ -92,8 +92,13 @@ class HotTier:
             self.on_evict(block)
 
 
+def payload_arrays(codecs: list, layers: list):
+    """Every array of a block's payloads, layer by layer."""
+    return (a for codec, payload in zip(codecs, layers) for a in codec.arrays(payload))
+
+
 def payload_bytes(codecs: list, layers: list) -> int:
-    return sum(a.nbytes for codec, payload in zip(codecs, layers) for a in codec.arrays(payload))
+    return sum(a.nbytes for a in payload_arrays(codecs, layers))
 
 
 def materialize(codecs: list, blocks) -> None:
@@ -102,5 +107,5 @@ def materialize(codecs: list, blocks) -> None:
     wait here would also wait for the decode step queued ahead of the copies, and
     leave the device idle while the next step is built. Readers (a rebuild on this
     stream, an SSD encode) wait for the copies themselves."""
-    mx.async_eval([a for b in blocks for codec, payload in zip(codecs, b.layers) for a in codec.arrays(payload)])
+    mx.async_eval([a for b in blocks for a in payload_arrays(codecs, b.layers)])
 
