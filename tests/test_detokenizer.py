@@ -49,3 +49,40 @@ def test_stop_string_with_multibyte_characters(tokenizer):
     text = "Das Wetter ist schön ☀️ heute, wirklich."
     pieces, stopped = stream(tokenizer, text, ["☀️ heute"])
     assert stopped and "".join(pieces) == "Das Wetter ist schön "
+
+
+def _deltas(stream, tokens: list[int]) -> list[str]:
+    return [stream.add(t) for t in tokens] + [stream.finish()]
+
+
+def test_byte_level_fast_path_gives_mlx_lms_deltas(tokenizer):
+    """ByteLevelStream replaces mlx-lm's BPE detokenizer on the hot path: same
+    delta for every token, on text, on random ids (broken UTF-8, special tokens)
+    and around lone space tokens, whose leading-space rule is the subtle part."""
+    import random
+
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+    from tierlm.engine.detokenizer import ByteLevelStream, MlxLmStream
+
+    assert isinstance(tokenizer.detokenizer, BPEStreamingDetokenizer)  # SmolLM2: byte-level BPE
+    tokenmap = tokenizer.detokenizer.tokenmap
+    space = tokenmap.index("Ġ")
+    rng = random.Random(0)
+    sequences = [tokenizer.encode("Café ☕ naïve 👋🏽 日本語 <|im_end|> done")]
+    sequences += [[rng.randrange(len(tokenmap)) for _ in range(rng.randrange(1, 40))] for _ in range(200)]
+    sequences += [[space] * k + tokenizer.encode(" Hello  world") for k in range(4)]
+    sequences += [[space, rng.randrange(len(tokenmap))] for _ in range(50)]
+    sequences += [[len(tokenmap) + 5, 100]]  # past the map: mlx-lm's "!" fallback
+    for tokens in sequences:
+        expected = _deltas(MlxLmStream(tokenizer.detokenizer), tokens)
+        assert _deltas(ByteLevelStream(tokenizer.detokenizer), tokens) == expected, tokens
+
+
+def test_other_detokenizers_stream_through_mlx_lm(tokenizer):
+    from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
+
+    text = "Hello world, café ☕ and more."
+    inc = IncrementalText(NaiveStreamingDetokenizer(tokenizer._tokenizer), [])
+    pieces = [inc.add(t) for t in tokenizer.encode(text)] + [inc.finish()]
+    assert "".join(pieces) == text

@@ -264,33 +264,27 @@ class EngineCore:
             return self._steps()
         except Exception as e:
             log.exception("engine %s step failed", self.name)
-            return self.scheduler.fail_all(f"generation failed: {e}")
+            self.scheduler.fail_all(f"generation failed: {e}")
+            return self.scheduler.take_outputs()
 
     def _steps(self) -> list[RequestOutput]:
         """Scheduler steps until the time budget is spent, or until something the
         client waits for happens (a first token, a finish)."""
-        if not self.scheduler.has_work():  # a burst queued ahead, after the work ran out
+        scheduler = self.scheduler
+        if not scheduler.has_work():  # a burst queued ahead, after the work ran out
             return []
-        steps_before = self.scheduler.counters.steps
-        budget_ms = self._burst_budget_ms(len(self.scheduler.running))
+        steps_before = scheduler.counters.steps
+        budget_ms = self._burst_budget_ms(len(scheduler.running))
         deadline = time.perf_counter() + budget_ms / 1000
-        # One output per request per burst, merged here: the event loop's work, and
-        # its turns at the GIL that the worker then waits for, grow with the number
-        # of outputs it is handed.
-        merged: dict[str, RequestOutput] = {}
+        # The scheduler keeps one output per request until the burst ends: the event
+        # loop's work, and its turns at the GIL that the worker then waits for, grow
+        # with the number of outputs it is handed.
         while True:
-            step_outputs = self.scheduler.step()
-            for output in step_outputs:
-                earlier = merged.get(output.request_id)
-                if earlier is None:
-                    merged[output.request_id] = output
-                else:
-                    earlier.merge(output)
-            urgent = any(o.finished or o.first_token_time for o in step_outputs)
-            if urgent or budget_ms <= 0 or time.perf_counter() >= deadline or not self.scheduler.has_work():
+            scheduler.step()
+            if scheduler.urgent or budget_ms <= 0 or time.perf_counter() >= deadline or not scheduler.has_work():
                 # a hand-off that only stored the last step's blocks ran no model step
-                self.bursts += self.scheduler.counters.steps > steps_before
-                return list(merged.values())
+                self.bursts += scheduler.counters.steps > steps_before
+                return scheduler.take_outputs()
 
     def _burst_budget_ms(self, running: int) -> float:
         """With one request, decode_burst_ms. With several, decode_burst_ms_batched

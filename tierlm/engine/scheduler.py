@@ -77,7 +77,13 @@ class Scheduler:
         self._uid_of: dict[str, int] = {}
         self.counters = SchedulerCounters()
         self.load = {"running": 0, "prefilling": 0, "waiting": 0}
+        # One output per request, added to token by token until `take_outputs`:
+        # no object per token, and the event loop gets one piece per request per
+        # hand-off. `urgent`: something a client waits for (a first token, an end).
+        self._outbox: dict[str, RequestOutput] = {}
+        self.urgent = False
         self._gen = self._new_generator()
+        IncrementalText(tokenizer.detokenizer, [])  # builds the detokenizer's tables now, not in a request
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -102,35 +108,40 @@ class Scheduler:
 
     # ---- worker thread ----------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> None:
         """One scheduler step: aborts, admission, then one decode step plus one
         prefill chunk of everything admitted. Blocks computed by the previous step
-        are stored first, before admission looks for them."""
+        are stored first, before admission looks for them. What it produced waits
+        in the outbox (`take_outputs`)."""
         self._flush_stores()
         while not self._incoming.empty():
             self.waiting.append(self._incoming.get_nowait())
-        outputs = self._apply_aborts()
-        outputs += self._admit()
+        self._apply_aborts()
+        self._admit()
         if self.running:
             tic = time.perf_counter()
-            outputs += self._advance()
+            self._advance()
             self.counters.steps += 1
             self.counters.step_seconds += time.perf_counter() - tic
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """Everything produced since the last call, one output per request."""
+        outputs, self._outbox, self.urgent = list(self._outbox.values()), {}, False
         self._publish_load()
         return outputs
 
-    def fail_all(self, message: str) -> list[RequestOutput]:
+    def fail_all(self, message: str) -> None:
         """After a step raised: end every request with an error and start clean."""
-        outputs = [self._error_output(r.request, message) for r in self.running.values()]
-        outputs += [self._error_output(r, message) for r in self.waiting]
-        self.counters.failed_requests += len(outputs)
+        failed = [r.request for r in self.running.values()] + list(self.waiting)
+        for request in failed:
+            self._error(request, message)
+        self.counters.failed_requests += len(failed)
         for uid in list(self.running):
             self._finish(uid, completed=False)
         self.waiting.clear()
         self._to_store.clear()
         self._gen.close()
         self._gen = self._new_generator()
-        return outputs
 
     def close(self) -> None:
         self._flush_stores()
@@ -138,26 +149,25 @@ class Scheduler:
         if self.cache is not None:
             self.cache.close()
 
-    def _apply_aborts(self) -> list[RequestOutput]:
+    def _apply_aborts(self) -> None:
         with self._aborts_lock:
             ids, self._aborts = self._aborts, set()
         if not ids:
-            return []
-        outputs = []
+            return
         for request in [r for r in self.waiting if r.request_id in ids]:
             self.waiting.remove(request)
-            outputs.append(self._final(request, FinishReason.ABORT, 0))
+            self._end(request, FinishReason.ABORT)
+            self.counters.aborted_requests += 1
         for request_id in ids:
             uid = self._uid_of.get(request_id)
             if uid is not None:
                 self._gen.remove([uid])
                 state = self._finish(uid, completed=False)
-                outputs.append(self._final(state.request, FinishReason.ABORT, state.completion_tokens))
-        self.counters.aborted_requests += len(outputs)
-        return outputs
+                self._end(state.request, FinishReason.ABORT).completion_tokens = state.completion_tokens
+                self.counters.aborted_requests += 1
 
-    def _admit(self) -> list[RequestOutput]:
-        outputs, admitted_bytes, deferred = [], 0, []
+    def _admit(self) -> None:
+        admitted_bytes, deferred = 0, []
         while self.waiting and len(self.running) < self.config.max_running:
             request = self.waiting.popleft()
             n = len(request.prompt_tokens)
@@ -165,7 +175,7 @@ class Scheduler:
                 self.guard.check_alone(n)
             except MemoryGuardError as e:
                 self.counters.refused_requests += 1
-                outputs.append(self._error_output(request, str(e), error_type="memory"))
+                self._error(request, str(e), error_type="memory")
                 continue
             if (self.running or admitted_bytes) and not self._make_room(n, admitted_bytes):
                 self.waiting.appendleft(request)
@@ -177,7 +187,6 @@ class Scheduler:
             admitted_bytes += self.guard.prefill_bytes(n)
             self._insert(request, lookup)
         self.waiting.extendleft(reversed(deferred))
-        return outputs
 
     def _make_room(self, prompt_tokens: int, pending: int) -> bool:
         """Whether the prefill fits now, evicting cached blocks if that is what it takes."""
@@ -242,7 +251,7 @@ class Scheduler:
             log.debug("%s: %d of %d prompt tokens from cache; diverged from the nearest cached "
                       "prefix at token %d", request.request_id, lookup.tokens, n, lookup.diverged_at)
 
-    def _advance(self) -> list[RequestOutput]:
+    def _advance(self) -> None:
         prompt_responses, gen_responses = self._gen.next()
         for r in prompt_responses:
             state = self.running.get(r.uid)
@@ -252,25 +261,20 @@ class Scheduler:
             if self.cache is not None and r.end_of_segment:
                 caches, tokens = self._gen.extract_cache([r.uid])[r.uid]
                 self._store(state, tokens, caches)
-        outputs, stopped = [], []
+        stopped = []
         for r in gen_responses:
             state = self.running.get(r.uid)
-            if state is None:
-                continue
-            output = self._on_token(state, r.token, r.finish_reason)
-            if output.finished:
+            if state is not None and self._on_token(state, r.token, r.finish_reason):
                 if r.finish_reason is None:
                     stopped.append(r.uid)  # a stop string: BatchGenerator still runs it
                 elif self.cache is not None:
                     self._store(state, r.all_tokens, r.prompt_cache)
                 self._finish(r.uid)
-            outputs.append(output)
         if stopped:
             extracted = self._gen.remove(stopped, return_prompt_caches=self.cache is not None)
             for caches, tokens in extracted.values():
                 self._store(None, tokens, caches)
         self.counters.generated_tokens += len(gen_responses)
-        return outputs
 
     def _store(self, state: _Running | None, tokens: list[int], caches: list) -> None:
         """Keep the computed blocks, at the start of the next step (`_flush_stores`)."""
@@ -290,10 +294,14 @@ class Scheduler:
                     self._inflight.pop(key, None)
                 state.stored_blocks = max(state.stored_blocks, stored)
 
-    def _on_token(self, state: _Running, token: int, gen_finish: str | None) -> RequestOutput:
+    def _on_token(self, state: _Running, token: int, gen_finish: str | None) -> bool:
+        """Adds a generated token to the request's output; whether it ended the request.
+        Runs for every token of every request: keep it lean."""
         state.completion_tokens += 1
+        out = self._output_of(state.request)
         if state.first_token_time is None:
-            state.first_token_time = time.monotonic()
+            state.first_token_time = out.first_token_time = time.monotonic()
+            self.urgent = True
         reason = None
         if gen_finish == "stop":  # a stop token: counted, never shown as text
             text, reason = state.text.finish(), FinishReason.STOP
@@ -303,17 +311,15 @@ class Scheduler:
                 reason = FinishReason.STOP
             elif gen_finish == "length":
                 text, reason = text + state.text.finish(), FinishReason.LENGTH
-        return RequestOutput(
-            request_id=state.request.request_id,
-            text=text,
-            token_ids=[token],
-            finished=reason is not None,
-            finish_reason=reason,
-            prompt_tokens=len(state.request.prompt_tokens),
-            completion_tokens=state.completion_tokens,
-            cached_tokens=state.cached_tokens,
-            first_token_time=state.first_token_time if state.completion_tokens == 1 else None,
-        )
+        if text:
+            out.text += text
+        out.token_ids.append(token)
+        out.completion_tokens = state.completion_tokens
+        out.cached_tokens = state.cached_tokens
+        if reason is None:
+            return False
+        out.finished, out.finish_reason, self.urgent = True, reason, True
+        return True
 
     def _finish(self, uid: int, completed: bool = True) -> _Running:
         state = self.running.pop(uid)
@@ -326,19 +332,22 @@ class Scheduler:
                     del self._inflight[key]
         return state
 
-    def _final(self, request: Request, reason: FinishReason, completion_tokens: int) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id,
-            finished=True,
-            finish_reason=reason,
-            prompt_tokens=len(request.prompt_tokens),
-            completion_tokens=completion_tokens,
-        )
+    def _output_of(self, request: Request) -> RequestOutput:
+        """The request's output in the outbox, started if it has none yet."""
+        out = self._outbox.get(request.request_id)
+        if out is None:
+            out = self._outbox[request.request_id] = RequestOutput(
+                request.request_id, prompt_tokens=len(request.prompt_tokens))
+        return out
 
-    def _error_output(self, request: Request, message: str, error_type: str = "internal") -> RequestOutput:
-        output = self._final(request, FinishReason.ERROR, 0)
-        output.error, output.error_type = message, error_type
-        return output
+    def _end(self, request: Request, reason: FinishReason) -> RequestOutput:
+        out = self._output_of(request)
+        out.finished, out.finish_reason, self.urgent = True, reason, True
+        return out
+
+    def _error(self, request: Request, message: str, error_type: str = "internal") -> None:
+        out = self._end(request, FinishReason.ERROR)
+        out.error, out.error_type = message, error_type
 
     def _publish_load(self) -> None:
         # One assignment of a fresh dict: the event loop reads it without a lock.
