@@ -11,11 +11,15 @@ microseconds per step of each timed part:
   time (CPU close to wall: the worker is CPU-bound and the device waits for it);
 - step, _advance, _on_token, ...: the scheduler's own parts around it;
 - burst, dispatch(main): the worker's hand-offs and the event loop's share;
-- bare_next*: the bare loop's next(), the same model work with nothing around it.
+  main_cpu: the event loop thread's CPU time, per step;
+- full_*: the steps that decoded the whole batch and prefilled nothing, in the
+  engine and in a bare loop (bare_full_*): next's wall, median, CPU, and
+  `between`, the time from one next() to the next (the engine's whole cost
+  outside the model step). Like for like: the engine's overhead per decode step
+  is full_next + full_between - bare_full_next - bare_full_between.
 
-The engine's overhead per step is roughly step - next; this is how the deferred
-prefix-cache stores and the per-burst outputs were found (README, Benchmarks).
-It wraps private methods, so it is a diagnostic, not part of the package.
+This is how the deferred prefix-cache stores and the per-burst outputs were
+found (README, Benchmarks). It wraps private methods, so it is a diagnostic, not part of the package.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ SCHEDULER_PARTS = ("step", "_apply_aborts", "_admit", "_advance", "_on_token", "
 ENGINE_PARTS = {"_dispatch": "dispatch(main)", "_burst": "burst"}
 
 totals: Counter = Counter()  # seconds per part, and calls under "<part>#"
+# per BatchGenerator.next of the engine: (wall, cpu, worker time since the last
+# next ended, prompt responses, generated tokens)
+engine_nexts: list[tuple[float, float, float, int, int]] = []
 
 
 def time_method(cls, name: str, key: str) -> None:
@@ -63,12 +70,17 @@ def time_generator_next() -> None:
     def new_generator(self):
         gen = make(self)
         step = gen.next
+        last_end = [None]
 
         def timed():
             tic, cpu = time.perf_counter(), time.thread_time()
             result = step()
-            totals["next"] += time.perf_counter() - tic
-            totals["next_cpu"] += time.thread_time() - cpu
+            wall, cpu = time.perf_counter() - tic, time.thread_time() - cpu
+            totals["next"] += wall
+            totals["next_cpu"] += cpu
+            between = tic - last_end[0] if last_end[0] is not None else 0.0
+            engine_nexts.append((wall, cpu, between, len(result[0]), len(result[1])))
+            last_end[0] = time.perf_counter()
             return result
 
         gen.next = timed
@@ -78,21 +90,32 @@ def time_generator_next() -> None:
 
 
 def bare_step_times(model, prompts, max_tokens: int, stream) -> dict:
-    """Per-next() wall and CPU time of a bare BatchGenerator, past the prefills."""
+    """Per-next() wall and CPU time of a bare BatchGenerator, and the loop's time
+    between two next() calls, on full-batch decode steps (no prefill in them)."""
     gen = BatchGenerator(model, completion_batch_size=len(prompts), prefill_batch_size=min(8, len(prompts)),
                          prefill_step_size=2048, stream=stream)
     gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
-    wall, cpu, done = [], [], 0
+    nexts, done, last_end = [], 0, None
     while done < len(prompts):
         tic, c = time.perf_counter(), time.thread_time()
-        _, responses = gen.next()
-        wall.append(time.perf_counter() - tic)
-        cpu.append(time.thread_time() - c)
+        prompt_responses, responses = gen.next()
+        wall, cpu = time.perf_counter() - tic, time.thread_time() - c
+        nexts.append((wall, cpu, tic - last_end if last_end else 0.0, len(prompt_responses), len(responses)))
         done += sum(1 for r in responses if r.finish_reason)
+        last_end = time.perf_counter()
     gen.close()
-    wall, cpu = wall[len(wall) // 4 :], cpu[len(cpu) // 4 :]
-    return {"bare_next": statistics.mean(wall) * 1e6, "bare_next_cpu": statistics.mean(cpu) * 1e6,
-            "bare_next_median": statistics.median(wall) * 1e6}
+    return {"bare_full_" + k: v for k, v in full_decode_steps(nexts, len(prompts)).items()}
+
+
+def full_decode_steps(nexts: list[tuple], batch: int) -> dict:
+    """Means in microseconds over the steps that decoded the whole batch and
+    prefilled nothing: the same model work in the engine and in the bare loop."""
+    full = [n for n in nexts[1:] if n[3] == 0 and n[4] == batch]
+    if not full:
+        return {}
+    wall, cpu, between = ([n[i] * 1e6 for n in full] for i in range(3))
+    return {"steps": len(full), "next": statistics.mean(wall), "next_median": statistics.median(wall),
+            "next_cpu": statistics.mean(cpu), "between": statistics.mean(between)}
 
 
 def profile(model_dir: str, batches: list[int], rounds: int = 3, max_tokens: int = 256) -> dict:
@@ -103,14 +126,19 @@ def profile(model_dir: str, batches: list[int], rounds: int = 3, max_tokens: int
     for batch in batches:
         prompts = random_prompts(vocab, batch, 512, batch)
         engine = EngineRunner(model, tokenizer, batch, 2048)
-        engine.run(prompts[:2], 8)  # warm the engine's stream
-        bare_step_times(model, prompts[:2], 8, stream)
+        engine.run(prompts, 8)  # warm both streams at this batch size (CUDA graphs)
+        bare_step_times(model, prompts, 8, stream)
         for rnd in range(rounds):
             totals.clear()
+            engine_nexts.clear()
+            main_cpu = time.thread_time()
             result = engine.run(prompts, max_tokens)
+            main_cpu = time.thread_time() - main_cpu
             steps = totals["step#"]
             row = {k: v / steps * 1e6 for k, v in totals.items() if not k.endswith("#")}
-            row |= {"steps": steps, "bursts": totals["burst#"], "engine_decode_tok_s": result.decode_tok_s}
+            row |= {"steps": steps, "bursts": totals["burst#"], "engine_decode_tok_s": result.decode_tok_s,
+                    "main_cpu": main_cpu / steps * 1e6}
+            row |= {"full_" + k: v for k, v in full_decode_steps(engine_nexts, batch).items()}
             row |= bare_step_times(model, prompts, max_tokens, stream)
             rows[f"batch {batch} round {rnd}"] = row
             print(f"batch {batch} round {rnd}:", json.dumps({k: round(v, 1) for k, v in row.items()}), flush=True)
