@@ -87,12 +87,13 @@ class EngineRunner:
     stream for the whole benchmark. The prefix cache is cleared before each run, so
     the rounds repeat the same work (the engine still stores every block)."""
 
-    def __init__(self, model, tokenizer, batch: int, prefill_step_size: int):
+    def __init__(self, model, tokenizer, batch: int, prefill_step_size: int, **config):
+        """`config`: more EngineConfig fields (diagnostics: prefix_cache=False)."""
         from tierlm.engine.core import EngineConfig, EngineCore
 
         self.batch, self.runs = batch, 0
         self.loop = asyncio.new_event_loop()
-        config = EngineConfig(max_running=batch, prefill_step_size=prefill_step_size)
+        config = EngineConfig(max_running=batch, prefill_step_size=prefill_step_size, **config)
         self.engine = EngineCore("bench", lambda: (model, tokenizer), config)
         self.loop.run_until_complete(self.engine.start())
 

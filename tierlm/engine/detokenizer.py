@@ -24,7 +24,8 @@ class IncrementalText:
         self.stopped = False
 
     def add(self, token: int) -> str:
-        return self._release(self._stream.add(token), final=False)
+        segment = self._stream.add(token)
+        return self._release(segment, final=False) if self._stop else segment
 
     def finish(self) -> str:
         """Flush what is left once the request ends for another reason."""
@@ -103,23 +104,23 @@ class ByteLevelStream:
 
     def add(self, token: int) -> str:
         piece = self._bytes[token] if token < len(self._bytes) else b"!"  # mlx-lm's padded-vocab fallback
-        self._unflushed += piece
-        if piece == b" ":
+        data = self._unflushed + piece
+        text = data.decode("utf-8", "replace")
+        if piece == b" " or text.endswith("\ufffd"):
+            self._unflushed = data
             return ""
-        text = self._unflushed.decode("utf-8", "replace")
-        if text.endswith("\ufffd"):
-            return ""
-        return self._flush(text)
+        self._unflushed = b""
+        return text if self._started else self._first(text)
 
     def finish(self) -> str:
-        return self._flush(self._unflushed.decode("utf-8", "replace"))
-
-    def _flush(self, text: str) -> str:
+        text = self._unflushed.decode("utf-8", "replace")
         self._unflushed = b""
-        if not self._started:
-            if text[:1] == " ":
-                text = text[1:]
-            self._started = bool(text)
+        return text if self._started else self._first(text)
+
+    def _first(self, text: str) -> str:
+        if text[:1] == " ":
+            text = text[1:]
+        self._started = bool(text)
         return text
 
 

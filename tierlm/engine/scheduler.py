@@ -43,6 +43,7 @@ class _Running:
     keys: list[bytes] = field(default_factory=list)  # the prompt's block keys
     stored_blocks: int = 0  # leading blocks known to be in the cache
     hit_blocks: list[Block] = field(default_factory=list)  # held while running
+    out: RequestOutput | None = None  # its output in the scheduler's outbox, if any
 
 
 @dataclass
@@ -127,6 +128,8 @@ class Scheduler:
     def take_outputs(self) -> list[RequestOutput]:
         """Everything produced since the last call, one output per request."""
         outputs, self._outbox, self.urgent = list(self._outbox.values()), {}, False
+        for state in self.running.values():
+            state.out = None
         self._publish_load()
         return outputs
 
@@ -298,7 +301,10 @@ class Scheduler:
         """Adds a generated token to the request's output; whether it ended the request.
         Runs for every token of every request: keep it lean."""
         state.completion_tokens += 1
-        out = self._output_of(state.request)
+        out = state.out
+        if out is None:
+            out = state.out = self._output_of(state.request)
+            out.cached_tokens = state.cached_tokens
         if state.first_token_time is None:
             state.first_token_time = out.first_token_time = time.monotonic()
             self.urgent = True
@@ -315,7 +321,6 @@ class Scheduler:
             out.text += text
         out.token_ids.append(token)
         out.completion_tokens = state.completion_tokens
-        out.cached_tokens = state.cached_tokens
         if reason is None:
             return False
         out.finished, out.finish_reason, self.urgent = True, reason, True
