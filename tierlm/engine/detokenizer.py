@@ -88,19 +88,10 @@ class ByteLevelStream:
     lone space token, wait for the next token; the first text loses one leading
     space."""
 
-    _tables: dict[int, tuple[list[str], list[bytes]]] = {}  # by id of mlx-lm's token map
-
     def __init__(self, detokenizer: BPEStreamingDetokenizer):
-        self._bytes = self._table(detokenizer.tokenmap)
+        self._bytes = _byte_table(detokenizer.tokenmap)
         self._unflushed = b""
         self._started = False  # some text was emitted
-
-    @classmethod
-    def _table(cls, tokenmap: list[str]) -> list[bytes]:
-        entry = cls._tables.get(id(tokenmap))
-        if entry is None or entry[0] is not tokenmap:
-            entry = cls._tables[id(tokenmap)] = (tokenmap, [token_bytes(t) for t in tokenmap])
-        return entry[1]
 
     def add(self, token: int) -> str:
         piece = self._bytes[token] if token < len(self._bytes) else b"!"  # mlx-lm's padded-vocab fallback
@@ -122,6 +113,18 @@ class ByteLevelStream:
             text = text[1:]
         self._started = bool(text)
         return text
+
+
+_byte_tables: dict[int, tuple[list[str], list[bytes]]] = {}  # by id of mlx-lm's token map
+
+
+def _byte_table(tokenmap: list[str]) -> list[bytes]:
+    """Every token's bytes, built once per vocabulary (the map is shared by all
+    copies of a tokenizer's detokenizer)."""
+    entry = _byte_tables.get(id(tokenmap))
+    if entry is None or entry[0] is not tokenmap:
+        entry = _byte_tables[id(tokenmap)] = (tokenmap, [token_bytes(t) for t in tokenmap])
+    return entry[1]
 
 
 def token_bytes(token: str) -> bytes:
