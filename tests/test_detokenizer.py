@@ -4,50 +4,58 @@ from __future__ import annotations
 
 import pytest
 
-from tierlm.engine.detokenizer import IncrementalText
+from tierlm.engine.detokenizer import IncrementalText, byte_level_table
 
 
-def stream(tokenizer, text: str, stop: list[str]) -> tuple[list[str], bool]:
-    inc = IncrementalText(tokenizer.detokenizer, stop)
+@pytest.fixture(params=["mlx-lm", "byte-level"])
+def detok(request, tokenizer):
+    """Both ways to text: mlx-lm's detokenizer, and the byte-level fast path."""
+    table = byte_level_table(tokenizer.detokenizer) if request.param == "byte-level" else None
+    return tokenizer, table
+
+
+def stream(detok, text: str, stop: list[str]) -> tuple[list[str], bool]:
+    tokenizer, table = detok
+    inc = IncrementalText(tokenizer.detokenizer, stop, table)
     pieces = [inc.add(t) for t in tokenizer.encode(text)]
     if not inc.stopped:
         pieces.append(inc.finish())
     return pieces, inc.stopped
 
 
-def test_no_stop_reproduces_the_text(tokenizer):
+def test_no_stop_reproduces_the_text(detok):
     text = "Hello world, this is a test of 1234 numbers."
-    pieces, stopped = stream(tokenizer, text, [])
+    pieces, stopped = stream(detok, text, [])
     assert "".join(pieces) == text and not stopped
 
 
 @pytest.mark.parametrize("stop", ["is a test", "s a t", "1234", "numbers."])
-def test_stop_string_spanning_tokens_is_cut_and_never_shown(tokenizer, stop):
+def test_stop_string_spanning_tokens_is_cut_and_never_shown(detok, stop):
     text = "Hello world, this is a test of 1234 numbers. More text after."
-    pieces, stopped = stream(tokenizer, text, [stop, "never appears"])
+    pieces, stopped = stream(detok, text, [stop, "never appears"])
     assert stopped
     assert "".join(pieces) == text[: text.index(stop)]
     assert all(stop not in p for p in pieces)
 
 
-def test_held_back_prefix_is_released_when_no_stop_follows(tokenizer):
+def test_held_back_prefix_is_released_when_no_stop_follows(detok):
     text = "I like apples and apple pie."
-    pieces, stopped = stream(tokenizer, text, ["apple tart"])
+    pieces, stopped = stream(detok, text, ["apple tart"])
     assert not stopped and "".join(pieces) == text
 
 
-def test_multibyte_characters_are_never_split(tokenizer):
+def test_multibyte_characters_are_never_split(detok):
     text = "Café ☕ naïve 👋🏽 日本語のテキスト"
-    pieces, _ = stream(tokenizer, text, [])
+    pieces, _ = stream(detok, text, [])
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     # the emoji spans several byte-level tokens; it must arrive whole
     assert any("👋🏽" in p for p in pieces) or any("👋" in p for p in pieces)
 
 
-def test_stop_string_with_multibyte_characters(tokenizer):
+def test_stop_string_with_multibyte_characters(detok):
     text = "Das Wetter ist schön ☀️ heute, wirklich."
-    pieces, stopped = stream(tokenizer, text, ["☀️ heute"])
+    pieces, stopped = stream(detok, text, ["☀️ heute"])
     assert stopped and "".join(pieces) == "Das Wetter ist schön "
 
 
@@ -63,9 +71,10 @@ def test_byte_level_fast_path_gives_mlx_lms_deltas(tokenizer):
 
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
-    from tierlm.engine.detokenizer import ByteLevelStream, MlxLmStream
+    from tierlm.engine.detokenizer import ByteLevelStream, MlxLmStream, byte_level_table
 
     assert isinstance(tokenizer.detokenizer, BPEStreamingDetokenizer)  # SmolLM2: byte-level BPE
+    table = byte_level_table(tokenizer.detokenizer)
     tokenmap = tokenizer.detokenizer.tokenmap
     space = tokenmap.index("Ġ")
     rng = random.Random(0)
@@ -76,7 +85,7 @@ def test_byte_level_fast_path_gives_mlx_lms_deltas(tokenizer):
     sequences += [[len(tokenmap) + 5, 100]]  # past the map: mlx-lm's "!" fallback
     for tokens in sequences:
         expected = _deltas(MlxLmStream(tokenizer.detokenizer), tokens)
-        assert _deltas(ByteLevelStream(tokenizer.detokenizer), tokens) == expected, tokens
+        assert _deltas(ByteLevelStream(table), tokens) == expected, tokens
 
 
 def test_other_detokenizers_stream_through_mlx_lm(tokenizer):

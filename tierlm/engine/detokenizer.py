@@ -14,9 +14,11 @@ class IncrementalText:
     is still found and never shown to the client.
     """
 
-    def __init__(self, detokenizer, stop: list[str]):
-        if isinstance(detokenizer, BPEStreamingDetokenizer):
-            self._stream = ByteLevelStream(detokenizer)
+    def __init__(self, detokenizer, stop: list[str], bytes_table: list[bytes] | None = None):
+        """`bytes_table`: `byte_level_table(detokenizer)`, built once per model; with
+        it, a byte-level detokenizer takes the fast path (ByteLevelStream)."""
+        if bytes_table is not None:
+            self._stream = ByteLevelStream(bytes_table)
         else:
             self._stream = MlxLmStream(detokenizer)
         self._stop = [s for s in stop if s]
@@ -88,8 +90,8 @@ class ByteLevelStream:
     lone space token, wait for the next token; the first text loses one leading
     space."""
 
-    def __init__(self, detokenizer: BPEStreamingDetokenizer):
-        self._bytes = _byte_table(detokenizer.tokenmap)
+    def __init__(self, bytes_table: list[bytes]):
+        self._bytes = bytes_table
         self._unflushed = b""
         self._started = False  # some text was emitted
 
@@ -115,16 +117,12 @@ class ByteLevelStream:
         return text
 
 
-_byte_tables: dict[int, tuple[list[str], list[bytes]]] = {}  # by id of mlx-lm's token map
-
-
-def _byte_table(tokenmap: list[str]) -> list[bytes]:
-    """Every token's bytes, built once per vocabulary (the map is shared by all
-    copies of a tokenizer's detokenizer)."""
-    entry = _byte_tables.get(id(tokenmap))
-    if entry is None or entry[0] is not tokenmap:
-        entry = _byte_tables[id(tokenmap)] = (tokenmap, [token_bytes(t) for t in tokenmap])
-    return entry[1]
+def byte_level_table(detokenizer) -> list[bytes] | None:
+    """Every token's bytes, for ByteLevelStream; None unless `detokenizer` is
+    mlx-lm's byte-level one. ~40 ms for 49k tokens: build it once per model."""
+    if not isinstance(detokenizer, BPEStreamingDetokenizer):
+        return None
+    return [token_bytes(t) for t in detokenizer.tokenmap]
 
 
 def token_bytes(token: str) -> bytes:

@@ -17,7 +17,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from tierlm.cache.hot_tier import Block
 from tierlm.cache.prefix_cache import PrefixCache
-from tierlm.engine.detokenizer import IncrementalText
+from tierlm.engine.detokenizer import IncrementalText, byte_level_table
 from tierlm.engine.memory_guard import MemoryGuard
 from tierlm.engine.request import FinishReason, MemoryGuardError, Request, RequestOutput
 from tierlm.engine.sampling import make_request_processors, make_request_sampler
@@ -84,7 +84,7 @@ class Scheduler:
         self._outbox: dict[str, RequestOutput] = {}
         self.urgent = False
         self._gen = self._new_generator()
-        IncrementalText(tokenizer.detokenizer, [])  # builds the detokenizer's tables now, not in a request
+        self._bytes_table = byte_level_table(tokenizer.detokenizer)
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -220,7 +220,7 @@ class Scheduler:
             logits_processors=[make_request_processors(params)],
             stop_sequences=[StopSequences([[t] for t in stop_ids])],
         )
-        state = _Running(request, IncrementalText(self.tokenizer.detokenizer, params.stop), cached_tokens=hit)
+        state = _Running(request, IncrementalText(self.tokenizer.detokenizer, params.stop, self._bytes_table), cached_tokens=hit)
         if lookup:
             state.keys, state.stored_blocks, state.hit_blocks = lookup.keys, len(lookup.blocks), lookup.blocks
             self.cache.acquire(lookup.blocks)
