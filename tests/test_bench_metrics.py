@@ -65,7 +65,7 @@ def test_steady_decode_rate_counts_the_full_batch_window():
     assert math.isnan(steady_decode_rate([]))
 
 
-def test_engine_table_shows_each_rounds_ratio(tmp_path):
+def test_engine_table_shows_each_rounds_ratio_and_their_geometric_mean(tmp_path):
     from tierlm.bench.docs import render_engine
 
     def run(runner, decode):
@@ -80,3 +80,4 @@ def test_engine_table_shows_each_rounds_ratio(tmp_path):
     }
     row = next(line for line in render_engine(doc, tmp_path / "e.json").splitlines() if line.startswith("| 8 "))
     assert "| 0.90–1.10 |" in row
+    assert "| 0.995 ± 0.100 |" in row  # sqrt(0.9 * 1.1), and the s.e. of the two logs

@@ -115,6 +115,17 @@ def _round_ratios(doc: dict, batch: int) -> list[float]:
     return [e / b for b, e in zip(bare, engine) if b > 0 and not math.isnan(b) and not math.isnan(e)]
 
 
+def _geo_mean(ratios: list[float]) -> str:
+    """The pairs' geometric mean ± its standard error: the machine's speed moves
+    from one run to the next, and this says how far the mean can be trusted."""
+    logs = [math.log(r) for r in ratios if r > 0]
+    if len(logs) < 2:
+        return "-"
+    mean = sum(logs) / len(logs)
+    se = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1) / len(logs))
+    return f"{num(math.exp(mean), 3)} ± {num(math.exp(mean) * se, 3)}"
+
+
 def _spread(values: list[float]) -> str:
     return f"{num(min(values), 2)}–{num(max(values), 2)}" if values else "-"
 
@@ -127,6 +138,7 @@ def render_engine(doc: dict, path: Path) -> str:
         "ratio",
         "≥ 0.97",
         "ratio per round",
+        "pairs: geo-mean ± s.e.",
         "bare total tok/s",
         "engine total tok/s",
         "ratio",
@@ -139,6 +151,7 @@ def render_engine(doc: dict, path: Path) -> str:
             num(s["decode_ratio"], 3),
             _mark(s["decode_ratio"] >= 0.97),
             _spread(_round_ratios(doc, s["batch"])),
+            _geo_mean(_round_ratios(doc, s["batch"])),
             num(s["bare"]["total_tok_s"]),
             num(s["engine"]["total_tok_s"]),
             num(s["total_ratio"], 3),
@@ -160,7 +173,8 @@ def render_engine(doc: dict, path: Path) -> str:
                 "while the whole batch decodes (after the last first token, before the first finish); *total* "
                 "is all output tokens over submit-to-last-token, prefill included. *Ratio per round*: the "
                 "lowest and highest engine ÷ bare of the rounds, each pair run back to back: how much the "
-                "machine moved between runs.\n"
+                "machine moved between runs; *pairs*: the geometric mean of those ratios and its standard "
+                "error.\n"
             ),
             markdown_table(header, rows),
             "",
