@@ -147,3 +147,36 @@ def test_divergence_point_is_reported():
     other = tokens[:21] + [200] * 19
     lookup = pc.lookup(other)
     assert lookup.tokens == 16 and lookup.diverged_at == 21
+
+
+def test_ssd_clear_also_drops_blocks_still_queued_for_the_writer(tmp_path, monkeypatch):
+    """Blocks waiting for the SSD writer, or in its hands, when the cache is cleared
+    must never land afterwards. The writer is held in its encoding step (a slow
+    disk, which cannot be had for real here) while the clear runs."""
+    import threading
+
+    from tierlm.cache import block_file
+
+    model = tiny_model("llama")
+    disk = threading.Event()
+    to_bytes = block_file.to_bytes
+
+    def slow_to_bytes(*args):
+        disk.wait(timeout=30)
+        return to_bytes(*args)
+
+    monkeypatch.setattr(block_file, "to_bytes", slow_to_bytes)
+    pc = PrefixCache(b"fingerprint", codecs_for(make_prompt_cache(model)), BLOCK, 2**30,
+                     ssd_dir=tmp_path, ssd_bytes=2**30, write_through=True)
+    tokens = list(range(8 * BLOCK))
+    assert pc.store(tokens, [], computed(model, tokens), 0) == 8
+    assert pc.ssd.snapshot_stats()["pending_bytes"] > 0  # the writer holds the first, 7 wait
+    pc.clear(ssd=True)
+    disk.set()
+    pc.ssd.flush()
+    assert list(tmp_path.rglob("*.safetensors")) == [] and list(tmp_path.rglob("*.tmp")) == []
+    assert pc.ssd.snapshot_stats()["files"] == 0
+    pc.store(tokens, [], computed(model, tokens), 0)  # after the clear, blocks land again
+    pc.ssd.flush()
+    assert len(list(tmp_path.rglob("*.safetensors"))) == 8
+    pc.close()

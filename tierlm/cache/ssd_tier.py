@@ -57,6 +57,7 @@ class SSDTier:
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self._queue: queue.Queue = queue.Queue()
+        self._epoch = 0  # bumped by clear(): blocks queued before it must not land
         self.scanned = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="ssd-writer", daemon=True)
         self._writer.start()
@@ -73,11 +74,6 @@ class SSDTier:
             if hex_key in self._index:
                 return True
         return not self.scanned.is_set() and self.path_for(hex_key).is_file()
-
-    def _index_add(self, hex_key: str, size: int) -> None:
-        with self._lock:
-            self._bytes += size - self._index.pop(hex_key, 0)
-            self._index[hex_key] = size
 
     def _index_drop(self, hex_key: str) -> None:
         with self._lock:
@@ -158,7 +154,7 @@ class SSDTier:
             time.sleep(0.01)
         with self._lock:
             self._pending_bytes += size
-        self._queue.put((block.key.hex(), tensors, meta, size))
+        self._queue.put((block.key.hex(), tensors, meta, size, self._epoch))
         return True
 
     def flush(self, timeout: float = 60.0) -> None:
@@ -174,9 +170,10 @@ class SSDTier:
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not _STOP:
-            hex_key, tensors, meta, size = item
+            hex_key, tensors, meta, size, epoch = item
             try:
-                self._write(hex_key, tensors, meta)
+                if epoch == self._epoch:  # else cleared while it waited
+                    self._write(hex_key, tensors, meta, epoch)
             except OSError as e:
                 self.stats.errors += 1
                 log.warning("SSD write of block %s failed: %s", hex_key[:16], e)
@@ -184,7 +181,7 @@ class SSDTier:
                 with self._lock:
                     self._pending_bytes -= size
 
-    def _write(self, hex_key: str, tensors, meta) -> None:
+    def _write(self, hex_key: str, tensors, meta, epoch: int) -> None:
         data = block_file.to_bytes(tensors, meta)
         path = self.path_for(hex_key)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,8 +191,15 @@ class SSDTier:
         tmp = path.with_name(f".{hex_key}.{uuid.uuid4().hex[:8]}.tmp")
         with open(tmp, "wb") as f:
             f.write(data)
-        os.replace(tmp, path)  # readers see the whole file or none of it
-        self._index_add(hex_key, len(data))
+        with self._lock:  # a clear() either sees this file in the index or has made it stale
+            landed = epoch == self._epoch
+            if landed:
+                os.replace(tmp, path)  # readers see the whole file or none of it
+                self._bytes += len(data) - self._index.pop(hex_key, 0)
+                self._index[hex_key] = len(data)
+        if not landed:
+            tmp.unlink(missing_ok=True)
+            return
         self.stats.writes += 1
         self.stats.write_bytes += len(data)
         self._enforce_cap()
@@ -212,8 +216,10 @@ class SSDTier:
 
     def clear(self) -> int:
         """Delete this model's block files. Other models sharing the folder keep
-        theirs: a file's header says which model it was written for."""
+        theirs: a file's header says which model it was written for. Blocks still
+        queued for the writer, or being written, are dropped too."""
         with self._lock:
+            self._epoch += 1
             keys = list(self._index)
         mine = [k for k in keys if block_file.fingerprint_of(self.path_for(k)) == self.fingerprint.hex()]
         for hex_key in mine:
