@@ -284,7 +284,7 @@ def render_docs(results: Path, out: Path) -> Path:
             if doc.get("kind") in ("serve", "engine", "roofline") and "-" in f.stem:
                 presets.setdefault(f.stem.split("-", 1)[1], {})[doc["kind"]] = (doc, f)
         for preset, files in sorted(presets.items()):
-            if "roofline" in files:
+            if "roofline" in files or ("engine" in files and "serve" in files):
                 sections.append(render_gpu_preset(preset, files))
             elif "serve" in files:
                 sections.append(render_serve(*files["serve"]))
