@@ -220,7 +220,8 @@ class Scheduler:
             logits_processors=[make_request_processors(params)],
             stop_sequences=[StopSequences([[t] for t in stop_ids])],
         )
-        state = _Running(request, IncrementalText(self.tokenizer.detokenizer, params.stop, self._bytes_table), cached_tokens=hit)
+        text = IncrementalText(self.tokenizer.detokenizer, params.stop, self._bytes_table)
+        state = _Running(request, text, cached_tokens=hit)
         if lookup:
             state.keys, state.stored_blocks, state.hit_blocks = lookup.keys, len(lookup.blocks), lookup.blocks
             self.cache.acquire(lookup.blocks)
