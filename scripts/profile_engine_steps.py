@@ -1,6 +1,6 @@
 """Where the engine's worker time goes, per scheduler step, against a bare loop.
 
-    python scripts/profile_engine_steps.py MODEL_DIR [BATCHES] [--json OUT]
+    python scripts/profile_engine_steps.py MODEL_DIR [BATCHES] [--steps-only] [--no-prefix-cache] [--json OUT]
 
 For each batch size (default 1,8,32): three runs of 512-token random prompts and
 256 greedy tokens on one long-lived engine (tierlm.bench.engine_overhead's
@@ -18,8 +18,13 @@ microseconds per step of each timed part:
   outside the model step). Like for like: the engine's overhead per decode step
   is full_next + full_between - bare_full_next - bare_full_between.
 
+The timers around the parts cost a few microseconds per call and so inflate
+`between` (on the H200 at batch 32, ~2x): `--steps-only` times only next() for
+the like-for-like figures. `--no-prefix-cache` runs the engine without it.
+
 This is how the deferred prefix-cache stores and the per-burst outputs were
-found (README, Benchmarks). It wraps private methods, so it is a diagnostic, not part of the package.
+found (README, Benchmarks). It wraps private methods, so it is a diagnostic,
+not part of the package.
 """
 
 from __future__ import annotations
@@ -118,25 +123,26 @@ def full_decode_steps(nexts: list[tuple], batch: int) -> dict:
             "next_cpu": statistics.mean(cpu), "between": statistics.mean(between)}
 
 
-def profile(model_dir: str, batches: list[int], rounds: int = 3, max_tokens: int = 256) -> dict:
+def profile(model_dir: str, batches: list[int], rounds: int = 3, max_tokens: int = 256, **config) -> dict:
     model, tokenizer = load_model(model_dir)
     vocab = usable_vocab_size(tokenizer, model)
     stream = mx.new_stream(mx.default_device())
     rows = {}
     for batch in batches:
         prompts = random_prompts(vocab, batch, 512, batch)
-        engine = EngineRunner(model, tokenizer, batch, 2048)
+        engine = EngineRunner(model, tokenizer, batch, 2048, **config)
         engine.run(prompts, 8)  # warm both streams at this batch size (CUDA graphs)
         bare_step_times(model, prompts, 8, stream)
         for rnd in range(rounds):
             totals.clear()
             engine_nexts.clear()
+            core_, steps, bursts = engine.engine, engine.engine.scheduler.counters.steps, engine.engine.bursts
             main_cpu = time.thread_time()
             result = engine.run(prompts, max_tokens)
             main_cpu = time.thread_time() - main_cpu
-            steps = totals["step#"]
+            steps, bursts = core_.scheduler.counters.steps - steps, core_.bursts - bursts
             row = {k: v / steps * 1e6 for k, v in totals.items() if not k.endswith("#")}
-            row |= {"steps": steps, "bursts": totals["burst#"], "engine_decode_tok_s": result.decode_tok_s,
+            row |= {"steps": steps, "bursts": bursts, "engine_decode_tok_s": result.decode_tok_s,
                     "main_cpu": main_cpu / steps * 1e6}
             row |= {"full_" + k: v for k, v in full_decode_steps(engine_nexts, batch).items()}
             row |= bare_step_times(model, prompts, max_tokens, stream)
@@ -150,14 +156,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model")
     p.add_argument("batches", nargs="?", default="1,8,32")
+    p.add_argument("--steps-only", action="store_true", help="time next() only, not the parts")
+    p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    for name in SCHEDULER_PARTS:
-        time_method(scheduler.Scheduler, name, name)
-    for name, key in ENGINE_PARTS.items():
-        time_method(core.EngineCore, name, key)
+    if not args.steps_only:
+        for name in SCHEDULER_PARTS:
+            time_method(scheduler.Scheduler, name, name)
+        for name, key in ENGINE_PARTS.items():
+            time_method(core.EngineCore, name, key)
     time_generator_next()
-    rows = profile(args.model, [int(b) for b in args.batches.split(",")])
+    config = {"prefix_cache": False} if args.no_prefix_cache else {}
+    rows = profile(args.model, [int(b) for b in args.batches.split(",")], **config)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
