@@ -133,8 +133,10 @@ def test_abort_races(loaded):
         engine.abort_request(r2.request_id)
         engine.abort_request(r2.request_id)
         rest = await c2.get()
+        streamed = len(first.token_ids) + len(rest.token_ids)
         while not rest.finished:
             rest = await c2.get()
+            streamed += len(rest.token_ids)
         # 3. aborted after it finished: a no-op
         r3 = request(loaded, engine, max_tokens=3)
         o3 = await engine.generate(r3)
@@ -145,12 +147,13 @@ def test_abort_races(loaded):
         await asyncio.sleep(0.2)
         stats = engine.get_stats()
         await engine.close()
-        return o1, first, rest, o3, after, stats
+        return o1, first, rest, streamed, o3, after, stats
 
-    o1, first, rest, o3, after, stats = run(go())
+    o1, first, rest, streamed, o3, after, stats = run(go())
     assert o1.finished and o1.finish_reason == FinishReason.ABORT and o1.completion_tokens == 0
     assert first.completion_tokens >= 1 and not first.finished
     assert rest.finish_reason == FinishReason.ABORT and rest.completion_tokens < 200
+    assert streamed == rest.completion_tokens  # tokens of the aborted burst still reach the stream
     assert o3.finish_reason == FinishReason.LENGTH
     assert after.completion_tokens == 3
     assert (stats["running"], stats["waiting"], stats["aborted_requests"]) == (0, 0, 2)
