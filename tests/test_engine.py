@@ -266,6 +266,42 @@ def test_abort_during_prefill_stores_only_what_was_computed(loaded):
     assert again.text == reference.text
 
 
+def test_requests_waiting_for_a_prefix_in_flight_take_it_from_the_cache(loaded):
+    """B and C share A's long prefix and wait while A computes it (looked up again
+    every step, from their remembered block keys); C is aborted while it waits.
+    B then takes the prefix from the cache, and nothing is left remembered."""
+    prefix = loaded[1].encode("The history of the printing press and its effects on Europe. " * 40)
+
+    async def go():
+        engine = await started(loaded, prefill_step_size=64, cache_block_size=64)
+        params = SamplingParams(max_tokens=3, temperature=0)
+        a, b, c = (Request(engine.new_request_id(), prefix + [100 + i], params) for i in range(3))
+        ca, cb, cc = engine.add_request(a), engine.add_request(b), engine.add_request(c)
+        waiting = lambda: len(engine.scheduler._deferred_keys)
+        for _ in range(2000):  # A prefills 8 chunks; B and C wait all along
+            if await engine.on_worker(waiting) == 2:
+                break
+            await asyncio.sleep(0.005)
+        else:
+            pytest.fail("B and C never waited for A's prefix")
+        engine.abort_request(c.request_id)
+        outputs = []
+        for collector in (ca, cb, cc):
+            out = await collector.get()
+            while not out.finished:
+                out = out.merge(await collector.get())
+            outputs.append(out)
+        left = await engine.on_worker(waiting)
+        await engine.close()
+        return outputs, left
+
+    (out_a, out_b, out_c), left = run(go())
+    assert out_a.cached_tokens == 0 and out_a.finish_reason == FinishReason.LENGTH
+    assert out_b.cached_tokens == len(prefix) // 64 * 64 and out_b.finish_reason == FinishReason.LENGTH
+    assert out_c.finish_reason == FinishReason.ABORT
+    assert left == 0
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next"])
 def test_prefix_cache_through_the_scheduler_for_every_cache_type(name, tokenizer):
     """Full hits, partial hits and batched hits give exactly the tokens of an

@@ -53,10 +53,11 @@ class PrefixCache:
 
     # ---- lookup -----------------------------------------------------------
 
-    def lookup(self, tokens: list[int]) -> Lookup:
+    def lookup(self, tokens: list[int], keys: list[bytes] | None = None) -> Lookup:
         """The longest verified run of cached blocks, leaving at least one token
-        of the prompt to compute."""
-        keys = block_keys(self.root, tokens, self.block_size)
+        of the prompt to compute. `keys`: the prompt's block keys, if an earlier
+        lookup computed them."""
+        keys = keys if keys is not None else block_keys(self.root, tokens, self.block_size)
         usable = (len(tokens) - 1) // self.block_size
         blocks: list[Block] = []
         for i, key in enumerate(keys[:usable]):

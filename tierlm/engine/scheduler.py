@@ -66,6 +66,9 @@ class Scheduler:
         self.model, self.tokenizer, self.config, self.guard = model, tokenizer, config, guard
         self.cache = cache
         self._inflight: dict[bytes, str] = {}  # block key -> request now prefilling it
+        # block keys of the requests waiting for a prefix in flight: a 32k-token
+        # prompt takes ~1.5 ms to hash, and they are looked up again every step
+        self._deferred_keys: dict[str, list[bytes]] = {}
         # (request or None, tokens, caches) computed in the last step, stored at the
         # start of the next one: the step's outputs go out without waiting for it
         self._to_store: list[tuple[_Running | None, list[int], list]] = []
@@ -142,6 +145,7 @@ class Scheduler:
         for uid in list(self.running):
             self._finish(uid, completed=False)
         self.waiting.clear()
+        self._deferred_keys.clear()
         self._to_store.clear()
         self._gen.close()
         self._gen = self._new_generator()
@@ -159,6 +163,7 @@ class Scheduler:
             return
         for request in [r for r in self.waiting if r.request_id in ids]:
             self.waiting.remove(request)
+            self._deferred_keys.pop(request.request_id, None)
             self._end(request, FinishReason.ABORT)
             self.counters.aborted_requests += 1
         for request_id in ids:
@@ -183,13 +188,19 @@ class Scheduler:
             if (self.running or admitted_bytes) and not self._make_room(n, admitted_bytes):
                 self.waiting.appendleft(request)
                 break  # it fits alone: wait until running requests free memory
-            lookup = self.cache.lookup(request.prompt_tokens) if self.cache else None
+            lookup = self._lookup(request)
             if lookup and self._prefix_in_flight(lookup):
                 deferred.append(request)  # another request is computing this prefix now
+                self._deferred_keys[request.request_id] = lookup.keys
                 continue
             admitted_bytes += self.guard.prefill_bytes(n)
             self._insert(request, lookup)
         self.waiting.extendleft(reversed(deferred))
+
+    def _lookup(self, request: Request):
+        if self.cache is None:
+            return None
+        return self.cache.lookup(request.prompt_tokens, self._deferred_keys.pop(request.request_id, None))
 
     def _make_room(self, prompt_tokens: int, pending: int) -> bool:
         """Whether the prefill fits now, evicting cached blocks if that is what it takes."""
