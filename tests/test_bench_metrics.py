@@ -81,3 +81,6 @@ def test_engine_table_shows_each_rounds_ratio_and_their_geometric_mean(tmp_path)
     row = next(line for line in render_engine(doc, tmp_path / "e.json").splitlines() if line.startswith("| 8 "))
     assert "| 0.90–1.10 |" in row
     assert "| 0.995 ± 0.100 |" in row  # sqrt(0.9 * 1.1), and the s.e. of the two logs
+    from tierlm.bench.metrics import geometric_mean_se
+
+    assert all(math.isnan(x) for x in geometric_mean_se([1.2]))  # one pair: no error to give

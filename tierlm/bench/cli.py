@@ -250,7 +250,8 @@ def cmd_compare(args) -> int:
 
 
 def cmd_engine(args) -> int:
-    from tierlm.bench.engine_overhead import run_overhead
+    from tierlm.bench.docs import pairs_cell
+    from tierlm.bench.engine_overhead import pair_ratios, run_overhead
     from tierlm.bench.report import console, num, print_table, write_json
 
     model = args.model or _default_tokenizer(args)
@@ -274,6 +275,7 @@ def cmd_engine(args) -> int:
             num(s["bare"]["decode_tok_s"]),
             num(s["engine"]["decode_tok_s"]),
             num(s["decode_ratio"], 3),
+            pairs_cell(pair_ratios(result["runs"], s["batch"])),
             num(s["bare"]["total_tok_s"]),
             num(s["engine"]["total_tok_s"]),
             num(s["total_ratio"], 3),
@@ -287,6 +289,7 @@ def cmd_engine(args) -> int:
             "bare decode tok/s",
             "engine decode tok/s",
             "ratio",
+            "pairs: geo-mean ± s.e.",
             "bare total tok/s",
             "engine total tok/s",
             "ratio",

@@ -8,6 +8,8 @@ import math
 import time
 from pathlib import Path
 
+from tierlm.bench.engine_overhead import pair_ratios
+from tierlm.bench.metrics import geometric_mean_se
 from tierlm.bench.report import markdown_table, ms, num, ratio, serve_rows
 
 HEADER = """# Benchmarks
@@ -107,23 +109,11 @@ def render_compare(doc: dict, path: Path) -> str:
     return "\n".join(out)
 
 
-def _round_ratios(doc: dict, batch: int) -> list[float]:
-    """Engine ÷ bare decode tok/s of each round (the runs of one round sit side by side)."""
-    runs = [r for r in doc["runs"] if r["batch"] == batch]
-    bare = [r["decode_tok_s"] for r in runs if r["runner"] == "bare"]
-    engine = [r["decode_tok_s"] for r in runs if r["runner"] == "engine"]
-    return [e / b for b, e in zip(bare, engine) if b > 0 and not math.isnan(b) and not math.isnan(e)]
-
-
-def _geo_mean(ratios: list[float]) -> str:
+def pairs_cell(ratios: list[float]) -> str:
     """The pairs' geometric mean ± its standard error: the machine's speed moves
     from one run to the next, and this says how far the mean can be trusted."""
-    logs = [math.log(r) for r in ratios if r > 0]
-    if len(logs) < 2:
-        return "-"
-    mean = sum(logs) / len(logs)
-    se = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1) / len(logs))
-    return f"{num(math.exp(mean), 3)} ± {num(math.exp(mean) * se, 3)}"
+    mean, se = geometric_mean_se(ratios)
+    return "-" if math.isnan(mean) else f"{num(mean, 3)} ± {num(se, 3)}"
 
 
 def _spread(values: list[float]) -> str:
@@ -150,8 +140,8 @@ def render_engine(doc: dict, path: Path) -> str:
             num(s["engine"]["decode_tok_s"]),
             num(s["decode_ratio"], 3),
             _mark(s["decode_ratio"] >= 0.97),
-            _spread(_round_ratios(doc, s["batch"])),
-            _geo_mean(_round_ratios(doc, s["batch"])),
+            _spread(pair_ratios(doc["runs"], s["batch"])),
+            pairs_cell(pair_ratios(doc["runs"], s["batch"])),
             num(s["bare"]["total_tok_s"]),
             num(s["engine"]["total_tok_s"]),
             num(s["total_ratio"], 3),

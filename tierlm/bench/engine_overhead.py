@@ -10,6 +10,7 @@ alternate (bare, engine, engine, bare, ...) and the medians are compared.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -192,6 +193,15 @@ def run_overhead(
         "runs": [r.__dict__ for r in runs],
         "summary": summarize_overhead(runs),
     }
+
+
+def pair_ratios(runs: list[dict], batch: int) -> list[float]:
+    """Engine ÷ bare decode tok/s of each round, from a result's `runs` (the two
+    runs of a round are made back to back)."""
+    mine = [r for r in runs if r["batch"] == batch]
+    bare = [r["decode_tok_s"] for r in mine if r["runner"] == "bare"]
+    engine = [r["decode_tok_s"] for r in mine if r["runner"] == "engine"]
+    return [e / b for b, e in zip(bare, engine) if b > 0 and not math.isnan(b) and not math.isnan(e)]
 
 
 def summarize_overhead(runs: list[OverheadResult]) -> list[dict]:

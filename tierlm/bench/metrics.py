@@ -66,6 +66,18 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def geometric_mean_se(ratios: list[float]) -> tuple[float, float]:
+    """Geometric mean of ratios and its standard error (from the logs' s.e.); nan
+    with fewer than two. For pairs of runs made back to back, when the machine's
+    speed moves between pairs more than within one."""
+    logs = [math.log(r) for r in ratios if r > 0]
+    if len(logs) < 2:
+        return math.nan, math.nan
+    mean = sum(logs) / len(logs)
+    se = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1) / len(logs))
+    return math.exp(mean), math.exp(mean) * se
+
+
 def median(values: list[float]) -> float:
     return percentile(values, 50)
 
