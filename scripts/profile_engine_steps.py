@@ -49,9 +49,7 @@ SCHEDULER_PARTS = ("step", "_apply_aborts", "_admit", "_advance", "_on_token", "
 ENGINE_PARTS = {"_dispatch": "dispatch(main)", "_burst": "burst"}
 
 totals: Counter = Counter()  # seconds per part, and calls under "<part>#"
-# per BatchGenerator.next of the engine: (wall, cpu, worker time since the last
-# next ended, prompt responses, generated tokens)
-engine_nexts: list[tuple[float, float, float, int, int]] = []
+engine_nexts: list[tuple] = []  # TimedNext records of the engine's generators
 
 
 def time_method(cls, name: str, key: str) -> None:
@@ -68,27 +66,30 @@ def time_method(cls, name: str, key: str) -> None:
     setattr(cls, name, timed)
 
 
+class TimedNext:
+    """A BatchGenerator's next(), recording per call (wall, thread CPU, time since
+    the previous call ended, prompt responses, generated tokens)."""
+
+    def __init__(self, step, records: list):
+        self.step, self.records, self.last_end = step, records, None
+
+    def __call__(self):
+        tic, cpu = time.perf_counter(), time.thread_time()
+        result = self.step()
+        wall, cpu = time.perf_counter() - tic, time.thread_time() - cpu
+        between = tic - self.last_end if self.last_end is not None else 0.0
+        self.records.append((wall, cpu, between, len(result[0]), len(result[1])))
+        self.last_end = time.perf_counter()
+        return result
+
+
 def time_generator_next() -> None:
-    """BatchGenerator.next of every generator the scheduler makes, wall and CPU."""
+    """BatchGenerator.next of every generator the scheduler makes, into engine_nexts."""
     make = scheduler.Scheduler._new_generator
 
     def new_generator(self):
         gen = make(self)
-        step = gen.next
-        last_end = [None]
-
-        def timed():
-            tic, cpu = time.perf_counter(), time.thread_time()
-            result = step()
-            wall, cpu = time.perf_counter() - tic, time.thread_time() - cpu
-            totals["next"] += wall
-            totals["next_cpu"] += cpu
-            between = tic - last_end[0] if last_end[0] is not None else 0.0
-            engine_nexts.append((wall, cpu, between, len(result[0]), len(result[1])))
-            last_end[0] = time.perf_counter()
-            return result
-
-        gen.next = timed
+        gen.next = TimedNext(gen.next, engine_nexts)
         return gen
 
     scheduler.Scheduler._new_generator = new_generator
@@ -100,14 +101,11 @@ def bare_step_times(model, prompts, max_tokens: int, stream) -> dict:
     gen = BatchGenerator(model, completion_batch_size=len(prompts), prefill_batch_size=min(8, len(prompts)),
                          prefill_step_size=2048, stream=stream)
     gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
-    nexts, done, last_end = [], 0, None
+    nexts, done = [], 0
+    step = TimedNext(gen.next, nexts)
     while done < len(prompts):
-        tic, c = time.perf_counter(), time.thread_time()
-        prompt_responses, responses = gen.next()
-        wall, cpu = time.perf_counter() - tic, time.thread_time() - c
-        nexts.append((wall, cpu, tic - last_end if last_end else 0.0, len(prompt_responses), len(responses)))
+        _, responses = step()
         done += sum(1 for r in responses if r.finish_reason)
-        last_end = time.perf_counter()
     gen.close()
     return {"bare_full_" + k: v for k, v in full_decode_steps(nexts, len(prompts)).items()}
 
@@ -136,13 +134,16 @@ def profile(model_dir: str, batches: list[int], rounds: int = 3, max_tokens: int
         for rnd in range(rounds):
             totals.clear()
             engine_nexts.clear()
-            core_, steps, bursts = engine.engine, engine.engine.scheduler.counters.steps, engine.engine.bursts
+            counters = engine.engine.scheduler.counters
+            steps, bursts = counters.steps, engine.engine.bursts
             main_cpu = time.thread_time()
             result = engine.run(prompts, max_tokens)
             main_cpu = time.thread_time() - main_cpu
-            steps, bursts = core_.scheduler.counters.steps - steps, core_.bursts - bursts
+            steps, bursts = counters.steps - steps, engine.engine.bursts - bursts
             row = {k: v / steps * 1e6 for k, v in totals.items() if not k.endswith("#")}
-            row |= {"steps": steps, "bursts": bursts, "engine_decode_tok_s": result.decode_tok_s,
+            row |= {"next": sum(n[0] for n in engine_nexts) / steps * 1e6,
+                    "next_cpu": sum(n[1] for n in engine_nexts) / steps * 1e6,
+                    "steps": steps, "bursts": bursts, "engine_decode_tok_s": result.decode_tok_s,
                     "main_cpu": main_cpu / steps * 1e6}
             row |= {"full_" + k: v for k, v in full_decode_steps(engine_nexts, batch).items()}
             row |= bare_step_times(model, prompts, max_tokens, stream)
