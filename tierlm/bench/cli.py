@@ -250,9 +250,8 @@ def cmd_compare(args) -> int:
 
 
 def cmd_engine(args) -> int:
-    from tierlm.bench.docs import pairs_cell
     from tierlm.bench.engine_overhead import pair_ratios, run_overhead
-    from tierlm.bench.report import console, num, print_table, write_json
+    from tierlm.bench.report import console, num, pairs_cell, print_table, write_json
 
     model = args.model or _default_tokenizer(args)
     result = run_overhead(

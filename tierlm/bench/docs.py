@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 from tierlm.bench.engine_overhead import pair_ratios
-from tierlm.bench.metrics import geometric_mean_se
-from tierlm.bench.report import markdown_table, ms, num, ratio, serve_rows
+from tierlm.bench.report import markdown_table, ms, num, pairs_cell, ratio, serve_rows
 
 HEADER = """# Benchmarks
 
@@ -109,13 +108,6 @@ def render_compare(doc: dict, path: Path) -> str:
     return "\n".join(out)
 
 
-def pairs_cell(ratios: list[float]) -> str:
-    """The pairs' geometric mean ± its standard error: the machine's speed moves
-    from one run to the next, and this says how far the mean can be trusted."""
-    mean, se = geometric_mean_se(ratios)
-    return "-" if math.isnan(mean) else f"{num(mean, 3)} ± {num(se, 3)}"
-
-
 def _spread(values: list[float]) -> str:
     return f"{num(min(values), 2)}–{num(max(values), 2)}" if values else "-"
 
@@ -133,21 +125,21 @@ def render_engine(doc: dict, path: Path) -> str:
         "engine total tok/s",
         "ratio",
     ]
-    rows = [
-        [
+    rows = []
+    for s in doc["summary"]:
+        pairs = pair_ratios(doc["runs"], s["batch"])
+        rows.append([
             str(s["batch"]),
             num(s["bare"]["decode_tok_s"]),
             num(s["engine"]["decode_tok_s"]),
             num(s["decode_ratio"], 3),
             _mark(s["decode_ratio"] >= 0.97),
-            _spread(pair_ratios(doc["runs"], s["batch"])),
-            pairs_cell(pair_ratios(doc["runs"], s["batch"])),
+            _spread(pairs),
+            pairs_cell(pairs),
             num(s["bare"]["total_tok_s"]),
             num(s["engine"]["total_tok_s"]),
             num(s["total_ratio"], 3),
-        ]
-        for s in doc["summary"]
-    ]
+        ])
     return "\n".join(
         [
             f"### Engine overhead: `{Path(doc['model']).name}` on {doc['device']}\n",

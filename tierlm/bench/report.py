@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from tierlm.bench.metrics import geometric_mean_se
+
 console = Console(stderr=True)
 
 
@@ -24,6 +26,13 @@ def ms(x: float | None) -> str:
 
 def num(x: float | None, digits: int = 1) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def pairs_cell(ratios: list[float]) -> str:
+    """The pairs' geometric mean ± its standard error: the machine's speed moves
+    from one run to the next, and this says how far the mean can be trusted."""
+    mean, se = geometric_mean_se(ratios)
+    return "-" if math.isnan(mean) else f"{num(mean, 3)} ± {num(se, 3)}"
 
 
 def ratio(a: float | None, b: float | None) -> float:
