@@ -335,7 +335,7 @@ class Scheduler:
         out.completion_tokens = state.completion_tokens
         if reason is None:
             return False
-        out.finished, out.finish_reason, self.urgent = True, reason, True
+        self._end(state.request, reason)
         return True
 
     def _finish(self, uid: int, completed: bool = True) -> _Running:
