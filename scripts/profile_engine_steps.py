@@ -1,6 +1,6 @@
 """Where the engine's worker time goes, per scheduler step, against a bare loop.
 
-    python scripts/profile_engine_steps.py MODEL_DIR [BATCHES] [--steps-only] [--no-prefix-cache] [--json OUT]
+    python scripts/profile_engine_steps.py MODEL_DIR [BATCHES] [--steps-only] [--no-prefix-cache | --both] [--json OUT]
 
 For each batch size (default 1,8,32): three runs of 512-token random prompts and
 256 greedy tokens on one long-lived engine (tierlm.bench.engine_overhead's
@@ -20,7 +20,10 @@ microseconds per step of each timed part:
 
 The timers around the parts cost a few microseconds per call and so inflate
 `between` (on the H200 at batch 32, ~2x): `--steps-only` times only next() for
-the like-for-like figures. `--no-prefix-cache` runs the engine without it.
+the like-for-like figures. `--no-prefix-cache` runs the engine without it;
+`--both` runs one engine with it and one without, alternating within each round.
+`gc` is the garbage collector's time per step (any thread), `full_between_*`
+splits the engine's between into steps inside a burst and the hand-offs.
 
 This is how the deferred prefix-cache stores and the per-burst outputs were
 found (README, Benchmarks). It wraps private methods, so it is a diagnostic,
@@ -33,6 +36,7 @@ import tierlm  # noqa: F401  first: it loads the CPU fast path's BLAS, which mus
 
 # isort: split
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -68,31 +72,39 @@ def time_method(cls, name: str, key: str) -> None:
 
 class TimedNext:
     """A BatchGenerator's next(), recording per call (wall, thread CPU, time since
-    the previous call ended, prompt responses, generated tokens)."""
+    the previous call ended, prompt responses, generated tokens, whether it is the
+    first call of an engine burst)."""
 
     def __init__(self, step, records: list):
         self.step, self.records, self.last_end = step, records, None
+        self.new_burst = False  # set by the engine's _burst wrapper, see time_generator_next
 
     def __call__(self):
         tic, cpu = time.perf_counter(), time.thread_time()
         result = self.step()
         wall, cpu = time.perf_counter() - tic, time.thread_time() - cpu
         between = tic - self.last_end if self.last_end is not None else 0.0
-        self.records.append((wall, cpu, between, len(result[0]), len(result[1])))
-        self.last_end = time.perf_counter()
+        self.records.append((wall, cpu, between, len(result[0]), len(result[1]), self.new_burst))
+        self.last_end, self.new_burst = time.perf_counter(), False
         return result
 
 
 def time_generator_next() -> None:
-    """BatchGenerator.next of every generator the scheduler makes, into engine_nexts."""
-    make = scheduler.Scheduler._new_generator
+    """BatchGenerator.next of every generator the scheduler makes, into engine_nexts;
+    the first next() of each burst is marked."""
+    make, burst = scheduler.Scheduler._new_generator, core.EngineCore._burst
 
     def new_generator(self):
         gen = make(self)
         gen.next = TimedNext(gen.next, engine_nexts)
         return gen
 
+    def marked_burst(self):
+        self.scheduler._gen.next.new_burst = True
+        return burst(self)
+
     scheduler.Scheduler._new_generator = new_generator
+    core.EngineCore._burst = marked_burst
 
 
 def bare_step_times(model, prompts, max_tokens: int, stream) -> dict:
@@ -117,40 +129,78 @@ def full_decode_steps(nexts: list[tuple], batch: int) -> dict:
     if not full:
         return {}
     wall, cpu, between = ([n[i] * 1e6 for n in full] for i in range(3))
-    return {"steps": len(full), "next": statistics.mean(wall), "next_median": statistics.median(wall),
-            "next_cpu": statistics.mean(cpu), "between": statistics.mean(between)}
+    row = {"steps": len(full), "next": statistics.mean(wall), "next_median": statistics.median(wall),
+           "next_cpu": statistics.mean(cpu), "between": statistics.mean(between),
+           "between_median": statistics.median(between), "between_max": max(between)}
+    # The engine's between, split: inside a burst, and at the first step of a burst
+    # (the hand-off), as a share of the mean per step
+    inside = [n[2] * 1e6 for n in full if len(n) > 5 and not n[5]]
+    if inside and len(inside) < len(full):
+        row["between_in_burst"] = statistics.mean(inside)
+        row["between_handoffs"] = (sum(between) - sum(inside)) / len(full)
+    return row
 
 
-def profile(model_dir: str, batches: list[int], rounds: int = 3, max_tokens: int = 256, **config) -> dict:
+def gc_timer() -> dict:
+    """Seconds spent in the garbage collector, by generation (while installed)."""
+    spent = {"gc_s": 0.0, "gc_full": 0}
+    started = [0.0]
+
+    def callback(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            spent["gc_s"] += time.perf_counter() - started[0]
+            spent["gc_full"] += info["generation"] == 2
+
+    gc.callbacks.append(callback)
+    return spent
+
+
+def profile(model_dir: str, batches: list[int], configs: dict[str, dict], rounds: int = 3,
+            max_tokens: int = 256) -> dict:
+    """`configs`: named EngineConfig overrides; each gets its own engine, and their
+    runs alternate within each round (the host's speed drifts between processes)."""
     model, tokenizer = load_model(model_dir)
     vocab = usable_vocab_size(tokenizer, model)
     stream = mx.new_stream(mx.default_device())
+    gc_spent = gc_timer()
     rows = {}
     for batch in batches:
         prompts = random_prompts(vocab, batch, 512, batch)
-        engine = EngineRunner(model, tokenizer, batch, 2048, **config)
-        engine.run(prompts, 8)  # warm both streams at this batch size (CUDA graphs)
+        engines = {name: EngineRunner(model, tokenizer, batch, 2048, **config) for name, config in configs.items()}
+        for engine in engines.values():
+            engine.run(prompts, 8)  # warm both streams at this batch size (CUDA graphs)
         bare_step_times(model, prompts, 8, stream)
         for rnd in range(rounds):
-            totals.clear()
-            engine_nexts.clear()
-            counters = engine.engine.scheduler.counters
-            steps, bursts = counters.steps, engine.engine.bursts
-            main_cpu = time.thread_time()
-            result = engine.run(prompts, max_tokens)
-            main_cpu = time.thread_time() - main_cpu
-            steps, bursts = counters.steps - steps, engine.engine.bursts - bursts
-            row = {k: v / steps * 1e6 for k, v in totals.items() if not k.endswith("#")}
-            row |= {"next": sum(n[0] for n in engine_nexts) / steps * 1e6,
-                    "next_cpu": sum(n[1] for n in engine_nexts) / steps * 1e6,
-                    "steps": steps, "bursts": bursts, "engine_decode_tok_s": result.decode_tok_s,
-                    "main_cpu": main_cpu / steps * 1e6}
-            row |= {"full_" + k: v for k, v in full_decode_steps(engine_nexts, batch).items()}
-            row |= bare_step_times(model, prompts, max_tokens, stream)
-            rows[f"batch {batch} round {rnd}"] = row
-            print(f"batch {batch} round {rnd}:", json.dumps({k: round(v, 1) for k, v in row.items()}), flush=True)
-        engine.close()
+            for name, engine in engines.items():
+                row = profile_run(engine, prompts, max_tokens, gc_spent)
+                row |= bare_step_times(model, prompts, max_tokens, stream)
+                key = f"batch {batch} round {rnd}" + (f" {name}" if len(engines) > 1 else "")
+                rows[key] = row
+                print(f"{key}:", json.dumps({k: round(v, 1) for k, v in row.items()}), flush=True)
+        for engine in engines.values():
+            engine.close()
     return rows
+
+
+def profile_run(engine: EngineRunner, prompts, max_tokens: int, gc_spent: dict) -> dict:
+    totals.clear()
+    engine_nexts.clear()
+    counters = engine.engine.scheduler.counters
+    steps, bursts = counters.steps, engine.engine.bursts
+    gc_s, gc_full = gc_spent["gc_s"], gc_spent["gc_full"]
+    main_cpu = time.thread_time()
+    result = engine.run(prompts, max_tokens)
+    main_cpu = time.thread_time() - main_cpu
+    steps, bursts = counters.steps - steps, engine.engine.bursts - bursts
+    row = {k: v / steps * 1e6 for k, v in totals.items() if not k.endswith("#")}
+    row |= {"next": sum(n[0] for n in engine_nexts) / steps * 1e6,
+            "next_cpu": sum(n[1] for n in engine_nexts) / steps * 1e6,
+            "steps": steps, "bursts": bursts, "engine_decode_tok_s": result.decode_tok_s,
+            "main_cpu": main_cpu / steps * 1e6,
+            "gc": (gc_spent["gc_s"] - gc_s) / steps * 1e6, "gc_full": gc_spent["gc_full"] - gc_full}
+    return row | {"full_" + k: v for k, v in full_decode_steps(engine_nexts, engine.batch).items()}
 
 
 def main() -> None:
@@ -159,6 +209,7 @@ def main() -> None:
     p.add_argument("batches", nargs="?", default="1,8,32")
     p.add_argument("--steps-only", action="store_true", help="time next() only, not the parts")
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--both", action="store_true", help="engines with and without the prefix cache, alternating")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if not args.steps_only:
@@ -167,8 +218,11 @@ def main() -> None:
         for name, key in ENGINE_PARTS.items():
             time_method(core.EngineCore, name, key)
     time_generator_next()
-    config = {"prefix_cache": False} if args.no_prefix_cache else {}
-    rows = profile(args.model, [int(b) for b in args.batches.split(",")], **config)
+    if args.both:
+        configs = {"cache": {}, "nocache": {"prefix_cache": False}}
+    else:
+        configs = {"nocache": {"prefix_cache": False}} if args.no_prefix_cache else {"cache": {}}
+    rows = profile(args.model, [int(b) for b in args.batches.split(",")], configs)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
