@@ -302,6 +302,36 @@ def test_requests_waiting_for_a_prefix_in_flight_take_it_from_the_cache(loaded):
     assert left == 0
 
 
+def test_a_block_ending_with_the_prompt_is_stored_when_the_request_ends(loaded):
+    """A's prompt is exactly 4 blocks. Its last block only exists once decoding has
+    begun, so it is stored with A's whole cache when A ends; B, which extends A's
+    prompt, waits for A's prefill but not for A's whole generation."""
+    prompt = loaded[1].encode("The history of the printing press and its effects on Europe. " * 40)[:256]
+
+    async def go():
+        engine = await started(loaded, prefill_step_size=64, cache_block_size=64)
+        finished = []
+
+        async def generate(tokens, max_tokens):
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            out = await engine.generate(Request(engine.new_request_id(), tokens, params))
+            finished.append(out.request_id)
+            return out
+
+        a = asyncio.create_task(generate(prompt, 40))
+        b = asyncio.create_task(generate(prompt + [100, 101, 102], 2))
+        out_a, out_b = await a, await b
+        out_c = await generate(prompt + [200, 201], 2)
+        await engine.close()
+        return out_a, out_b, out_c, finished
+
+    out_a, out_b, out_c, finished = run(go())
+    assert out_a.cached_tokens == 0 and len(out_a.token_ids) == 40
+    assert out_b.cached_tokens == 3 * 64  # A's prefill, without its last block
+    assert finished.index(out_b.request_id) < finished.index(out_a.request_id)
+    assert out_c.cached_tokens == 4 * 64
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next"])
 def test_prefix_cache_through_the_scheduler_for_every_cache_type(name, tokenizer):
     """Full hits, partial hits and batched hits give exactly the tokens of an

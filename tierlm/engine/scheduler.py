@@ -273,9 +273,17 @@ class Scheduler:
             if state is None:
                 continue
             state.prefilled_tokens = r.progress[0]
-            if self.cache is not None and r.end_of_segment:
-                caches, tokens = self._gen.extract_cache([r.uid])[r.uid]
-                self._store(state, tokens, caches)
+            if self.cache is None or not r.end_of_segment:
+                continue
+            if r.end_of_prompt and self.cache.sliceable:
+                # The prompt's last token enters the cache with the first decode
+                # step: a block ending there is stored with the whole cache when the
+                # request ends. Extracting it now would copy the whole prefix again
+                # and wait for the step in flight. Others may compute it meanwhile.
+                self._release_inflight(state, state.stored_blocks)
+                continue
+            caches, tokens = self._gen.extract_cache([r.uid])[r.uid]
+            self._store(state, tokens, caches)
         stopped = []
         for r in gen_responses:
             state = self.running.get(r.uid)
@@ -344,10 +352,14 @@ class Scheduler:
         self.counters.finished_requests += completed
         if self.cache is not None:
             self.cache.release(state.hit_blocks)
-            for key in state.keys:
-                if self._inflight.get(key) == state.request.request_id:
-                    del self._inflight[key]
+            self._release_inflight(state)
         return state
+
+    def _release_inflight(self, state: _Running, first_block: int = 0) -> None:
+        """Requests waiting for these blocks of the prompt stop waiting for this one."""
+        for key in state.keys[first_block:]:
+            if self._inflight.get(key) == state.request.request_id:
+                del self._inflight[key]
 
     def _output_of(self, request: Request) -> RequestOutput:
         """The request's output in the outbox, started if it has none yet."""
