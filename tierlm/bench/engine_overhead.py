@@ -80,8 +80,20 @@ def run_bare(
     return _result(batch, "bare" if batch >= len(prompts) else "bare-queue", start, times)
 
 
+def server_event_loop() -> asyncio.AbstractEventLoop:
+    """The kind of loop `tierlm serve` runs its engines on: uvicorn's default picks
+    uvloop where it is installed. Its hand-offs cost the event loop thread about
+    half of asyncio's, and that thread shares the GIL with the engine's worker."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class EngineRunner:
-    """One long-lived EngineCore, as a server keeps, driven from synchronous code.
+    """One long-lived EngineCore, as a server keeps, driven from synchronous code,
+    on the server's kind of event loop.
 
     A fresh engine per run would be unfair to it: on MLX's CUDA backend each new
     stream starts with empty caches of captured graphs, and the bare loop keeps its
@@ -93,7 +105,7 @@ class EngineRunner:
         from tierlm.engine.core import EngineConfig, EngineCore
 
         self.batch, self.runs = batch, 0
-        self.loop = asyncio.new_event_loop()
+        self.loop = server_event_loop()
         config = EngineConfig(max_running=batch, prefill_step_size=prefill_step_size, **config)
         self.engine = EngineCore("bench", lambda: (model, tokenizer), config)
         self.loop.run_until_complete(self.engine.start())
