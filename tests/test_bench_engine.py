@@ -3,6 +3,7 @@ the same work, and the engine stays up (and its prefix cache is emptied) between
 rounds."""
 
 from tierlm.bench.engine_overhead import EngineRunner, random_prompts, run_overhead
+from tierlm.bench.step_timing import step_accounted_ratio
 
 
 def test_engine_and_bare_produce_every_token_in_alternating_rounds(model_path):
@@ -13,6 +14,20 @@ def test_engine_and_bare_produce_every_token_in_alternating_rounds(model_path):
     for row in result["summary"]:
         assert row["bare"]["total_tok_s"] > 0 and row["engine"]["total_tok_s"] > 0
         assert row["total_ratio"] > 0
+    # every run timed its full-batch decode steps; the engine's also its event loop's CPU
+    for run in result["runs"]:
+        steps = run["steps"]
+        assert steps["steps"] >= 2 and steps["next"] > 0 and steps["between"] > 0
+        assert ("main_cpu" in steps) == (run["runner"] == "engine")
+    assert all(0 < row["step_ratio"] < 2 for row in result["summary"])
+
+
+def test_step_accounted_ratio_charges_the_engine_its_between_and_its_event_loop():
+    bare = {"next": 900.0, "between": 10.0}
+    engine = {"next": 1000.0, "between": 40.0, "main_cpu": 20.0}
+    # the engine's step: 1000 + 40; the bare loop's on the same model step: 1000 - 20 + 10
+    assert step_accounted_ratio(bare, engine) == 990 / 1040
+    assert step_accounted_ratio(bare, dict(engine, between=10.0, main_cpu=0.0)) == 1.0
 
 
 def test_engine_runner_reuses_one_engine_and_starts_each_run_with_an_empty_cache(model_path):

@@ -84,3 +84,25 @@ def test_engine_table_shows_each_rounds_ratio_and_their_geometric_mean(tmp_path)
     from tierlm.bench.metrics import geometric_mean_se
 
     assert all(math.isnan(x) for x in geometric_mean_se([1.2]))  # one pair: no error to give
+
+
+def test_engine_table_checks_the_target_on_the_step_accounted_ratio_when_steps_were_timed(tmp_path):
+    from tierlm.bench.docs import render_engine
+
+    def run(runner, decode, steps):
+        return {"batch": 8, "runner": runner, "decode_tok_s": decode, "total_tok_s": decode,
+                "mean_ttft_s": 0.1, "steps": steps}
+
+    bare = {"next": 1000.0, "between": 10.0}
+    engine = {"next": 1000.0, "between": 20.0, "main_cpu": 10.0}  # (1000 - 10 + 10) / 1020
+    doc = {
+        "model": "/m/tiny", "device": "gpu", "rounds": 2, "prompt_len": 4, "max_tokens": 8,
+        "runs": [run("bare", 100.0, bare), run("engine", 90.0, engine),
+                 run("engine", 90.0, engine), run("bare", 100.0, bare)],
+        "summary": [{"batch": 8, "bare": {"decode_tok_s": 100.0, "total_tok_s": 100.0},
+                     "engine": {"decode_tok_s": 90.0, "total_tok_s": 90.0},
+                     "decode_ratio": 0.9, "total_ratio": 0.9, "step_ratio": 1000 / 1020}],
+    }
+    row = next(line for line in render_engine(doc, tmp_path / "e.json").splitlines() if line.startswith("| 8 "))
+    assert "| 0.980 ± 0.000 |" in row  # the step-accounted pairs
+    assert "| yes |" in row  # the target, on the step-accounted ratio, not the median 0.9

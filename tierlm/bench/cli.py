@@ -250,7 +250,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_engine(args) -> int:
-    from tierlm.bench.engine_overhead import pair_ratios, run_overhead
+    from tierlm.bench.engine_overhead import pair_ratios, run_overhead, step_ratios
     from tierlm.bench.report import console, num, pairs_cell, print_table, write_json
 
     model = args.model or _default_tokenizer(args)
@@ -275,6 +275,7 @@ def cmd_engine(args) -> int:
             num(s["engine"]["decode_tok_s"]),
             num(s["decode_ratio"], 3),
             pairs_cell(pair_ratios(result["runs"], s["batch"])),
+            pairs_cell(step_ratios(result["runs"], s["batch"])),
             num(s["bare"]["total_tok_s"]),
             num(s["engine"]["total_tok_s"]),
             num(s["total_ratio"], 3),
@@ -289,6 +290,7 @@ def cmd_engine(args) -> int:
             "engine decode tok/s",
             "ratio",
             "pairs: geo-mean ± s.e.",
+            "step-accounted",
             "bare total tok/s",
             "engine total tok/s",
             "ratio",

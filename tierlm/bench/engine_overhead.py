@@ -14,9 +14,10 @@ import math
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tierlm.bench.metrics import median, steady_decode_rate
+from tierlm.bench.metrics import geometric_mean_se, median, steady_decode_rate
+from tierlm.bench.step_timing import full_decode_steps, step_accounted_ratio, time_next
 
 
 @dataclass
@@ -27,6 +28,9 @@ class OverheadResult:
     total_tok_s: float  # all output tokens / (submit -> last token)
     mean_ttft_s: float
     wall_s: float
+    # µs per full-batch decode step (step_timing.full_decode_steps); the engine's
+    # also has main_cpu, its event loop thread's CPU per scheduler step
+    steps: dict = field(default_factory=dict)
 
 
 def random_prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -62,6 +66,8 @@ def run_bare(
         prefill_step_size=prefill_step_size,
         stream=stream,
     )
+    records: list[tuple] = []
+    time_next(gen, records)
     try:
         start = time.perf_counter()
         uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
@@ -77,7 +83,9 @@ def run_bare(
                     pending.discard(r.uid)
     finally:
         gen.close()
-    return _result(batch, "bare" if batch >= len(prompts) else "bare-queue", start, times)
+    result = _result(batch, "bare" if batch >= len(prompts) else "bare-queue", start, times)
+    result.steps = full_decode_steps(records, batch)
+    return result
 
 
 def server_event_loop() -> asyncio.AbstractEventLoop:
@@ -109,9 +117,19 @@ class EngineRunner:
         config = EngineConfig(max_running=batch, prefill_step_size=prefill_step_size, **config)
         self.engine = EngineCore("bench", lambda: (model, tokenizer), config)
         self.loop.run_until_complete(self.engine.start())
+        self.records: list[tuple] = []  # the engine's next() calls in the current run
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> OverheadResult:
-        return self.loop.run_until_complete(self._run(prompts, max_tokens))
+        scheduler = self.engine.scheduler
+        time_next(scheduler._gen, self.records)  # the scheduler's own generator, timed in place
+        self.records.clear()
+        steps, cpu = scheduler.counters.steps, time.thread_time()
+        result = self.loop.run_until_complete(self._run(prompts, max_tokens))
+        steps, cpu = scheduler.counters.steps - steps, time.thread_time() - cpu
+        result.steps = full_decode_steps(self.records, self.batch)
+        if result.steps and steps:
+            result.steps["main_cpu"] = cpu / steps * 1e6
+        return result
 
     async def _run(self, prompts, max_tokens) -> OverheadResult:
         from tierlm.engine.request import Request, SamplingParams
@@ -216,6 +234,15 @@ def pair_ratios(runs: list[dict], batch: int) -> list[float]:
     return [e / b for b, e in zip(bare, engine) if b > 0 and not math.isnan(b) and not math.isnan(e)]
 
 
+def step_ratios(runs: list[dict], batch: int) -> list[float]:
+    """Each round's step-accounted engine ÷ bare ratio (step_timing), for results
+    that have step timings."""
+    mine = [r for r in runs if r["batch"] == batch and r.get("steps")]
+    bare = [r["steps"] for r in mine if r["runner"] == "bare"]
+    engine = [r["steps"] for r in mine if r["runner"] == "engine"]
+    return [step_accounted_ratio(b, e) for b, e in zip(bare, engine) if "main_cpu" in e]
+
+
 def summarize_overhead(runs: list[OverheadResult]) -> list[dict]:
     out = []
     for batch in sorted({r.batch for r in runs}):
@@ -228,6 +255,7 @@ def summarize_overhead(runs: list[OverheadResult]) -> list[dict]:
             }
         row["decode_ratio"] = row["engine"]["decode_tok_s"] / row["bare"]["decode_tok_s"]
         row["total_ratio"] = row["engine"]["total_tok_s"] / row["bare"]["total_tok_s"]
+        row["step_ratio"], row["step_ratio_se"] = geometric_mean_se(step_ratios([r.__dict__ for r in runs], batch))
         for runner in ("bare-queue", "engine-queue"):
             mine = [r.total_tok_s for r in runs if r.batch == batch and r.runner == runner]
             if mine:
