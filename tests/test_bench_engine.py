@@ -20,6 +20,7 @@ def test_engine_and_bare_produce_every_token_in_alternating_rounds(model_path):
         assert steps["steps"] >= 2 and steps["next"] > 0 and steps["between"] > 0
         assert ("main_cpu" in steps) == (run["runner"] == "engine")
     assert all(0 < row["step_ratio"] < 2 for row in result["summary"])
+    assert result["event_loop"] == "uvloop"  # the loop `tierlm serve` runs on (uvicorn's default)
 
 
 def test_step_accounted_ratio_charges_the_engine_its_between_and_its_event_loop():

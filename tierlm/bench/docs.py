@@ -33,6 +33,19 @@ default model's 4-bit weights to float32 when they fit (its CPU fast path),
 the GGUF's Q4_1. The GPU runs use random bf16 weights with real shapes (no
 weights can be downloaded there), so they time tierlm against a bare
 `BatchGenerator` and the roofline, not against other servers.
+
+Engine overhead tables: *decode tok/s* counts tokens while the whole batch
+decodes (after the last first token, before the first finish); *total* is all
+output tokens over submit-to-last-token, prefill included. *Ratio per round*:
+the lowest and highest engine ÷ bare of the rounds, each pair run back to back:
+how much the machine moved between runs; *pairs*: the geometric mean of those
+ratios and its standard error. *Step-accounted*: each pair again, from the model
+steps timed inside the runs, so the machine's drift between the two runs drops
+out: the engine's step as measured (model step plus everything between two
+steps) against the same model step less the event loop thread's whole CPU time,
+plus the bare loop's time between steps (`tierlm/bench/step_timing.py`).
+*≥ 0.97* checks the step-accounted ratio where a file has step timings, the
+median ratio otherwise.
 """
 
 
@@ -153,19 +166,10 @@ def render_engine(doc: dict, path: Path) -> str:
                 f"{' (the bare loop on a worker thread of its own)' if doc.get('bare_in_thread') else ''}; "
                 f"prompts of {doc['prompt_len']} random "
                 f"tokens, {doc['max_tokens']} greedy tokens each, no stop tokens; "
-                + ("one engine per batch size, its prefix cache emptied before each run. "
-                   if doc.get("engine_per_batch") else "a fresh engine for every run. ")
-                + "*Decode tok/s* counts tokens "
-                "while the whole batch decodes (after the last first token, before the first finish); *total* "
-                "is all output tokens over submit-to-last-token, prefill included. *Ratio per round*: the "
-                "lowest and highest engine ÷ bare of the rounds, each pair run back to back: how much the "
-                "machine moved between runs; *pairs*: the geometric mean of those ratios and its standard "
-                "error. *Step-accounted*: each pair again, from the model steps timed inside the runs, so the "
-                "machine's drift between the two runs drops out: the engine's step as measured (model step "
-                "plus everything between two steps) against the same model step less the event loop "
-                "thread's whole CPU time, plus the bare loop's time between steps (`tierlm.bench.step_timing`). "
-                "*≥ 0.97* checks the step-accounted ratio where a file has step timings, the median ratio "
-                "otherwise.\n"
+                + ("one engine per batch size, its prefix cache emptied before each run"
+                   if doc.get("engine_per_batch") else "a fresh engine for every run")
+                + (f", on {doc['event_loop']}'s event loop. " if "event_loop" in doc else ". ")
+                + "Columns: see *Engine overhead tables* at the top.\n"
             ),
             markdown_table(header, rows),
             "",

@@ -186,6 +186,7 @@ def run_overhead(
     warm = random_prompts(vocab, 2, min(prompt_len, 32), seed + 999)
     on_bare_thread(run_bare, model, warm, 4, prefill_step_size, stream)
     runs: list[OverheadResult] = []
+    event_loop = "asyncio"
 
     def record(result: OverheadResult) -> None:
         runs.append(result)
@@ -195,6 +196,7 @@ def run_overhead(
     for batch in batches:
         prompts = random_prompts(vocab, batch, prompt_len, seed + batch)
         engine = EngineRunner(model, tokenizer, batch, prefill_step_size)
+        event_loop = type(engine.loop).__module__.split(".")[0]  # "uvloop" or "asyncio"
         engine.run(warm, 4)
         for rnd in range(rounds):
             order = ("bare", "engine") if rnd % 2 == 0 else ("engine", "bare")
@@ -218,6 +220,7 @@ def run_overhead(
         "rounds": rounds,
         "queue_factor": queue_factor,
         "bare_in_thread": bare_in_thread,
+        "event_loop": event_loop,
         "engine_per_batch": True,  # one EngineRunner per batch size (older files: one engine per run)
         "device": str(mx.default_device()),
         "runs": [r.__dict__ for r in runs],
