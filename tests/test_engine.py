@@ -302,11 +302,16 @@ def test_requests_waiting_for_a_prefix_in_flight_take_it_from_the_cache(loaded):
     assert left == 0
 
 
-def test_a_block_ending_with_the_prompt_is_stored_when_the_request_ends(loaded):
-    """A's prompt is exactly 4 blocks. Its last block only exists once decoding has
-    begun, so it is stored with A's whole cache when A ends; B, which extends A's
-    prompt, waits for A's prefill but not for A's whole generation."""
-    prompt = loaded[1].encode("The history of the printing press and its effects on Europe. " * 40)[:256]
+def whole_blocks_prompt(loaded) -> list[int]:
+    """4 blocks of 64 tokens exactly."""
+    return loaded[1].encode("The history of the printing press and its effects on Europe. " * 40)[:256]
+
+
+def test_a_block_ending_with_the_prompt_does_not_hold_up_requests_extending_it(loaded):
+    """A's prompt is exactly 4 blocks; its last block only exists once decoding has
+    begun. B, which extends A's prompt, waits for A's prefill but not for A's whole
+    generation: it takes the 3 blocks A's prefill stored and computes the rest."""
+    prompt = whole_blocks_prompt(loaded)
 
     async def go():
         engine = await started(loaded, prefill_step_size=64, cache_block_size=64)
@@ -321,14 +326,40 @@ def test_a_block_ending_with_the_prompt_is_stored_when_the_request_ends(loaded):
         a = asyncio.create_task(generate(prompt, 40))
         b = asyncio.create_task(generate(prompt + [100, 101, 102], 2))
         out_a, out_b = await a, await b
-        out_c = await generate(prompt + [200, 201], 2)
         await engine.close()
-        return out_a, out_b, out_c, finished
+        return out_a, out_b, finished
 
-    out_a, out_b, out_c, finished = run(go())
+    out_a, out_b, finished = run(go())
     assert out_a.cached_tokens == 0 and len(out_a.token_ids) == 40
     assert out_b.cached_tokens == 3 * 64  # A's prefill, without its last block
     assert finished.index(out_b.request_id) < finished.index(out_a.request_id)
+
+
+@pytest.mark.parametrize("ending", ["finished", "aborted"])
+def test_a_block_ending_with_the_prompt_is_stored_when_the_request_ends(loaded, ending):
+    """The block ending at A's last prompt token is stored with A's whole cache when
+    A ends, also when it is aborted while decoding (a client that stops and asks
+    again): C, extending A's prompt, finds all 4 blocks."""
+    prompt = whole_blocks_prompt(loaded)
+
+    async def go():
+        engine = await started(loaded, prefill_step_size=64, cache_block_size=64)
+        params = SamplingParams(max_tokens=8 if ending == "finished" else 500, temperature=0, ignore_eos=True)
+        a = Request(engine.new_request_id(), prompt, params)
+        collector = engine.add_request(a)
+        out = await collector.get()
+        if ending == "aborted":
+            assert out.token_ids and not out.finished  # decoding, far from its end
+            engine.abort_request(a.request_id)
+        while not out.finished:
+            out = out.merge(await collector.get())
+        c = await engine.generate(Request(engine.new_request_id(), prompt + [200, 201],
+                                          SamplingParams(max_tokens=2, temperature=0)))
+        await engine.close()
+        return out, c
+
+    out_a, out_c = run(go())
+    assert out_a.finish_reason == (FinishReason.LENGTH if ending == "finished" else FinishReason.ABORT)
     assert out_c.cached_tokens == 4 * 64
 
 

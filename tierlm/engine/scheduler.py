@@ -169,7 +169,7 @@ class Scheduler:
         for request_id in ids:
             uid = self._uid_of.get(request_id)
             if uid is not None:
-                self._gen.remove([uid])
+                self._remove([uid])  # what it computed stays cached: a client that stops and asks again
                 state = self._finish(uid, completed=False)
                 self._end(state.request, FinishReason.ABORT).completion_tokens = state.completion_tokens
                 self.counters.aborted_requests += 1
@@ -275,11 +275,11 @@ class Scheduler:
             state.prefilled_tokens = r.progress[0]
             if self.cache is None or not r.end_of_segment:
                 continue
-            if r.end_of_prompt and self.cache.sliceable:
+            if r.end_of_prompt and self._prompt_end_can_wait(state):
                 # The prompt's last token enters the cache with the first decode
-                # step: a block ending there is stored with the whole cache when the
-                # request ends. Extracting it now would copy the whole prefix again
-                # and wait for the step in flight. Others may compute it meanwhile.
+                # step: only a block ending there (a prompt of whole blocks) is new
+                # now. Extracting the cache would copy the whole prefix again and
+                # wait for the step in flight. Others may compute it meanwhile.
                 self._release_inflight(state, state.stored_blocks)
                 continue
             caches, tokens = self._gen.extract_cache([r.uid])[r.uid]
@@ -294,10 +294,20 @@ class Scheduler:
                     self._store(state, r.all_tokens, r.prompt_cache)
                 self._finish(r.uid)
         if stopped:
-            extracted = self._gen.remove(stopped, return_prompt_caches=self.cache is not None)
-            for caches, tokens in extracted.values():
-                self._store(None, tokens, caches)
+            self._remove(stopped)
         self.counters.generated_tokens += len(gen_responses)
+
+    def _prompt_end_can_wait(self, state: _Running) -> bool:
+        """Whether the end of the prompt can wait for the request's end: sliced KV
+        keeps every block to the end, and a snapshot cache has no block to store
+        there unless the prompt is whole blocks."""
+        return self.cache.sliceable or len(state.request.prompt_tokens) % self.cache.block_size != 0
+
+    def _remove(self, uids: list[int]) -> None:
+        """Take sequences out of the batch, storing the blocks they computed."""
+        extracted = self._gen.remove(uids, return_prompt_caches=self.cache is not None)
+        for caches, tokens in extracted.values():
+            self._store(None, tokens, caches)
 
     def _store(self, state: _Running | None, tokens: list[int], caches: list) -> None:
         """Keep the computed blocks, at the start of the next step (`_flush_stores`)."""
