@@ -24,8 +24,10 @@ The timers around the parts cost a few microseconds per call and so inflate
 `between` (on the H200 at batch 32, ~2x): `--steps-only` times only next() for
 the like-for-like figures. `--no-prefix-cache` runs the engine without it;
 `--both` runs one engine with it and one without, alternating within each round.
-`gc` is the garbage collector's time per step (any thread), `full_between_*`
-splits the engine's between into steps inside a burst and the hand-offs.
+`gc` is the garbage collector's time per step (any thread); `full_between_median`
+and `_max` show whether the between is spread or one pause, and
+`full_between_in_bursts` + `full_between_handoffs` (= `full_between`) split it into
+the steps inside a burst and the first steps of bursts.
 
 This is how the deferred prefix-cache stores, the per-burst outputs and the
 end-of-prompt extraction were found (README, Benchmarks). It wraps private methods, so it is a diagnostic,
@@ -47,7 +49,7 @@ from collections import Counter
 import mlx.core as mx
 
 from tierlm.bench.engine_overhead import EngineRunner, random_prompts, run_bare
-from tierlm.bench.step_timing import step_accounted_ratio
+from tierlm.bench.step_timing import TimedNext, step_accounted_ratio
 from tierlm.engine import core, scheduler
 from tierlm.models.loader import load_model, usable_vocab_size
 
@@ -76,7 +78,9 @@ def mark_bursts() -> None:
     burst = core.EngineCore._burst
 
     def marked_burst(self):
-        self.scheduler._gen.next.new_burst = True
+        timed = self.scheduler._gen.next
+        if isinstance(timed, TimedNext):  # not yet, before the first run times it
+            timed.new_burst = True
         return burst(self)
 
     core.EngineCore._burst = marked_burst
@@ -121,7 +125,8 @@ def profile(model_dir: str, batches: list[int], configs: dict[str, dict], rounds
                 row["step_ratio"] = step_accounted_ratio(bare, steps) if bare and steps else math.nan
                 key = f"batch {batch} round {rnd}" + (f" {name}" if len(engines) > 1 else "")
                 rows[key] = row
-                print(f"{key}:", json.dumps({k: round(v, 1) for k, v in row.items()}), flush=True)
+                print(f"{key}:", json.dumps({k: round(v, 3 if k == "step_ratio" else 1) for k, v in row.items()}),
+                      flush=True)
         for engine in engines.values():
             engine.close()
     return rows
@@ -151,8 +156,9 @@ def main() -> None:
     p.add_argument("model")
     p.add_argument("batches", nargs="?", default="1,8,32")
     p.add_argument("--steps-only", action="store_true", help="time next() only, not the parts")
-    p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--both", action="store_true", help="engines with and without the prefix cache, alternating")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--no-prefix-cache", action="store_true")
+    cache.add_argument("--both", action="store_true", help="engines with and without the prefix cache, alternating")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if not args.steps_only:

@@ -44,8 +44,8 @@ steps timed inside the runs, so the machine's drift between the two runs drops
 out: the engine's step as measured (model step plus everything between two
 steps) against the same model step less the event loop thread's whole CPU time,
 plus the bare loop's time between steps (`tierlm/bench/step_timing.py`).
-*≥ 0.97* checks the step-accounted ratio where a file has step timings, the
-median ratio otherwise.
+*≥ 0.97* checks the step-accounted ratio where a file has step timings of two
+rounds or more, the median ratio otherwise.
 """
 
 

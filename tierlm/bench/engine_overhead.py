@@ -240,10 +240,10 @@ def pair_ratios(runs: list[dict], batch: int) -> list[float]:
 def step_ratios(runs: list[dict], batch: int) -> list[float]:
     """Each round's step-accounted engine ÷ bare ratio (step_timing), for results
     that have step timings."""
-    mine = [r for r in runs if r["batch"] == batch and r.get("steps")]
-    bare = [r["steps"] for r in mine if r["runner"] == "bare"]
-    engine = [r["steps"] for r in mine if r["runner"] == "engine"]
-    return [step_accounted_ratio(b, e) for b, e in zip(bare, engine) if "main_cpu" in e]
+    mine = [r for r in runs if r["batch"] == batch]
+    bare = [r.get("steps") for r in mine if r["runner"] == "bare"]
+    engine = [r.get("steps") for r in mine if r["runner"] == "engine"]
+    return [step_accounted_ratio(b, e) for b, e in zip(bare, engine) if b and e and "main_cpu" in e]
 
 
 def summarize_overhead(runs: list[OverheadResult]) -> list[dict]:

@@ -49,20 +49,27 @@ def full_decode_steps(records: list[tuple], batch: int) -> dict:
     row = {"steps": len(full), "next": statistics.mean(wall), "next_median": statistics.median(wall),
            "next_cpu": statistics.mean(cpu), "between": statistics.mean(between),
            "between_median": statistics.median(between), "between_max": max(between)}
-    # The engine's between, split: inside a burst, and at the first step of a burst
-    # (the hand-off), as a share of the mean per step
-    inside = [n[2] * 1e6 for n in full if not n[5]]
-    if inside and len(inside) < len(full):
-        row["between_in_burst"] = statistics.mean(inside)
-        row["between_handoffs"] = (sum(between) - sum(inside)) / len(full)
+    # The engine's between, split into the steps inside a burst and the first step
+    # of each burst (the hand-off): shares of the mean, they add up to it
+    inside = sum(n[2] * 1e6 for n in full if not n[5])
+    if any(n[5] for n in full):
+        row["between_in_bursts"] = inside / len(full)
+        row["between_handoffs"] = (sum(between) - inside) / len(full)
     return row
 
 
 def step_accounted_ratio(bare: dict, engine: dict) -> float:
-    """Engine ÷ bare decode throughput from one pair's full-step timings, each side
-    under the engine run's conditions. The engine's step is what it measured: its
-    next() plus its between. The bare loop's is the same model step plus the bare
-    loop's between, where the model step is the engine's next() less all of the
-    event loop thread's CPU per step (`main_cpu`): that thread holds the GIL the
-    worker needs, so it may have stretched next(), and never by more than it ran."""
+    """Engine ÷ bare decode throughput from one pair's full-step timings, both
+    sides under the engine run's conditions. The engine's step is what it measured:
+    its next() plus its between. The bare loop's is the same model step plus the
+    bare loop's between, where the model step is the engine's next() less all of
+    its event loop thread's CPU per scheduler step (`main_cpu`): that thread holds
+    the GIL the worker needs, so it may have stretched next(), never by more than
+    it ran.
+
+    An estimate, with known leanings. It charges the engine for its event loop's
+    whole CPU, and for all of its between even where that overlapped device work
+    (a device-bound step hides it), both against the engine. It cannot see a cost
+    the engine adds inside next() by other means: the worker thread itself is one,
+    which `bench engine --bare-in-thread` measures (none found on the H200)."""
     return (engine["next"] - engine.get("main_cpu", 0.0) + bare["between"]) / (engine["next"] + engine["between"])
