@@ -41,6 +41,7 @@ def test_engine_runner_reuses_one_engine_and_starts_each_run_with_an_empty_cache
         first, second = runner.run(prompts, 4), runner.run(prompts, 4)
         stats = runner.engine.get_stats()
         assert stats["finished_requests"] == 4 and stats["generated_tokens_total"] == 16
+        assert stats["steps"] > 0 and stats["step_seconds_total"] > 0
         cache = runner.loop.run_until_complete(runner.engine.cache_stats())
         assert cache["stored_blocks"] >= 2  # each run stored its prompts ...
         assert cache["hit_tokens"] == 0  # ... and the second computed them again

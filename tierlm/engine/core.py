@@ -351,6 +351,9 @@ class EngineCore:
             "failed_requests": c.failed_requests,
             "refused_requests": c.refused_requests,
             "steps": c.steps,
+            # the worker's time in those steps (model step and its tokens): per step,
+            # compare a served run with `bench engine` to see where serving costs
+            "step_seconds_total": c.step_seconds,
             "bursts": self.bursts,
             "alive": self.is_alive,
         }
