@@ -30,8 +30,8 @@ and `_max` show whether the between is spread or one pause, and
 the steps inside a burst and the first steps of bursts.
 
 This is how the deferred prefix-cache stores, the per-burst outputs and the
-end-of-prompt extraction were found (README, Benchmarks). It wraps private methods, so it is a diagnostic,
-not part of the package.
+end-of-prompt extraction were found (README, Benchmarks). It wraps private
+methods, so it is a diagnostic, not part of the package.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def mark_bursts() -> None:
 
 
 def gc_timer() -> dict:
-    """Seconds spent in the garbage collector, by generation (while installed)."""
+    """Seconds spent in the garbage collector and its full (generation 2)
+    collections, counted from now on, on every thread."""
     spent = {"gc_s": 0.0, "gc_full": 0}
     started = [0.0]
 
