@@ -139,15 +139,13 @@ def profile_run(engine: EngineRunner, prompts, max_tokens: int, gc_spent: dict) 
     counters = engine.engine.scheduler.counters
     steps, bursts = counters.steps, engine.engine.bursts
     gc_s, gc_full = gc_spent["gc_s"], gc_spent["gc_full"]
-    main_cpu = time.thread_time()
     result = engine.run(prompts, max_tokens)
-    main_cpu = time.thread_time() - main_cpu
     steps, bursts = counters.steps - steps, engine.engine.bursts - bursts
     row = {k: v / steps * 1e6 for k, v in totals.items() if not k.endswith("#")}
     row |= {"next": sum(n[0] for n in engine.records) / steps * 1e6,
             "next_cpu": sum(n[1] for n in engine.records) / steps * 1e6,
             "steps": steps, "bursts": bursts, "engine_decode_tok_s": result.decode_tok_s,
-            "main_cpu": main_cpu / steps * 1e6,
+            "main_cpu": result.steps.get("main_cpu", math.nan),  # the runner's count, per step
             "gc": (gc_spent["gc_s"] - gc_s) / steps * 1e6, "gc_full": gc_spent["gc_full"] - gc_full}
     return row | {"full_" + k: v for k, v in result.steps.items() if k != "main_cpu"}, result.steps
 

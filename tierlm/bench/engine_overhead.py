@@ -228,22 +228,26 @@ def run_overhead(
     }
 
 
-def pair_ratios(runs: list[dict], batch: int) -> list[float]:
-    """Engine ÷ bare decode tok/s of each round, from a result's `runs` (the two
-    runs of a round are made back to back)."""
+def round_pairs(runs: list[dict], batch: int) -> list[tuple[dict, dict]]:
+    """(bare, engine) of each round of a result's `runs`: the two runs of a round
+    are made back to back."""
     mine = [r for r in runs if r["batch"] == batch]
-    bare = [r["decode_tok_s"] for r in mine if r["runner"] == "bare"]
-    engine = [r["decode_tok_s"] for r in mine if r["runner"] == "engine"]
-    return [e / b for b, e in zip(bare, engine) if b > 0 and not math.isnan(b) and not math.isnan(e)]
+    bare = [r for r in mine if r["runner"] == "bare"]
+    engine = [r for r in mine if r["runner"] == "engine"]
+    return list(zip(bare, engine))
+
+
+def pair_ratios(runs: list[dict], batch: int) -> list[float]:
+    """Engine ÷ bare decode tok/s of each round."""
+    rates = [(b["decode_tok_s"], e["decode_tok_s"]) for b, e in round_pairs(runs, batch)]
+    return [e / b for b, e in rates if b > 0 and not math.isnan(b) and not math.isnan(e)]
 
 
 def step_ratios(runs: list[dict], batch: int) -> list[float]:
     """Each round's step-accounted engine ÷ bare ratio (step_timing), for results
     that have step timings."""
-    mine = [r for r in runs if r["batch"] == batch]
-    bare = [r.get("steps") for r in mine if r["runner"] == "bare"]
-    engine = [r.get("steps") for r in mine if r["runner"] == "engine"]
-    return [step_accounted_ratio(b, e) for b, e in zip(bare, engine) if b and e and "main_cpu" in e]
+    steps = [(b.get("steps"), e.get("steps")) for b, e in round_pairs(runs, batch)]
+    return [step_accounted_ratio(b, e) for b, e in steps if b and e and "main_cpu" in e]
 
 
 def summarize_overhead(runs: list[OverheadResult]) -> list[dict]:
