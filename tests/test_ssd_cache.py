@@ -1,19 +1,22 @@
 """The SSD tier through real server processes: restarts, damaged files, the size
-cap, SIGKILL during writes, and two models sharing one folder."""
+cap, SIGKILL at known points of a block write, and two models sharing one folder."""
 
 from __future__ import annotations
 
 import json
-import random
+import os
 import shutil
 import signal
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import start_server, stop_server, wait_until
+from safetensors import SafetensorError
+from safetensors.numpy import load as st_load
+
+from tierlm.cache import block_file
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = "32"
@@ -48,7 +51,7 @@ def serve(model_path, folder: Path, *extra):
 def reference(model_path, tmp_path_factory):
     """Answers computed with no cache at all."""
     srv = start_server(model_path, tmp_path_factory.mktemp("ref") / "server.log", "--no-prefix-cache")
-    answers = {i: ask(srv, prompt(i)).choices[0].message.content for i in range(4)}
+    answers = {i: ask(srv, prompt(i)).choices[0].message.content for i in range(max(4, len(KILLS)))}
     stop_server(srv)
     return answers
 
@@ -117,7 +120,10 @@ def test_size_cap_holds_under_a_stream_of_new_prompts(model_path, tmp_path):
     try:
         for i in range(6):
             ask(srv, prompt(10 + i), max_tokens=2)
-        time.sleep(1)  # let the writer finish
+        # every stored block written (each store is enqueued; none is on disk already)
+        # and the writer idle; stores land a step after the answer, so both are needed
+        wait_until(lambda: (s := stats(srv))["ssd"]["pending_bytes"] == 0
+                   and s["ssd"]["writes"] + s["ssd"]["write_drops"] == s["stored_blocks"])
         s = stats(srv)["ssd"]
         on_disk = sum(f.stat().st_size for f in block_files(tmp_path / "ssd"))
         assert s["writes"] > 0 and s["evictions"] > 0
@@ -126,32 +132,66 @@ def test_size_cap_holds_under_a_stream_of_new_prompts(model_path, tmp_path):
         stop_server(srv)
 
 
-def test_sigkill_while_writing_never_leaves_a_block_that_loads_wrong(model_path, tmp_path, reference):
-    rng = random.Random(7)
-    for round_ in range(4):
+# (point, n): the writer stops at that point of its n-th write and the server is
+# SIGKILLed there. Writes go in chain order, so the n-th write is the prompt's n-th block.
+KILLS = [("partial", 1), ("partial", 4), ("written", 2), ("written", 5), ("renamed", 1), ("renamed", 6)]
+BEFORE_RENAME = ("partial", "written")
+
+
+def test_sigkill_mid_write_never_leaves_a_block_that_loads_wrong(model_path, tmp_path, reference, monkeypatch):
+    """Kills the server at known points of a block write (TIERLM_TEST_SSD_PAUSE, a hook
+    of the SSD writer): half the temp file written; the temp file whole and fsynced
+    but not renamed; renamed but its folder not yet fsynced. Before the rename no
+    file may be visible under the block's name; after it the file is whole. A server
+    started afterwards gives the answers of no cache at all, using exactly the
+    blocks that were renamed into place, and rejects nothing."""
+    ssd, marker = tmp_path / "ssd", tmp_path / "ssd.test-pause.json"
+    for i, (point, n) in enumerate(KILLS):
+        marker.unlink(missing_ok=True)
+        monkeypatch.setenv("TIERLM_TEST_SSD_PAUSE", f"{point}:{n}")
         srv = serve(model_path, tmp_path, "--ssd-write-through")
-        workers = [threading.Thread(target=_ask_quietly, args=(srv, prompt(i))) for i in range(4)]
-        for w in workers:
-            w.start()
-        time.sleep(rng.uniform(0.5, 3.0))
-        srv.process.send_signal(signal.SIGKILL)
-        srv.process.wait()
-        for w in workers:
-            w.join()
+        monkeypatch.delenv("TIERLM_TEST_SSD_PAUSE")
+        try:
+            assert ask(srv, prompt(i)).choices[0].message.content == reference[i]
+            wait_until(marker.exists, timeout=60)  # the writer stopped there and sleeps
+        finally:
+            os.killpg(srv.process.pid, signal.SIGKILL)
+            srv.process.wait()
+            stop_server(srv)  # closes its log
+        where = json.loads(marker.read_text())
+        tmp, final = Path(where["tmp"]), Path(where["path"])
+        assert where["point"] == point
+        if point in BEFORE_RENAME:
+            assert not final.exists(), f"killed at {point}: a file is already under the block's name"
+            assert tmp.exists() and _whole(tmp) == (point == "written"), f"killed at {point}: temp file wrong"
+        else:
+            assert not tmp.exists() and _whole(final)
+    assert all(_whole(f) for f in block_files(ssd))  # whatever is under a block's name is whole
+
+    # no hook; the temp files left by the kills are there (its scan removes those older than 60 s)
     srv = serve(model_path, tmp_path)
     try:
-        for i in range(4):
-            assert ask(srv, prompt(i)).choices[0].message.content == reference[i]
-        assert stats(srv)["ssd"]["errors"] == 0  # every file that was there was whole and right
+        for i, (point, n) in enumerate(KILLS):
+            answer = ask(srv, prompt(i))
+            assert answer.choices[0].message.content == reference[i]
+            landed = n - 1 if point in BEFORE_RENAME else n  # blocks before the n-th, and the n-th once renamed
+            assert answer.usage.prompt_tokens_details.cached_tokens == landed * int(BLOCK), (point, n)
+        s = stats(srv)["ssd"]
+        assert s["errors"] == 0 and s["reads"] == sum(n - (p in BEFORE_RENAME) for p, n in KILLS)
     finally:
         stop_server(srv)
 
 
-def _ask_quietly(server, messages):
+def _whole(path: Path) -> bool:
+    """A block file that loads and passes its own checks (checksum included)."""
     try:
-        ask(server, messages)
-    except Exception:
-        pass  # the server was killed under it
+        data, meta = path.read_bytes(), _metadata(path)
+        tokens = tuple(st_load(data)["tokens"].tolist())
+        block_file.decode(data, bytes.fromhex(meta["key"]), tokens, bytes.fromhex(meta["fingerprint"]),
+                          meta["signature"])
+    except (OSError, ValueError, KeyError, SafetensorError):  # missing, truncated, garbled
+        return False
+    return True
 
 
 def test_two_models_sharing_a_folder_never_read_each_others_blocks(model_path, tmp_path, reference):

@@ -9,10 +9,15 @@ Queue policy: blocks wait for the writer in a queue bounded by bytes
 (`max_pending_bytes`). When it is full a new block is dropped (counted in
 `write_drops`) rather than blocking decoding or growing memory: the cache is
 an optimization, and a dropped block is only recomputed later.
+
+Durability: a block file's bytes are fsynced before it is renamed into place,
+and its folder after, so after a crash or power loss a name is either absent or
+names a whole file.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -31,6 +36,18 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
 _STOP = object()
+# Test hook: TIERLM_TEST_SSD_PAUSE=<point>[:<n>] stops the writer for good at that point
+# of its n-th write (default the first), so a test can SIGKILL the process there.
+PAUSE_POINTS = ("partial", "written", "renamed")  # half the temp file; whole and fsynced; renamed
+
+
+def _fsync_dir(folder: Path) -> None:
+    """A new or renamed directory entry survives power loss only once its folder is synced."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -59,6 +76,10 @@ class SSDTier:
         self._queue: queue.Queue = queue.Queue()
         self._epoch = 0  # bumped by clear(): blocks queued before it must not land
         self.scanned = threading.Event()
+        self._pause_at, _, nth = os.environ.get("TIERLM_TEST_SSD_PAUSE", "").partition(":")
+        if self._pause_at and self._pause_at not in PAUSE_POINTS:
+            raise ValueError(f"TIERLM_TEST_SSD_PAUSE: {self._pause_at!r} is none of {PAUSE_POINTS}")
+        self._pause_nth, self._writes_begun = int(nth or 1), 0
         self._writer = threading.Thread(target=self._write_loop, name="ssd-writer", daemon=True)
         self._writer.start()
         threading.Thread(target=self._scan, name="ssd-scan", daemon=True).start()
@@ -184,13 +205,25 @@ class SSDTier:
     def _write(self, hex_key: str, tensors, meta, epoch: int) -> None:
         data = block_file.to_bytes(tensors, meta)
         path = self.path_for(hex_key)
+        new_dirs = [d for d in (path.parent.parent, path.parent) if not d.is_dir()]
         path.parent.mkdir(parents=True, exist_ok=True)
+        for d in new_dirs:  # the new folders' own entries must survive too
+            _fsync_dir(d.parent)
         if shutil.disk_usage(path.parent).free - len(data) < self.min_free_bytes:
             self.stats.write_drops += 1  # never fill the disk
             return
         tmp = path.with_name(f".{hex_key}.{uuid.uuid4().hex[:8]}.tmp")
+        self._writes_begun += 1
         with open(tmp, "wb") as f:
+            if self._pausing("partial"):
+                f.write(data[: len(data) // 2])
+                f.flush()
+                self._hold("partial", tmp, path)
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before any name points at them
+        if self._pausing("written"):
+            self._hold("written", tmp, path)
         with self._lock:  # a clear() either sees this file in the index or has made it stale
             landed = epoch == self._epoch
             if landed:
@@ -200,9 +233,26 @@ class SSDTier:
         if not landed:
             tmp.unlink(missing_ok=True)
             return
+        if self._pausing("renamed"):
+            self._hold("renamed", tmp, path)
+        _fsync_dir(path.parent)  # the rename itself survives power loss
         self.stats.writes += 1
         self.stats.write_bytes += len(data)
         self._enforce_cap()
+
+    # ---- test hook (TIERLM_TEST_SSD_PAUSE, see PAUSE_POINTS) --------------
+
+    def _pausing(self, point: str) -> bool:
+        return point == self._pause_at and self._writes_begun == self._pause_nth
+
+    def _hold(self, point: str, tmp: Path, path: Path) -> None:
+        """Leave a marker beside the cache folder saying where the writer stopped, then
+        hold this thread until the test kills the process."""
+        marker = self.dir.with_name(self.dir.name + ".test-pause.json")
+        marker.with_suffix(".tmp").write_text(json.dumps({"point": point, "tmp": str(tmp), "path": str(path)}))
+        os.replace(marker.with_suffix(".tmp"), marker)  # the test reads a whole marker
+        while True:
+            time.sleep(60)
 
     def _enforce_cap(self) -> None:
         while True:
