@@ -8,7 +8,6 @@ import pytest
 from tiny_models import tiny_model
 
 from tierlm.engine import ownership
-from tierlm.engine import scheduler as scheduler_module
 from tierlm.engine.collector import OutputCollector
 from tierlm.engine.core import EngineConfig, EngineCore
 from tierlm.engine.request import FinishReason, Request, RequestOutput, SamplingParams
@@ -178,44 +177,7 @@ def test_leaving_a_stream_early_aborts_the_request(loaded):
     assert stats["aborted_requests"] == 1 and stats["running"] == 0
 
 
-# ---- the error path ---------------------------------------------------------
-
-
-def test_a_failing_step_fails_in_flight_requests_and_the_engine_serves_on(loaded, monkeypatch):
-    """A fault we cannot cause for real: a logits processor that raises mid-decode."""
-    real = scheduler_module.make_request_processors
-
-    def faulty(params):
-        if params.seed != 666:
-            return real(params)
-        calls = []
-
-        def explode(tokens, logits):
-            calls.append(1)
-            if len(calls) == 3:
-                raise RuntimeError("injected fault")
-            return logits
-
-        return [explode]
-
-    monkeypatch.setattr(scheduler_module, "make_request_processors", faulty)
-
-    async def go():
-        engine = await started(loaded)
-        victim = engine.generate(request(loaded, engine, max_tokens=30, seed=666))
-        bystander = engine.generate(request(loaded, engine, max_tokens=30))
-        failed = await asyncio.gather(victim, bystander)
-        later = await engine.generate(request(loaded, engine, max_tokens=4))
-        alive = engine.is_alive
-        await engine.close()
-        return failed, later, alive
-
-    failed, later, alive = run(go())
-    for output in failed:
-        assert output.finish_reason == FinishReason.ERROR
-        assert "injected fault" in output.error
-    assert later.completion_tokens == 4 and later.error is None
-    assert alive
+# ---- ownership --------------------------------------------------------------
 
 
 def test_two_engines_cannot_drive_one_model(loaded):

@@ -75,6 +75,8 @@ class EngineConfig:
     ssd_write_through: bool = False
     orphan_grace_s: float = 60.0
     log_interval_s: float = 5.0
+    stall_timeout_s: float = 300.0  # a request, or the whole worker, with no progress this long fails
+    failures_to_degrade: int = 3  # consecutive failed steps after which /health says degraded
 
 
 class EngineCore:
@@ -93,6 +95,10 @@ class EngineCore:
         self._last_log = time.monotonic()
         self._last_generated = 0
         self.bursts = 0
+        self.failed_bursts = 0  # in a row; reset by a burst that works
+        self.last_failure: str | None = None
+        self._burst_started: float | None = None  # when the burst now on the worker began
+        self._watchdog: asyncio.Task | None = None
 
     # ---- life cycle -------------------------------------------------------
 
@@ -106,6 +112,7 @@ class EngineCore:
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run_loop(), name=f"engine-{self.name}")
         self._task.add_done_callback(self._on_loop_exit)
+        self._watchdog = asyncio.create_task(self._watch(), name=f"watchdog-{self.name}")
 
     def _build_scheduler(self) -> Scheduler:
         """Runs on the worker thread, which owns this engine's model and MLX stream."""
@@ -116,10 +123,11 @@ class EngineCore:
             self.profile = profile_model(self.model)
         limit = self.config.memory_limit or default_memory_limit()
         prefill_step = self.config.prefill_step_size or prefill_step_for(mx.default_device())
-        guard = MemoryGuard(self.profile, limit, prefill_step)
+        guard = MemoryGuard(self.profile, limit, prefill_step, stores_blocks=self.config.prefix_cache)
         sched_config = SchedulerConfig(
             max_running=self.config.max_running,
             prefill_step_size=prefill_step,
+            stall_timeout_s=self.config.stall_timeout_s,
         )
         log.info(
             "engine %s ready: weights %.0f MiB, KV %.1f KiB/token, memory limit %.0f MiB",
@@ -154,8 +162,26 @@ class EngineCore:
     def is_alive(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    @property
+    def degraded(self) -> str | None:
+        """Why the engine cannot be trusted to serve, or None: its steps keep
+        failing, or the worker is stuck in one. A supervisor should restart it."""
+        if self.failed_bursts >= self.config.failures_to_degrade:
+            return f"the last {self.failed_bursts} engine steps failed: {self.last_failure}"
+        return self.stuck
+
+    @property
+    def stuck(self) -> str | None:
+        """Why the worker looks stuck in one step, or None."""
+        started = self._burst_started
+        if started is None or time.monotonic() - started <= self.config.stall_timeout_s:
+            return None
+        return f"the engine worker has been in one step for {time.monotonic() - started:.0f} s"
+
     async def close(self) -> None:
         self._closed = True
+        if self._watchdog:
+            self._watchdog.cancel()
         self.abort_all_requests()
         if self._wake:
             self._wake.set()
@@ -260,12 +286,21 @@ class EngineCore:
     def _burst(self) -> list[RequestOutput]:
         """Worker thread: a burst of steps. A step that raises fails what was in
         flight right here, before any queued burst can step the broken batch."""
+        self._burst_started = time.monotonic()
+        steps_before = self.scheduler.counters.steps
         try:
-            return self._steps()
+            outputs = self._steps()
+            if self.scheduler.counters.steps > steps_before:  # a model step worked
+                self.failed_bursts = 0
+            return outputs
         except Exception as e:
             log.exception("engine %s step failed", self.name)
-            self.scheduler.fail_all(f"generation failed: {e}")
+            self.failed_bursts += 1
+            self.last_failure = f"{type(e).__name__}: {e}"
+            self.scheduler.fail_running(f"generation failed: {e}")
             return self.scheduler.take_outputs()
+        finally:
+            self._burst_started = None
 
     def _steps(self) -> list[RequestOutput]:
         """Scheduler steps until the time budget is spent, or until something the
@@ -314,6 +349,39 @@ class EngineCore:
                     self.abort_request(request_id)
                 del self._collectors[request_id]
 
+    async def _watch(self) -> None:
+        """The watchdog: while the worker is stuck in one step, every waiting reader
+        gets an error (and the engine reports degraded); a request the scheduler
+        lost ends with an error."""
+        interval = min(1.0, self.config.stall_timeout_s / 4)
+        search: asyncio.Future | None = None  # find_lost, queued on the worker between bursts
+        while not self._closed:
+            await asyncio.sleep(interval)
+            if reason := self.stuck:
+                self._fail_waiting_readers(reason)
+                continue
+            search = search or asyncio.ensure_future(self.on_worker(self.scheduler.find_lost))
+            await asyncio.wait({search}, timeout=interval)
+            if not search.done():
+                continue  # behind a long step: looked at again next time
+            lost, search = search.result(), None
+            for request_id in lost:
+                log.error("request %s was lost by the engine: ended with an error", request_id)
+                self._put_error(request_id, "the engine lost this request")
+
+    def _fail_waiting_readers(self, reason: str) -> None:
+        for rid, collector in list(self._collectors.items()):
+            if not collector.finished:
+                log.error("request %s ended: %s", rid, reason)
+                self.abort_request(rid)  # when the worker comes back, it stops generating
+                self._put_error(rid, reason)
+
+    def _put_error(self, request_id: str, message: str) -> None:
+        collector = self._collectors.get(request_id)
+        if collector is not None:
+            collector.put(RequestOutput(request_id, finished=True, finish_reason=FinishReason.ERROR,
+                                        error=message, error_type="internal"))
+
     def _on_loop_exit(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
             return
@@ -355,5 +423,10 @@ class EngineCore:
             # compare a served run with `bench engine` to see where serving costs
             "step_seconds_total": c.step_seconds,
             "bursts": self.bursts,
+            # MLX's allocator counters (no array is touched): what the memory guard holds to its limit
+            "memory_active_bytes": mx.get_active_memory(),
+            "memory_peak_bytes": mx.get_peak_memory(),
+            "memory_limit_bytes": self.scheduler.guard.limit,
             "alive": self.is_alive,
+            "degraded": self.degraded,
         }

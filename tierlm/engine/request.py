@@ -79,10 +79,11 @@ class RequestOutput:
 class MemoryGuardError(Exception):
     """A prefill would need more memory than the limit allows."""
 
-    def __init__(self, needed: int, limit: int, prompt_tokens: int):
+    def __init__(self, needed: int, limit: int, prompt_tokens: int, max_tokens: int = 0):
         self.needed, self.limit, self.prompt_tokens = needed, limit, prompt_tokens
+        generating = f" and generating up to {max_tokens} tokens" if max_tokens else ""
         super().__init__(
-            f"Request refused: processing this {prompt_tokens}-token prompt needs an "
+            f"Request refused: processing this {prompt_tokens}-token prompt{generating} needs an "
             f"estimated {needed / 2**20:.0f} MiB, above the memory limit of "
             f"{limit / 2**20:.0f} MiB. Send a shorter prompt or fewer max_tokens, "
             f"or raise --memory-limit."

@@ -20,9 +20,13 @@ from tierlm.cache.prefix_cache import PrefixCache
 from tierlm.engine.detokenizer import IncrementalText, byte_level_table
 from tierlm.engine.memory_guard import MemoryGuard
 from tierlm.engine.request import FinishReason, MemoryGuardError, Request, RequestOutput
-from tierlm.engine.sampling import make_request_processors, make_request_sampler
+from tierlm.engine.sampling import make_request_processors, make_request_sampler, repair_random_state
 
 log = logging.getLogger(__name__)
+
+
+class _RequestFault(Exception):
+    """Something built for one request raised: that request fails, alone."""
 
 
 @dataclass
@@ -30,6 +34,7 @@ class SchedulerConfig:
     max_running: int = 8
     prefill_step_size: int = 2048
     prefill_batch_size: int = 8
+    stall_timeout_s: float = 300.0  # a running request with no progress this long ends with an error
 
 
 @dataclass
@@ -44,6 +49,7 @@ class _Running:
     stored_blocks: int = 0  # leading blocks known to be in the cache
     hit_blocks: list[Block] = field(default_factory=list)  # held while running
     out: RequestOutput | None = None  # its output in the scheduler's outbox, if any
+    progress: tuple[int, int, float] = (0, 0, 0.0)  # (prefilled, generated) as last seen, and when
 
 
 @dataclass
@@ -77,6 +83,12 @@ class Scheduler:
         self._aborts: set[str] = set()
         self._aborts_lock = threading.Lock()
         self.waiting: deque[Request] = deque()
+        # ids of the requests added and not yet ended: the engine checks that every
+        # request it waits for is among them (none is ever left without an answer)
+        self.live: set[str] = set()
+        self._missing: set[str] = set()  # live ids found nowhere at the last `find_lost`
+        self._faults: dict[str, str] = {}  # request id -> what its sampler or processors raised
+        self._next_stall_check = 0.0
         self.running: dict[int, _Running] = {}  # by BatchGenerator uid
         self._uid_of: dict[str, int] = {}
         self.counters = SchedulerCounters()
@@ -101,6 +113,7 @@ class Scheduler:
     # ---- any thread -------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        self.live.add(request.request_id)
         self._incoming.put(request)
 
     def abort(self, request_id: str) -> None:
@@ -128,6 +141,19 @@ class Scheduler:
             self.counters.steps += 1
             self.counters.step_seconds += time.perf_counter() - tic
 
+    def find_lost(self) -> list[str]:
+        """Between bursts: the requests added and not ended that are neither queued,
+        waiting nor running (a bug lost them). An id must be missing at two calls in
+        a row: one being added while this runs is not in the queue yet. They are
+        forgotten here; the engine answers their readers."""
+        while not self._incoming.empty():
+            self.waiting.append(self._incoming.get_nowait())
+        known = {r.request_id for r in self.waiting} | self._uid_of.keys()
+        missing = self.live - known
+        lost, self._missing = missing & self._missing, missing - self._missing
+        self.live -= lost
+        return sorted(lost)
+
     def take_outputs(self) -> list[RequestOutput]:
         """Everything produced since the last call, one output per request."""
         outputs, self._outbox, self.urgent = list(self._outbox.values()), {}, False
@@ -136,18 +162,26 @@ class Scheduler:
         self._publish_load()
         return outputs
 
-    def fail_all(self, message: str) -> None:
-        """After a step raised: end every request with an error and start clean."""
-        failed = [r.request for r in self.running.values()] + list(self.waiting)
-        for request in failed:
-            self._error(request, message)
-        self.counters.failed_requests += len(failed)
-        for uid in list(self.running):
+    def fail_running(self, message: str) -> None:
+        """After a step raised in a way no one request can be blamed for: end the
+        requests in the batch with an error and rebuild the batch state. Blocks
+        computed before the failure stay cached; waiting requests are served next."""
+        for uid, state in list(self.running.items()):
             self._finish(uid, completed=False)
-        self.waiting.clear()
-        self._deferred_keys.clear()
-        self._to_store.clear()
-        self._gen.close()
+            self._error(state.request, message)
+            self.counters.failed_requests += 1
+        self._faults.clear()
+        try:
+            self._flush_stores()
+        except Exception:
+            log.warning("blocks computed before the failure were not stored", exc_info=True)
+            self._to_store.clear()
+        try:
+            self._gen.close()
+        except Exception:
+            log.warning("closing the failed batch raised", exc_info=True)
+        if repair_random_state():  # a compiled sampler failed outside its guard
+            log.warning("the global random state was broken by the failure: reseeded")
         self._gen = self._new_generator()
 
     def close(self) -> None:
@@ -175,17 +209,21 @@ class Scheduler:
                 self.counters.aborted_requests += 1
 
     def _admit(self) -> None:
-        admitted_bytes, deferred = 0, []
+        if not self.waiting:
+            return
+        # what running requests may still grow into, plus what this step admits
+        promised, deferred = self._growth_ahead(), []
         while self.waiting and len(self.running) < self.config.max_running:
             request = self.waiting.popleft()
-            n = len(request.prompt_tokens)
+            n, max_tokens = len(request.prompt_tokens), request.params.max_tokens
             try:
-                self.guard.check_alone(n)
+                self.guard.check_alone(n, max_tokens)
             except MemoryGuardError as e:
                 self.counters.refused_requests += 1
                 self._error(request, str(e), error_type="memory")
                 continue
-            if (self.running or admitted_bytes) and not self._make_room(n, admitted_bytes):
+            needed = self.guard.request_bytes(n, max_tokens)
+            if (self.running or promised) and not self._make_room(needed, promised):
                 self.waiting.appendleft(request)
                 break  # it fits alone: wait until running requests free memory
             lookup = self._lookup(request)
@@ -193,8 +231,13 @@ class Scheduler:
                 deferred.append(request)  # another request is computing this prefix now
                 self._deferred_keys[request.request_id] = lookup.keys
                 continue
-            admitted_bytes += self.guard.prefill_bytes(n)
-            self._insert(request, lookup)
+            promised += needed
+            try:
+                self._insert(request, lookup)
+            except _RequestFault as e:
+                log.warning("request %s refused at admission: %s", request.request_id, e)
+                self.counters.failed_requests += 1
+                self._error(request, str(e))
         self.waiting.extendleft(reversed(deferred))
 
     def _lookup(self, request: Request):
@@ -202,12 +245,18 @@ class Scheduler:
             return None
         return self.cache.lookup(request.prompt_tokens, self._deferred_keys.pop(request.request_id, None))
 
-    def _make_room(self, prompt_tokens: int, pending: int) -> bool:
-        """Whether the prefill fits now, evicting cached blocks if that is what it takes."""
-        missing = self.guard.shortfall(prompt_tokens, pending)
+    def _growth_ahead(self) -> int:
+        """The KV running requests may still add, each up to its max_tokens."""
+        return sum(self.guard.decode_bytes(s.request.params.max_tokens - s.completion_tokens)
+                   for s in self.running.values())
+
+    def _make_room(self, needed: int, promised: int) -> bool:
+        """Whether a request of `needed` bytes fits now, evicting cached blocks if
+        that is what it takes."""
+        missing = self.guard.shortfall(needed, promised)
         if missing and self.cache is not None and self.cache.hot.nbytes:
             self.cache.hot.evict_to(max(0, self.cache.hot.nbytes - missing))
-            missing = self.guard.shortfall(prompt_tokens, pending)
+            missing = self.guard.shortfall(needed, promised)
         return missing == 0
 
     def _prefix_in_flight(self, lookup) -> bool:
@@ -216,23 +265,34 @@ class Scheduler:
 
     def _insert(self, request: Request, lookup) -> None:
         params = request.params
-        stop_ids = list(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids += sorted(self.tokenizer.eos_token_ids)
         prompt = request.prompt_tokens
         hit = lookup.tokens if lookup else 0
-        caches = [self.cache.rebuild(lookup.blocks)] if hit else None
-        (uid,) = self._gen.insert_segments(
-            [self._segments(prompt, hit)],
-            max_tokens=[params.max_tokens],
-            caches=caches,
-            all_tokens=[prompt[:hit]],
-            samplers=[make_request_sampler(params)],
-            logits_processors=[make_request_processors(params)],
-            stop_sequences=[StopSequences([[t] for t in stop_ids])],
-        )
-        text = IncrementalText(self.tokenizer.detokenizer, params.stop, self._bytes_table)
-        state = _Running(request, text, cached_tokens=hit)
+        try:  # what is built for this request alone: if it raises, the request fails alone
+            on_fault = self._fault_reporter(request.request_id)
+            stop_ids = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids += sorted(self.tokenizer.eos_token_ids)
+            sampler = make_request_sampler(params, on_fault)
+            processors = make_request_processors(params, on_fault)
+            caches = [self.cache.rebuild(lookup.blocks)] if hit else None
+            text = IncrementalText(self.tokenizer.detokenizer, params.stop, self._bytes_table)
+        except Exception as e:
+            raise _RequestFault(f"could not start generation: {e}") from e
+        try:
+            (uid,) = self._gen.insert_segments(
+                [self._segments(prompt, hit)],
+                max_tokens=[params.max_tokens],
+                caches=caches,
+                all_tokens=[prompt[:hit]],
+                samplers=[sampler],
+                logits_processors=[processors],
+                stop_sequences=[StopSequences([[t] for t in stop_ids])],
+            )
+        except Exception as e:  # the batch may be half changed: the engine rebuilds it
+            self._error(request, f"generation failed: {e}")
+            self.counters.failed_requests += 1
+            raise
+        state = _Running(request, text, cached_tokens=hit, progress=(0, 0, time.monotonic()))
         if lookup:
             state.keys, state.stored_blocks, state.hit_blocks = lookup.keys, len(lookup.blocks), lookup.blocks
             self.cache.acquire(lookup.blocks)
@@ -287,7 +347,13 @@ class Scheduler:
         stopped = []
         for r in gen_responses:
             state = self.running.get(r.uid)
-            if state is not None and self._on_token(state, r.token, r.finish_reason):
+            if state is None:
+                continue
+            try:
+                ended = self._on_token(state, r.token, r.finish_reason)
+            except Exception as e:  # its detokenizer or stop matcher: this request's alone
+                ended = self._fault(state, r.finish_reason is None, f"detokenizing failed: {e}")
+            if ended:
                 if r.finish_reason is None:
                     stopped.append(r.uid)  # a stop string: BatchGenerator still runs it
                 elif self.cache is not None:
@@ -296,6 +362,57 @@ class Scheduler:
         if stopped:
             self._remove(stopped)
         self.counters.generated_tokens += len(gen_responses)
+        if self._faults:
+            self._end_faulted()
+        self._check_stalls()
+
+    def _fault_reporter(self, request_id: str):
+        """What a request's sampler and processors call with what they raised."""
+        return lambda message: self._faults.setdefault(request_id, message)
+
+    def _fault(self, state: _Running, in_batch: bool, message: str) -> bool:
+        """A request whose own piece raised ends with an error; whether it ended now
+        (else it leaves the batch with the other faulted ones, `_end_faulted`)."""
+        if in_batch:
+            self._faults.setdefault(state.request.request_id, message)
+            return False
+        log.warning("request %s failed: %s", state.request.request_id, message)
+        self.counters.failed_requests += 1
+        self._error(state.request, message)
+        return True
+
+    def _end_faulted(self) -> None:
+        """Take the requests whose sampler, processors or detokenizer raised out of
+        the batch, each with its error; the others go on."""
+        faults, self._faults = self._faults, {}
+        uids = [self._uid_of[rid] for rid in faults if rid in self._uid_of]
+        if not uids:
+            return
+        self._remove(uids)  # what they computed stays cached
+        for uid in uids:
+            state = self._finish(uid, completed=False)
+            self._fault(state, False, faults[state.request.request_id])
+
+    def _check_stalls(self) -> None:
+        """About once a second: a running request that has neither prefilled nor
+        generated anything for `stall_timeout_s` ends with an error (a watchdog
+        for a request the batch has stopped serving)."""
+        now = time.monotonic()
+        if now < self._next_stall_check:
+            return
+        self._next_stall_check = now + 1.0
+        stalled = []
+        for uid, state in self.running.items():
+            seen = (state.prefilled_tokens, state.completion_tokens)
+            if seen != state.progress[:2]:
+                state.progress = (*seen, now)
+            elif now - state.progress[2] > self.config.stall_timeout_s:
+                stalled.append(uid)
+        if stalled:
+            self._remove(stalled)
+            for uid in stalled:
+                state = self._finish(uid, completed=False)
+                self._fault(state, False, f"no progress for {self.config.stall_timeout_s:g} s")
 
     def _prompt_end_can_wait(self, state: _Running) -> bool:
         """Whether the end of the prompt can wait for the request's end: sliced KV
@@ -380,6 +497,7 @@ class Scheduler:
         return out
 
     def _end(self, request: Request, reason: FinishReason) -> RequestOutput:
+        self.live.discard(request.request_id)
         out = self._output_of(request)
         out.finished, out.finish_reason, self.urgent = True, reason, True
         return out

@@ -1,0 +1,303 @@
+"""A failing request fails alone; a failed step is rebuilt from; no request is
+left without an answer. Each test provokes one fault in a real engine on the
+default model, then checks that the next 20 requests are served normally.
+
+Requests go to the engine directly, past the HTTP validation that refuses the
+values provoking the real faults (a top_k of the vocabulary's size, a seed out of
+range): the engine must survive them even if validation one day lets one by.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from tierlm.engine import sampling as sampling_module
+from tierlm.engine import scheduler as scheduler_module
+from tierlm.engine.core import EngineConfig, EngineCore
+from tierlm.engine.request import FinishReason, Request, SamplingParams
+from tierlm.models.loader import load_model
+
+QUESTION = [{"role": "user", "content": "Write a poem about autumn leaves."}]
+
+
+@pytest.fixture(scope="module")
+def loaded(model_path):
+    return load_model(model_path)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def started(loaded, **config) -> EngineCore:
+    engine = EngineCore(f"faults-{id(config)}", lambda: loaded, EngineConfig(**config))
+    await engine.start()
+    return engine
+
+
+def request(loaded, engine, max_tokens=8, text=QUESTION, **params) -> Request:
+    tokens = loaded[1].apply_chat_template(text, add_generation_prompt=True)
+    params.setdefault("temperature", 0)
+    return Request(engine.new_request_id(), tokens, SamplingParams(max_tokens=max_tokens, **params))
+
+
+async def next_twenty_succeed(loaded, engine) -> None:
+    """Twenty requests at once, greedy and sampled: all finish without an error, and
+    the greedy ones give the answer of the first greedy request."""
+    requests = [request(loaded, engine, max_tokens=6, ignore_eos=True) for _ in range(10)]
+    requests += [request(loaded, engine, max_tokens=6, temperature=0.8, top_k=40, seed=i, ignore_eos=True)
+                 for i in range(10)]
+    outputs = await asyncio.gather(*(engine.generate(r) for r in requests))
+    assert [o.error for o in outputs] == [None] * 20
+    assert all(o.completion_tokens == 6 for o in outputs)
+    assert len({o.text for o in outputs[:10]}) == 1
+    assert engine.degraded is None and engine.is_alive
+
+
+def test_a_top_k_the_sampler_refuses_fails_that_request_alone(loaded):
+    """A real fault: mlx-lm's compiled top-k raises for k == vocabulary size, and
+    left the global random state broken for every later random draw."""
+    vocab = loaded[0].model.embed_tokens.weight.shape[0]
+
+    async def go():
+        engine = await started(loaded)
+        alone = await engine.generate(request(loaded, engine, max_tokens=12))
+        victim = engine.generate(request(loaded, engine, max_tokens=12, temperature=1.0, top_k=vocab))
+        bystander = engine.generate(request(loaded, engine, max_tokens=12))
+        sampled = engine.generate(request(loaded, engine, max_tokens=12, temperature=1.0, seed=3))
+        results = await asyncio.gather(victim, bystander, sampled)
+        await next_twenty_succeed(loaded, engine)
+        stats = engine.get_stats()
+        await engine.close()
+        return alone, results, stats
+
+    alone, (victim, bystander, sampled), stats = run(go())
+    assert victim.finish_reason == FinishReason.ERROR and "top_k" in victim.error
+    assert bystander.error is None and bystander.text == alone.text
+    assert sampled.error is None and sampled.completion_tokens >= 1
+    assert stats["failed_requests"] == 1
+
+
+def test_a_seed_out_of_range_fails_at_admission_instead_of_hanging(loaded):
+    async def go():
+        engine = await started(loaded)
+        bad = [engine.generate(request(loaded, engine, temperature=1.0, seed=s)) for s in (-1, 2**64)]
+        beside = engine.generate(request(loaded, engine, max_tokens=8))
+        outputs = await asyncio.wait_for(asyncio.gather(*bad, beside), timeout=60)
+        await next_twenty_succeed(loaded, engine)
+        await engine.close()
+        return outputs
+
+    low, high, beside = run(go())
+    for output in (low, high):
+        assert output.finish_reason == FinishReason.ERROR and "could not start" in output.error
+    assert beside.error is None and beside.completion_tokens == 8
+
+
+def exploding_processors(monkeypatch, seed: int, after: int = 3):
+    """Requests with this seed get a logits processor that raises on its third call."""
+    real_make = scheduler_module.make_request_processors
+
+    def make(params, on_fault):
+        processors = real_make(params, on_fault)
+        if params.seed != seed:
+            return processors
+        calls = []
+
+        def explode(tokens, logits):
+            calls.append(1)
+            if len(calls) == after:
+                raise RuntimeError("injected processor fault")
+            return logits
+
+        return [*processors, sampling_module.guard_processor(explode, on_fault)]
+
+    monkeypatch.setattr(scheduler_module, "make_request_processors", make)
+
+
+def test_a_logits_processor_that_raises_fails_its_request_alone(loaded, monkeypatch):
+    """A fault we cannot cause for real (mlx-lm's processors take what validation
+    lets through): one that raises mid-decode."""
+    exploding_processors(monkeypatch, seed=666)
+
+    async def go():
+        engine = await started(loaded)
+        alone = await engine.generate(request(loaded, engine, max_tokens=30))
+        victim = engine.generate(request(loaded, engine, max_tokens=30, seed=666))
+        bystander = engine.generate(request(loaded, engine, max_tokens=30))
+        results = await asyncio.gather(victim, bystander)
+        await next_twenty_succeed(loaded, engine)
+        await engine.close()
+        return alone, results
+
+    alone, (victim, bystander) = run(go())
+    assert victim.finish_reason == FinishReason.ERROR and "injected processor fault" in victim.error
+    assert victim.completion_tokens >= 1  # what it made before the fault reached its stream
+    assert bystander.error is None and bystander.text == alone.text
+
+
+def test_a_detokenizer_that_raises_fails_its_request_alone(loaded, monkeypatch):
+    """A fault we cannot cause for real: the text of one request's token raises."""
+
+    class Exploding(scheduler_module.IncrementalText):
+        def add(self, token: int) -> str:
+            if "<explode>" in self._stop:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+            return super().add(token)
+
+    monkeypatch.setattr(scheduler_module, "IncrementalText", Exploding)
+
+    async def go():
+        engine = await started(loaded)
+        alone = await engine.generate(request(loaded, engine, max_tokens=20))
+        victim = engine.generate(request(loaded, engine, max_tokens=20, stop=["<explode>"]))
+        bystander = engine.generate(request(loaded, engine, max_tokens=20))
+        results = await asyncio.gather(victim, bystander)
+        await next_twenty_succeed(loaded, engine)
+        await engine.close()
+        return alone, results
+
+    alone, (victim, bystander) = run(go())
+    assert victim.finish_reason == FinishReason.ERROR and "detokenizing failed" in victim.error
+    assert bystander.error is None and bystander.text == alone.text
+
+
+def failing_steps(monkeypatch, times: int, after: int = 2):
+    """BatchGenerator.next raises `times` times in a row, once `after` calls went
+    well: a fault in the batch that no one request can be blamed for."""
+    real = scheduler_module.BatchGenerator.next
+    calls = {"n": 0}
+
+    def next_(self):
+        calls["n"] += 1
+        if after < calls["n"] <= after + times:
+            raise RuntimeError("injected step fault")
+        return real(self)
+
+    monkeypatch.setattr(scheduler_module.BatchGenerator, "next", next_)
+
+
+def test_a_failed_step_fails_the_batch_keeps_its_blocks_and_serves_the_queue(loaded, monkeypatch):
+    failing_steps(monkeypatch, times=1)
+    long_question = [{"role": "user", "content": "Tell me about the sea. " * 40}]
+
+    async def go():
+        engine = await started(loaded, max_running=2, cache_block_size=32)
+        running = [engine.generate(request(loaded, engine, max_tokens=40, text=long_question)) for _ in range(2)]
+        queued = engine.generate(request(loaded, engine, max_tokens=8))  # waits for a slot
+        failed = await asyncio.gather(*running)
+        served = await queued
+        again = await engine.generate(request(loaded, engine, max_tokens=8, text=long_question))
+        await next_twenty_succeed(loaded, engine)
+        stats = engine.get_stats()
+        await engine.close()
+        return failed, served, again, stats
+
+    failed, served, again, stats = run(go())
+    for output in failed:
+        assert output.finish_reason == FinishReason.ERROR and "injected step fault" in output.error
+    assert served.error is None and served.completion_tokens == 8
+    assert again.error is None and again.cached_tokens > 0  # its prefill was stored before the fault
+    assert stats["failed_requests"] == 2
+
+
+def test_steps_that_keep_failing_make_the_engine_degraded_until_one_works(loaded, monkeypatch):
+    failing_steps(monkeypatch, times=3, after=0)
+
+    async def go():
+        engine = await started(loaded, failures_to_degrade=3)
+        outputs = [await engine.generate(request(loaded, engine)) for _ in range(3)]
+        degraded = engine.degraded
+        await next_twenty_succeed(loaded, engine)  # the fourth step works again
+        await engine.close()
+        return outputs, degraded
+
+    outputs, degraded = run(go())
+    assert all(o.finish_reason == FinishReason.ERROR for o in outputs)
+    assert degraded and "injected step fault" in degraded
+
+
+def test_a_request_that_stops_progressing_is_ended_by_the_watchdog(loaded, monkeypatch):
+    """A fault we cannot cause for real: the batch stops returning one request's tokens."""
+    real = scheduler_module.BatchGenerator.next
+    starved: set[int] = set()
+
+    def next_(self):
+        prompts, tokens = real(self)
+        return prompts, [r for r in tokens if r.uid not in starved]
+
+    monkeypatch.setattr(scheduler_module.BatchGenerator, "next", next_)
+
+    async def go():
+        engine = await started(loaded, stall_timeout_s=1.0)
+        victim = request(loaded, engine, max_tokens=100_000, ignore_eos=True)
+        collector = engine.add_request(victim)
+        await collector.get()  # its first token: it is running
+        starved.add(engine.scheduler._uid_of[victim.request_id])
+        beside = await engine.generate(request(loaded, engine, max_tokens=8))
+        ended = await asyncio.wait_for(collector.get(), timeout=60)
+        while not ended.finished:
+            ended = await asyncio.wait_for(collector.get(), timeout=60)
+        await next_twenty_succeed(loaded, engine)
+        await engine.close()
+        return ended, beside
+
+    ended, beside = run(go())
+    assert ended.finish_reason == FinishReason.ERROR and "no progress" in ended.error
+    assert beside.error is None
+
+
+def test_a_request_the_scheduler_loses_is_answered_by_the_watchdog(loaded, monkeypatch):
+    """A fault we cannot cause for real: admission drops a request on the floor."""
+    real = scheduler_module.Scheduler._admit
+
+    def admit(self):
+        self.waiting = type(self.waiting)(r for r in self.waiting if r.params.seed != 404)
+        real(self)
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_admit", admit)
+
+    async def go():
+        engine = await started(loaded, stall_timeout_s=2.0)
+        lost = await asyncio.wait_for(engine.generate(request(loaded, engine, seed=404)), timeout=60)
+        await next_twenty_succeed(loaded, engine)
+        await engine.close()
+        return lost
+
+    lost = run(go())
+    assert lost.finish_reason == FinishReason.ERROR and "lost" in lost.error
+
+
+def test_a_stuck_worker_degrades_the_engine_and_answers_its_readers(loaded, monkeypatch):
+    """A fault we cannot cause for real: one model step that does not return."""
+    real = scheduler_module.BatchGenerator.next
+    release, stuck = threading.Event(), threading.Event()
+
+    def next_(self):
+        if not release.is_set():
+            stuck.set()
+            release.wait(60)
+        return real(self)
+
+    monkeypatch.setattr(scheduler_module.BatchGenerator, "next", next_)
+
+    async def go():
+        engine = await started(loaded, stall_timeout_s=1.0)
+        waiting = await asyncio.wait_for(engine.generate(request(loaded, engine)), timeout=60)
+        degraded = engine.degraded
+        release.set()
+        for _ in range(200):  # the step returns; the next burst that works clears it
+            if engine.degraded is None and not engine.scheduler.has_work():
+                break
+            await asyncio.sleep(0.05)
+        await next_twenty_succeed(loaded, engine)
+        await engine.close()
+        return waiting, degraded
+
+    waiting, degraded = run(go())
+    assert stuck.is_set()
+    assert waiting.finish_reason == FinishReason.ERROR and "one step" in waiting.error
+    assert degraded and "one step" in degraded
