@@ -44,10 +44,57 @@ def assert_openai_error(response, status, param=None):
         ({"messages": "hi"}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
         ({"messages": MSG, "logprobs": True}, "logprobs"),
+        # values that passed validation and then broke the engine or the handler
+        ({"messages": MSG, "temperature": 1, "top_k": 49153}, "top_k"),
+        ({"messages": MSG, "top_k": -2}, "top_k"),
+        ({"messages": MSG, "temperature": 1, "seed": 2**64}, "seed"),
+        ({"messages": MSG, "seed": -(2**63) - 1}, "seed"),
+        ({"messages": MSG, "logit_bias": {"\u00b2": 1}}, "logit_bias"),
+        ({"messages": MSG, "logit_bias": {"\u2460": 1}}, "logit_bias"),
+        ({"messages": MSG, "logit_bias": {"49152": 1}}, "logit_bias"),
+        ({"messages": MSG, "logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"messages": MSG, "stop_token_ids": [2**64]}, "stop_token_ids"),
+        ({"messages": MSG, "stop": ["x"] * 17}, "stop"),
+        ({"messages": MSG, "chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+        ({"messages": MSG, "chat_template_kwargs": {"return_tensors": "np"}}, "chat_template_kwargs"),
+        ({"messages": MSG, "chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
+        ({"messages": MSG, "chat_template": "{{ messages }}"}, "chat_template"),
     ],
 )
 def test_invalid_chat_bodies(server, body, param):
     assert_openai_error(post(server, "/chat/completions", body), 400, param)
+
+
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        ('{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+        ('{"messages": [{"role": "user", "content": [{"type": "\\udfff", "text": "x"}]}]}',
+         "messages.0.content.0.type"),
+        ('{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages.0.content"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', "top_p"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": -Infinity}}', "logit_bias.5"),
+    ],
+)
+def test_text_that_is_not_unicode_and_numbers_that_are_not_finite(server, raw, param):
+    """Raw JSON: lone surrogates and NaN/Infinity literals, which Python's parser accepts."""
+    r = httpx.post(server.v1 + "/chat/completions", content=raw.encode(),
+                   headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, param)
+
+
+def test_a_top_k_of_the_vocabulary_size_means_all_tokens(client):
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MSG, max_tokens=3,
+                                       temperature=1, seed=1, extra_body={"top_k": 49152})
+    assert r.usage.completion_tokens >= 1
+
+
+def test_a_negative_seed_is_a_seed(client):
+    def ask(seed):
+        return client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MSG, max_tokens=8,
+                                              temperature=1, seed=seed).choices[0].message.content
+    assert ask(-1) == ask(-1) == ask(2**64 - 1)  # read as its uint64
 
 
 @pytest.mark.parametrize(
@@ -59,6 +106,10 @@ def test_invalid_chat_bodies(server, body, param):
         {"prompt": [1, 2, 10**9]},
         {"prompt": "hi", "best_of": 3},
         {"prompt": 42},
+        {"prompt": [-1, 5]},
+        {"prompt": [2**64, 5]},
+        {"prompt": [-1], "echo": True},
+        {"prompt": "hi", "seed": -(2**64)},
     ],
 )
 def test_invalid_completion_bodies(server, body):
@@ -110,6 +161,29 @@ def test_body_too_large_is_413(server):
     r = httpx.post(server.v1 + "/chat/completions", content=body,
                    headers={"content-type": "application/json"}, timeout=60)
     assert_openai_error(r, 413)
+
+
+def test_a_chunked_body_over_the_limit_is_413(server):
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(33):
+            yield b"a" * 2**20
+        yield b'"}'
+
+    r = httpx.post(server.v1 + "/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert "content-length" not in r.request.headers
+    assert_openai_error(r, 413)
+
+
+def test_a_chunked_body_under_the_limit_is_served(server):
+    def chunks():
+        yield b'{"prompt": "Hello, my name is", '
+        yield b'"max_tokens": 3, "temperature": 0}'
+
+    r = httpx.post(server.v1 + "/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_server_still_serves_after_bad_input(client):

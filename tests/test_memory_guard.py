@@ -28,3 +28,51 @@ def test_long_prompt_is_refused_short_prompt_served(small_server):
                                         messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert ok.usage.completion_tokens >= 1
     assert small_server.process.poll() is None
+
+
+
+@pytest.fixture(scope="module")
+def kv_heavy_server(model_path, tmp_path_factory):
+    """A random model with small weights (~18 MB) and a lot of KV per token (8
+    layers x 8 KV heads x 64 x float32 = 32 KiB), so a few hundred tokens fill a
+    100 MB limit fast, without hours of CPU."""
+    from tierlm.bench import gpu
+
+    gpu.PRESETS["kv-heavy"] = {**gpu.PRESETS["tiny"], "num_hidden_layers": 8, "num_attention_heads": 8,
+                               "num_key_value_heads": 8, "head_dim": 64}
+    try:
+        folder = gpu.make_random_model("kv-heavy", tmp_path_factory.mktemp("kv-heavy") / "model",
+                                       model_path, "float32")
+    finally:
+        del gpu.PRESETS["kv-heavy"]
+    srv = start_server(folder, folder.parent / "server.log", "--memory-limit", "100MB", "--no-ssd-cache")
+    yield srv
+    stop_server(srv)
+
+
+def test_requests_needing_twice_the_limit_together_wait_their_turn(kv_heavy_server):
+    """Twelve requests of 400 prompt tokens and 200 generated ones: each fits alone;
+    together their KV is more than twice the limit. They wait their turn, all are
+    served in full, and MLX's peak memory never passes the limit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = kv_heavy_server.client()
+
+    def ask(i):
+        return client.completions.create(model="model", prompt=[100 + i] * 400, max_tokens=200,
+                                         temperature=0, extra_body={"ignore_eos": True})
+
+    with ThreadPoolExecutor(12) as pool:
+        replies = list(pool.map(ask, range(12)))
+    assert [r.usage.completion_tokens for r in replies] == [200] * 12
+    stats = kv_heavy_server.stats()
+    kv_bytes = 12 * 600 * 8 * 2 * 8 * 64 * 4  # requests x tokens x layers x (K, V) x heads x head_dim x fp32
+    assert kv_bytes > 2 * stats["memory_limit_bytes"]
+    assert stats["memory_peak_bytes"] <= stats["memory_limit_bytes"]
+    assert kv_heavy_server.process.poll() is None
+
+
+def test_a_request_whose_generation_cannot_fit_is_refused_up_front(kv_heavy_server):
+    with pytest.raises(openai.BadRequestError) as e:
+        kv_heavy_server.client().completions.create(model="model", prompt=[5] * 10, max_tokens=5000)
+    assert e.value.body["code"] == "memory_limit" and "generating up to 5000 tokens" in e.value.body["message"]

@@ -38,7 +38,11 @@ _HELP = {
     "ssd_cache_size": "disk for cached blocks (bytes, 50GB, or 10%% of the disk)",
     "ssd_write_through": "write every block to SSD at once instead of when it leaves memory",
     "sse_keepalive_s": "seconds between SSE keep-alive comments while waiting",
-    "max_body_bytes": "largest request body accepted",
+    "max_body_bytes": "largest request body accepted, chunked or not",
+    "allow_client_chat_template": "render a chat_template sent in a request (bounded to 2 s and 16M "
+                                  "characters; default off: a template is code)",
+    "stall_timeout_s": "a request, or the engine's worker, with no progress this long ends with an "
+                       "error (and /health says degraded while the worker is stuck)",
     "log_level": "debug, info, warning or error",
 }
 

@@ -43,6 +43,8 @@ class Settings:
     ssd_write_through: bool = False
     sse_keepalive_s: float = 5.0
     max_body_bytes: int = 32 * 2**20
+    allow_client_chat_template: bool = False
+    stall_timeout_s: float = 300.0
     log_level: str = "info"
 
 

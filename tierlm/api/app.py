@@ -39,6 +39,7 @@ def engine_config(settings: Settings, model_path: Path) -> EngineConfig:
         decode_burst_ms=settings.decode_burst_ms,
         decode_burst_ms_batched=settings.decode_burst_ms_batched,
         stream_interval=settings.stream_interval,
+        stall_timeout_s=settings.stall_timeout_s,
     )
 
 
@@ -107,6 +108,8 @@ def create_app(settings: Settings, model_path: Path) -> FastAPI:
             return JSONResponse({"status": "loading"}, status_code=503)
         if not served.engine.is_alive:
             return JSONResponse({"status": "error", "detail": "engine loop stopped"}, status_code=503)
+        if reason := served.engine.degraded:
+            return JSONResponse({"status": "degraded", "detail": reason}, status_code=503)
         return {"status": "ok", "model": served.info.name}
 
     @app.get("/v1/cache/stats")
@@ -136,18 +139,24 @@ def _ready(app: FastAPI) -> ServedModel:
 
 
 class RequestGate:
-    """Body-size limit and API key, as plain ASGI middleware: Starlette's
-    BaseHTTPMiddleware would hide client disconnects from the handlers."""
+    """Body-size limit, API key, and the last line against a bug: plain ASGI
+    middleware, as Starlette's BaseHTTPMiddleware would hide client disconnects
+    from the handlers."""
 
     def __init__(self, app, settings: Settings):
         self.app, self.settings = app, settings
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            rejection = self._check(Request(scope))
-            if rejection is not None:
-                return await rejection(scope, receive, send)
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        rejection = self._check(request)
+        if rejection is None and "content-length" not in request.headers:
+            # a chunked body has no length to check up front: read it here, up to the limit
+            receive, rejection = await self._read_capped(receive)
+        if rejection is not None:
+            return await rejection(scope, receive, send)
+        await self._guarded(scope, receive, send)
 
     def _check(self, request: Request) -> JSONResponse | None:
         limit = self.settings.max_body_bytes
@@ -159,6 +168,49 @@ class RequestGate:
         if key and request.url.path.startswith("/v1") and not _authorized(request, key):
             return error_response(401, "invalid or missing API key", code="invalid_api_key")
         return None
+
+    async def _read_capped(self, receive):
+        """(a receive that replays the body, then passes through; or a 413)."""
+        limit, parts, size = self.settings.max_body_bytes, [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                parts = None  # the client left: let the app see it
+                break
+            size += len(message.get("body", b""))
+            if size > limit:
+                return receive, error_response(413, f"request body is over the {limit}-byte limit",
+                                               code="request_too_large")
+            parts.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replay = [message] if parts is None else [{"type": "http.request", "body": b"".join(parts)}]
+
+        async def replaying():
+            return replay.pop() if replay else await receive()
+
+        return replaying, None
+
+    async def _guarded(self, scope, receive, send):
+        """A bug answers 500 in the error shape, on a connection that stays usable:
+        Starlette's catch-all handler re-raises, and the server then drops the
+        keep-alive connection under the client's next request."""
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:
+            log.exception("unhandled error")
+            if not started:
+                response = error_response(500, f"internal error: {type(e).__name__}", code="internal_error")
+                await response(scope, receive, send)
+            else:  # mid-response: end it whole, at least
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _authorized(request: Request, key: str) -> bool:

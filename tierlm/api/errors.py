@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -39,8 +40,16 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code}}
 
 
+class ErrorResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error can quote any text a client sent,
+    even a lone surrogate that UTF-8 cannot encode, and must still go out."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    return ErrorResponse(error_body(status, message, param, code), status_code=status)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -59,7 +68,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return ErrorResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):

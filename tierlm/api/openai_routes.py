@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-import jinja2
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
@@ -15,9 +15,12 @@ from tierlm.api.errors import APIError, error_body
 from tierlm.api.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tierlm.api.served_model import ServedModel, raise_for_error, usage
 from tierlm.api.sse import DONE, KEEPALIVE, sse_data
+from tierlm.api.templates import render_chat_template
+from tierlm.api.validation import check_template_args
 from tierlm.engine.request import FinishReason, Request, RequestOutput
 
 router = APIRouter(prefix="/v1")
+log = logging.getLogger(__name__)
 
 
 def served(http: HTTPRequest, requested: str | None) -> ServedModel:
@@ -70,7 +73,7 @@ def _flatten_content(content) -> str:
     return "".join(texts)
 
 
-def _render_chat(model: ServedModel, body: ChatCompletionRequest) -> list[int]:
+def _render_chat(model: ServedModel, body: ChatCompletionRequest, allow_client_template: bool) -> list[int]:
     messages = []
     for m in body.messages:
         message = {"role": "system" if m.role == "developer" else m.role, "content": _flatten_content(m.content)}
@@ -78,20 +81,18 @@ def _render_chat(model: ServedModel, body: ChatCompletionRequest) -> list[int]:
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
         messages.append(message)
-    kwargs = dict(body.chat_template_kwargs or {})
+    kwargs = check_template_args(body.chat_template_kwargs)
     if body.tools:
         kwargs["tools"] = body.tools
-    try:
-        return list(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
-    except (jinja2.TemplateError, ValueError, TypeError) as e:
-        raise APIError(400, f"the chat template rejected these messages: {e}", "messages") from e
+    return render_chat_template(model.tokenizer, messages, kwargs, body.chat_template, allow_client_template)
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     model = served(http, body.model)
     _reject_unsupported(body)
-    tokens = await asyncio.to_thread(_render_chat, model, body)
+    allow_template = http.app.state.settings.allow_client_chat_template
+    tokens = await asyncio.to_thread(_render_chat, model, body, allow_template)
     request = model.make_request("chatcmpl", tokens, body, body.max_completion_tokens or body.max_tokens)
     if body.stream:
         return _sse_response(_chat_chunks(model, request, body, http))
@@ -134,25 +135,32 @@ def _chat_chunks(model, request, body, http) -> AsyncIterator[str]:
 # ---- text completions -------------------------------------------------------
 
 
-def _prompt_tokens(model: ServedModel, prompt) -> tuple[list[int], str]:
+def _prompt_tokens(model: ServedModel, prompt) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return list(model.tokenizer.encode(prompt)), prompt
+        return list(model.tokenizer.encode(prompt))
     if prompt and all(isinstance(t, int) for t in prompt):
-        return list(prompt), model.tokenizer.decode(prompt)
+        return list(prompt)
     if not prompt:
         raise APIError(400, "the prompt is empty", "prompt", "empty_prompt")
     raise APIError(400, "send one prompt per request (prompt arrays are not supported)", "prompt")
+
+
+def _prompt_text(model: ServedModel, prompt, tokens: list[int]) -> str:
+    """The prompt as text, for `echo`; token ids are decoded once validated."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    return prompt if isinstance(prompt, str) else model.tokenizer.decode(tokens)
 
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, http: HTTPRequest):
     model = served(http, body.model)
     _reject_unsupported(body)
-    tokens, prompt_text = await asyncio.to_thread(_prompt_tokens, model, body.prompt)
+    tokens = await asyncio.to_thread(_prompt_tokens, model, body.prompt)
     request = model.make_request("cmpl", tokens, body, body.max_tokens or 16)
-    echo = prompt_text if body.echo else ""
+    echo = _prompt_text(model, body.prompt, tokens) if body.echo else ""
     if body.stream:
         return _sse_response(_completion_chunks(model, request, body, http, echo))
     output = await model.generate_unless_disconnected(request, http)
@@ -230,6 +238,10 @@ async def _stream(
                 yield sse_data(final(output))
                 if body.stream_options and body.stream_options.include_usage:
                     yield sse_data(usage_chunk(output))
+        yield DONE
+    except Exception as e:  # a bug: the stream still ends with an error event, never silence
+        log.exception("stream of %s failed", request.request_id)
+        yield sse_data(error_body(500, f"internal error: {type(e).__name__}", code="internal_error"))
         yield DONE
     finally:
         await outputs.aclose()  # aborts the request if it has not finished

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tierlm.api.errors import APIError
+from tierlm.api.validation import SEED_MAX, SEED_MIN, find_lone_surrogate
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and Infinity (which Python's JSON parser accepts) are no numbers to sample with
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -17,7 +21,16 @@ class StreamOptions(_Body):
 
 
 class SamplingFields(_Body):
-    """Fields shared by chat and text completions (vLLM's extras included)."""
+    """Fields shared by chat and text completions (vLLM's extras included). The
+    ranges that depend on the model are checked in api/validation.py."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data):
+        if (where := find_lone_surrogate(data)) is not None:
+            raise APIError(400, f"'{where}': the text holds a lone UTF-16 surrogate, which is not "
+                           "valid Unicode", where, "invalid_value")
+        return data
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -29,7 +42,7 @@ class SamplingFields(_Body):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -38,16 +51,6 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias_range(cls, v):
-        for token, bias in (v or {}).items():
-            if not token.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError("logit_bias values must be between -100 and 100")
-        return v
-
     @field_validator("n")
     @classmethod
     def _single_choice(cls, v):
@@ -55,12 +58,6 @@ class SamplingFields(_Body):
             raise ValueError("only n=1 is supported")
         return v
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_list(cls, v):
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop strings")
-        return v
 
 
 class ContentPart(_Body):
@@ -83,6 +80,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused unless the server allows client templates
 
 
 class CompletionRequest(SamplingFields):

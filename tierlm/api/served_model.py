@@ -9,6 +9,7 @@ from fastapi import Request as HTTPRequest
 
 from tierlm.api.errors import APIError
 from tierlm.api.openai_schemas import SamplingFields
+from tierlm.api.validation import check_request, parse_logit_bias
 from tierlm.engine.core import EngineCore
 from tierlm.engine.request import MemoryGuardError, Request, RequestOutput, SamplingParams
 from tierlm.models.loader import ModelInfo, usable_vocab_size
@@ -47,41 +48,37 @@ class ServedModel:
                 f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
                 "max_tokens", "context_length_exceeded",
             )
+        max_tokens = max_tokens if max_tokens is not None else context - prompt_tokens
         try:
-            self.engine.scheduler.guard.check_alone(prompt_tokens)
+            self.engine.scheduler.guard.check_alone(prompt_tokens, max_tokens)
         except MemoryGuardError as e:
             raise APIError(400, str(e), "messages", "memory_limit") from e
-        return max_tokens if max_tokens is not None else context - prompt_tokens
+        return max_tokens
 
     def sampling_params(self, body: SamplingFields, max_tokens: int) -> SamplingParams:
-        bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
-        for token in [*bias, *(body.stop_token_ids or [])]:
-            if not 0 <= token < self.vocab_size:
-                raise APIError(400, f"token id {token} is outside the vocabulary", "logit_bias")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        """The OpenAI fields as the engine's params, before `check_request` holds
+        them against the model."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=max(0, body.top_k or 0),
+            top_k=body.top_k or 0,
             min_p=body.min_p or 0.0,
             repetition_penalty=body.repetition_penalty or 1.0,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            logit_bias=bias or None,
+            logit_bias=parse_logit_bias(body.logit_bias) or None,
             seed=body.seed,
-            stop=stop,
+            stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
         )
 
     def make_request(self, prefix: str, tokens: list[int], body: SamplingFields, max_tokens: int | None) -> Request:
-        if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):  # min/max: C speed on long prompts
-            bad = next(t for t in tokens if not 0 <= t < self.vocab_size)
-            raise APIError(400, f"prompt token id {bad} is outside this model's vocabulary [0, {self.vocab_size})",
-                           "prompt" if prefix == "cmpl" else "messages", "invalid_token_id")
         limit = self.check_prompt(len(tokens), max_tokens)
-        return Request(self.engine.new_request_id(prefix), tokens, self.sampling_params(body, limit))
+        params = check_request(self.sampling_params(body, limit), tokens, self.vocab_size,
+                               {"prompt": "prompt" if prefix == "cmpl" else "messages"})
+        return Request(self.engine.new_request_id(prefix), tokens, params)
 
     async def generate_unless_disconnected(self, request: Request, http: HTTPRequest) -> RequestOutput:
         """Run to completion, aborting if the client goes away meanwhile."""

@@ -1,0 +1,90 @@
+"""A bug answers a 500 in the error shape, whole, on a connection the client can
+use again; a bug mid-stream ends the stream with an error event and [DONE].
+
+The bugs are injected (a fault we cannot cause for real once validation is
+right) into a real server running in this process on a loopback port.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from tierlm.api import openai_routes
+from tierlm.api.app import create_app
+from tierlm.bench.servers import free_port
+from tierlm.config import Settings
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def app_url(model_path):
+    settings = Settings(ssd_cache=False)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, model_path), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    yield url
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture
+def buggy_template(monkeypatch):
+    real = openai_routes._render_chat
+
+    def render(model, body, allow_template):
+        if body.messages[-1].content == "boom":
+            raise RuntimeError("injected bug")
+        return real(model, body, allow_template)
+
+    monkeypatch.setattr(openai_routes, "_render_chat", render)
+
+
+def test_a_500_leaves_the_keep_alive_connection_usable(app_url, buggy_template):
+    with httpx.Client(base_url=app_url + "/v1", timeout=60) as client:
+        statuses = []
+        for i in range(20):
+            content = "boom" if i % 2 == 0 else "hi"
+            r = client.post("/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                       "max_tokens": 2, "temperature": 0})
+            statuses.append(r.status_code)
+            if r.status_code == 500:
+                error = r.json()["error"]
+                assert error["code"] == "internal_error" and "RuntimeError" in error["message"]
+                assert r.headers.get("connection", "").lower() != "close"
+        pool = client._transport._pool
+        assert len(pool.connections) == 1  # one connection served all twenty
+    assert statuses == [500, 200] * 10
+
+
+def test_a_bug_mid_stream_ends_with_an_error_event_and_done(app_url, monkeypatch):
+    def broken_usage(output):
+        raise RuntimeError("injected bug in the usage chunk")
+
+    monkeypatch.setattr(openai_routes, "usage", broken_usage)
+    with httpx.Client(base_url=app_url + "/v1", timeout=60) as client:
+        body = {"messages": MSG, "max_tokens": 3, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with client.stream("POST", "/chat/completions", json=body) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        assert '"internal_error"' in lines[-2]
+        monkeypatch.undo()
+        ok = client.post("/chat/completions", json={"messages": MSG, "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200
