@@ -7,7 +7,7 @@ extras=""
 
 # MLX's Linux CPU backend is slow on its bundled reference BLAS; tierlm loads
 # OpenBLAS instead when it is there, behind a small C route it compiles itself
-# (tierlm/cpu_blas.py). Debian/Ubuntu packages:
+# (tierlm/backends/cpu/). Debian/Ubuntu packages:
 packages=""
 blas="/usr/lib/$(uname -m)-linux-gnu/openblas-pthread/libopenblas.so.0"
 [ -e "$blas" ] || packages="libopenblas0-pthread"

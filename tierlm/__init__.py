@@ -1,5 +1,5 @@
 """tierlm: an LLM inference server on MLX."""
 
-from tierlm import cpu_blas
+from tierlm.backends.cpu import route
 
-cpu_blas.preload()  # before anything imports mlx.core
+route.preload()  # before anything imports mlx.core

@@ -29,7 +29,7 @@ from tierlm.engine.collector import OutputCollector
 from tierlm.engine.memory_guard import MemoryGuard, ModelProfile, default_memory_limit, profile_model
 from tierlm.engine.request import FinishReason, Request, RequestOutput
 from tierlm.engine.scheduler import Scheduler, SchedulerConfig
-from tierlm.models import cpu_amx
+from tierlm.backends.cpu import amx as cpu_amx
 
 log = logging.getLogger(__name__)
 

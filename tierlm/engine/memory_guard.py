@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from tierlm.engine.request import MemoryGuardError
-from tierlm.models import cpu_amx
+from tierlm.backends.cpu import amx as cpu_amx
 
 _FP32 = 4
 
@@ -31,7 +31,7 @@ class ModelProfile:
     num_heads: int
     hidden_size: int
     intermediate_size: int
-    native_bytes: int = 0  # held outside MLX's allocator: the AMX weight copies (models/cpu_amx.py)
+    native_bytes: int = 0  # held outside MLX's allocator: the AMX weight copies (backends/cpu/amx.py)
 
 
 def _arg(model, *names: str, default: int = 0) -> int:

@@ -42,14 +42,16 @@ def read_model_info(path: Path, name: str | None = None) -> ModelInfo:
 def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | None = None,
                use_cpu_kernels: bool = True, use_amx: bool = True):
     """mlx-lm's own loader: (model, tokenizer wrapper), with the weights in the
-    fastest dtype for MLX's CPU backend (models/cpu_weights.py); there, for
-    float32, attention and SwiGLU on a faster exp (models/cpu_kernels.py) unless
+    fastest dtype for MLX's CPU backend (backends/cpu/weights.py); there, for
+    float32, attention and SwiGLU on a faster exp (backends/cpu/kernels.py) unless
     `use_cpu_kernels` is off, and the matmuls on AMX tiles where the CPU has them
-    (models/cpu_amx.py) unless `use_amx` is off. Call on the engine's thread."""
+    (backends/cpu/amx.py) unless `use_amx` is off. Call on the engine's thread."""
     from mlx_lm import load
 
     from tierlm.config import total_memory
-    from tierlm.models import cpu_amx, cpu_kernels, cpu_weights
+    from tierlm.backends.cpu import amx as cpu_amx
+    from tierlm.backends.cpu import kernels as cpu_kernels
+    from tierlm.backends.cpu import weights as cpu_weights
 
     model, tokenizer = load(str(path))
     cpu_weights.apply(cpu_weights_dtype, model, memory_bytes or total_memory())

@@ -16,9 +16,11 @@ import pytest
 from mlx import nn
 from tiny_models import tiny_model
 
-from tierlm import cpu_blas
+from tierlm.backends.cpu import amx as cpu_amx
+from tierlm.backends.cpu import kernels as cpu_kernels
+from tierlm.backends.cpu import route as cpu_blas
+from tierlm.backends.cpu import weights as cpu_weights
 from tierlm.engine.core import parameter_layout
-from tierlm.models import cpu_amx, cpu_kernels, cpu_weights
 
 OPENBLAS = cpu_blas.CANDIDATES[0]
 needs_route = pytest.mark.skipif(
@@ -29,7 +31,7 @@ NATIVE_SOFTMAX = [False, pytest.param(True, marks=pytest.mark.skipif(
 
 
 def _status_in_fresh_process(**env) -> dict:
-    code = "import json, tierlm; from tierlm import cpu_blas; print(json.dumps(cpu_blas.status))"
+    code = "import json, tierlm; from tierlm.backends.cpu import route; print(json.dumps(route.status))"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
                          capture_output=True, text=True, check=True).stdout
     return json.loads(out)

@@ -4,11 +4,11 @@ The `mlx[cpu]` wheel links a reference BLAS dynamically and calls `cblas_sgemm`
 through it; a faster library loaded first with RTLD_GLOBAL takes those calls
 over. Measured here: a float32 matmul of SmolLM2's shapes goes from ~4 to
 120-250 GFLOP/s. MLX sends only float32 matmuls to BLAS, which is why the CPU
-fast path also runs the weights in float32 (see models/cpu_weights.py).
+fast path also runs the weights in float32 (see weights.py).
 
 In front of the BLAS sits native/sgemm_route.c, built here with the system C
 compiler (with native/amx_bf16.c). It takes MLX's `cblas_sgemm` calls and sends
-- products by a weight packed for AMX (models/cpu_amx.py) to the tile unit;
+- products by a weight packed for AMX (amx.py) to the tile unit;
 - attention's small products, with AVX-512, to kernels that sum in one fixed
   order, so batching changes no bit (native/exact_gemm.c);
 - the one-row products of decoding a single sequence to `cblas_sgemv`: OpenBLAS's
@@ -48,7 +48,7 @@ status = {"library": None, "reason": "not attempted", "gemv_route": "off", "amx"
 NATIVE_SOURCES = [Path(__file__).parent / "native" / name for name in ("sgemm_route.c", "amx_bf16.c", "exact_gemm.c", "softmax.c", "swiglu.c")]
 NATIVE_HEADERS = [Path(__file__).parent / "native" / "exp512.h"]
 
-# tierlm's native library once loaded (the route, AMX packing, attention's softmax): models/ call into it
+# tierlm's native library once loaded (the route, AMX packing, attention's softmax): amx.py and kernels.py call into it
 native: ctypes.CDLL | None = None
 
 
@@ -129,7 +129,7 @@ def _amx_status(lib: ctypes.CDLL) -> str:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    """The argument types of what models/ call in the native library."""
+    """The argument types of what amx.py and kernels.py call in the native library."""
     lib.tierlm_amx_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.tierlm_amx_unpack.argtypes = [ctypes.c_void_p]
     lib.tierlm_softmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]

@@ -3,7 +3,7 @@
 On a CPU with AMX (Sapphire Rapids and later) a bfloat16 copy of each weight,
 packed into tiles once at load (native/amx_bf16.c), is read instead of the
 float32 one: half the bytes per decode step, and the tile unit's throughput for
-prefill and batched decode. The route in front of the BLAS (cpu_blas.py) finds
+prefill and batched decode. The route in front of the BLAS (route.py) finds
 the copy by the float32 array's address, so the model itself is unchanged:
 mlx-lm still sees float32 weights. Activations are rounded to bfloat16 per
 product and products accumulate in float32, as bf16 inference does on GPUs.
@@ -22,13 +22,13 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from tierlm import cpu_blas
+from tierlm.backends.cpu import route
 
 log = logging.getLogger(__name__)
 
 
 def available() -> bool:
-    return mx.default_device() == mx.cpu and cpu_blas.status["amx"] == "available"
+    return mx.default_device() == mx.cpu and route.status["amx"] == "available"
 
 
 _packed_bytes: dict[int, int] = {}  # id(model) -> bytes of its packed copies, while it lives
@@ -63,7 +63,7 @@ def pack(model: nn.Module) -> int:
     are released when the model is garbage-collected."""
     if not available():
         return 0
-    native = cpu_blas.native
+    native = route.native
     mx.eval(model.parameters())
     packed, copies = [], 0
     for weight in _matmul_weights(model):

@@ -16,8 +16,8 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from tierlm import cpu_blas
-from tierlm.models import cpu_amx
+from tierlm.backends.cpu import amx as cpu_amx
+from tierlm.backends.cpu import route
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,9 @@ def choose_dtype(setting: str, model: nn.Module, memory_bytes: int) -> str:
         return "stored"
     if setting != "auto":
         return setting
-    if cpu_blas.status["library"] is None:
+    if route.status["library"] is None:
         return "stored"  # without BLAS float32 gains little and costs 8x the memory
-    # On AMX machines the float32 weights get bfloat16 copies too (models/cpu_amx.py).
+    # On AMX machines the float32 weights get bfloat16 copies too (amx.py).
     needed = float32_bytes(model) * (3 if cpu_amx.available() else 2) // 2
     return "float32" if needed <= memory_bytes // 2 else "stored"
 
@@ -66,7 +66,7 @@ def convert(model: nn.Module, dtype_name: str) -> None:
 
 def apply(setting: str, model: nn.Module, memory_bytes: int) -> str:
     choice = choose_dtype(setting, model, memory_bytes)
-    blas = cpu_blas.status
+    blas = route.status
     if choice != "stored":
         convert(model, choice)
     if mx.default_device() == mx.cpu:

@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from tierlm import cpu_blas
+from tierlm.backends.cpu import route
 
 # exp(x) = (2^u)^128 with u = x·log2(e)/128: 2^u from its Taylor series (degree 9,
 # error ~1e-9), then seven squarings (error x128). Plain arithmetic, so the
@@ -84,7 +84,7 @@ def attention(queries, keys, values, scale: float, mask, native: bool | None = N
 
 def native_kernels() -> bool:
     """Attention's softmax and SwiGLU in native code (CPUs with AVX-512)."""
-    return cpu_blas.status["attention"].startswith("avx512")
+    return route.status["attention"].startswith("avx512")
 
 
 def _native_softmax(scores: mx.array, causal: int) -> mx.array:
@@ -96,7 +96,7 @@ def _native_softmax(scores: mx.array, causal: int) -> mx.array:
     if not in_place:
         view = np.ascontiguousarray(view, dtype=np.float32)
     rows, cols = scores.size // scores.shape[-1], scores.shape[-1]
-    cpu_blas.native.tierlm_softmax_rows(view.ctypes.data, rows, cols, causal)
+    route.native.tierlm_softmax_rows(view.ctypes.data, rows, cols, causal)
     return scores if in_place else mx.array(view)
 
 
@@ -119,7 +119,7 @@ def _native_swiglu(gate: mx.array, x: mx.array) -> mx.array | None:
     g, u = np.array(gate, copy=False), np.array(x, copy=False)
     if g.shape != u.shape or not (g.flags.c_contiguous and g.flags.writeable and u.flags.c_contiguous):
         return None
-    cpu_blas.native.tierlm_swiglu(g.ctypes.data, u.ctypes.data, g.size)
+    route.native.tierlm_swiglu(g.ctypes.data, u.ctypes.data, g.size)
     return gate
 
 
@@ -143,7 +143,7 @@ def _native_logsumexp(a: mx.array) -> mx.array:
     mx.eval(a)
     view = np.ascontiguousarray(np.array(a, copy=False))  # a view when it already is
     out = np.empty((view.shape[0], 1), np.float32)
-    cpu_blas.native.tierlm_logsumexp_rows(view.ctypes.data, view.shape[0], view.shape[1], out.ctypes.data)
+    route.native.tierlm_logsumexp_rows(view.ctypes.data, view.shape[0], view.shape[1], out.ctypes.data)
     return mx.array(out)
 
 
