@@ -105,7 +105,7 @@ def gc_timer() -> dict:
 
 def profile(model_dir: str, batches: list[int], configs: dict[str, dict], rounds: int = 3,
             max_tokens: int = 256) -> dict:
-    """`configs`: named EngineConfig overrides; each gets its own engine, and their
+    """`configs`: named settings overrides; each gets its own engine, and their
     runs alternate within each round (the host's speed drifts between processes)."""
     model, tokenizer = load_model(model_dir)
     vocab = usable_vocab_size(tokenizer, model)

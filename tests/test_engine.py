@@ -9,7 +9,8 @@ from tiny_models import tiny_model
 
 from tierlm.engine import ownership
 from tierlm.engine.collector import OutputCollector
-from tierlm.engine.core import EngineConfig, EngineCore
+from tierlm.config import Settings
+from tierlm.engine.core import EngineCore
 from tierlm.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from tierlm.models.loader import load_model
 
@@ -26,7 +27,7 @@ def run(coro):
 
 
 async def started(loaded, **config) -> EngineCore:
-    engine = EngineCore(f"test-{id(config)}", lambda: loaded, EngineConfig(**config))
+    engine = EngineCore(f"test-{id(config)}", lambda: loaded, Settings(ssd_cache=False, **config))
     await engine.start()
     return engine
 
@@ -102,9 +103,9 @@ def test_decode_burst_off_runs_one_step_per_hand_off(loaded):
 
 
 def test_burst_budget_grows_with_the_batch_up_to_the_single_stream_budget():
-    budget = EngineCore("x", lambda: None, EngineConfig(decode_burst_ms=100, decode_burst_ms_batched=20))
+    budget = EngineCore("x", lambda: None, Settings(decode_burst_ms=100, decode_burst_ms_batched=20))
     assert [budget._burst_budget_ms(n) for n in (1, 2, 8, 16, 32, 64)] == [100, 20, 20, 40, 80, 100]
-    off = EngineCore("x", lambda: None, EngineConfig(decode_burst_ms=0, decode_burst_ms_batched=0))
+    off = EngineCore("x", lambda: None, Settings(decode_burst_ms=0, decode_burst_ms_batched=0))
     assert off._burst_budget_ms(1) == off._burst_budget_ms(32) == 0
 
 
@@ -183,7 +184,7 @@ def test_leaving_a_stream_early_aborts_the_request(loaded):
 def test_two_engines_cannot_drive_one_model(loaded):
     async def go():
         first = await started(loaded)
-        second = EngineCore("intruder", lambda: loaded, EngineConfig())
+        second = EngineCore("intruder", lambda: loaded, Settings(ssd_cache=False))
         with pytest.raises(ownership.ModelAlreadyOwned):
             await second.start()
         await first.close()
@@ -335,7 +336,7 @@ def test_prefix_cache_through_the_scheduler_for_every_cache_type(name, tokenizer
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
     async def go(**config):
-        engine = EngineCore(f"{name}-{config}", lambda: (model, tokenizer), EngineConfig(**config))
+        engine = EngineCore(f"{name}-{config}", lambda: (model, tokenizer), Settings(ssd_cache=False, **config))
         await engine.start()
         first = [await engine.generate(Request(engine.new_request_id(), p, params)) for p in variants[:3]]
         batched = await asyncio.gather(*[engine.generate(Request(engine.new_request_id(), p, params))

@@ -16,7 +16,8 @@ import pytest
 
 from tierlm.engine import sampling as sampling_module
 from tierlm.engine import scheduler as scheduler_module
-from tierlm.engine.core import EngineConfig, EngineCore
+from tierlm.config import Settings
+from tierlm.engine.core import EngineCore
 from tierlm.engine.request import FinishReason, Request, SamplingParams
 from tierlm.models.loader import load_model
 
@@ -33,7 +34,7 @@ def run(coro):
 
 
 async def started(loaded, **config) -> EngineCore:
-    engine = EngineCore(f"faults-{id(config)}", lambda: loaded, EngineConfig(**config))
+    engine = EngineCore(f"faults-{id(config)}", lambda: loaded, Settings(ssd_cache=False, **config))
     await engine.start()
     return engine
 
@@ -185,7 +186,7 @@ def test_a_failed_step_fails_the_batch_keeps_its_blocks_and_serves_the_queue(loa
     long_question = [{"role": "user", "content": "Tell me about the sea. " * 40}]
 
     async def go():
-        engine = await started(loaded, max_running=2, cache_block_size=32)
+        engine = await started(loaded, max_concurrent_requests=2, cache_block_size=32)
         running = [engine.generate(request(loaded, engine, max_tokens=40, text=long_question)) for _ in range(2)]
         queued = engine.generate(request(loaded, engine, max_tokens=8))  # waits for a slot
         failed = await asyncio.gather(*running)
@@ -208,7 +209,7 @@ def test_steps_that_keep_failing_make_the_engine_degraded_until_one_works(loaded
     failing_steps(monkeypatch, times=3, after=0)
 
     async def go():
-        engine = await started(loaded, failures_to_degrade=3)
+        engine = await started(loaded, degrade_after_failures=3)
         outputs = [await engine.generate(request(loaded, engine)) for _ in range(3)]
         degraded = engine.degraded
         await next_twenty_succeed(loaded, engine)  # the fourth step works again

@@ -5,61 +5,35 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from dataclasses import fields
 from pathlib import Path
 
-from tierlm.config import Settings, load_settings
+from tierlm.config import Settings, load_settings, setting_fields
 from tierlm.models.default_model import ensure_default_model
 
 log = logging.getLogger("tierlm")
 
-_HELP = {
-    "host": "address to listen on",
-    "port": "port to listen on",
-    "model": "an mlx-lm model folder to serve (default: the built-in SmolLM2-135M-Instruct)",
-    "model_dir": "where models are kept (default ~/.tierlm/models)",
-    "served_model_name": "the model id clients use (default: the folder name)",
-    "api_key": "require this key as 'Authorization: Bearer KEY'",
-    "max_concurrent_requests": "requests decoded together at most; more wait in a queue",
-    "prefill_step_size": "prompt tokens per prefill chunk (default 256 on CPU, 2048 on a GPU)",
-    "memory_limit": "refuse prefills that would pass this (bytes, 8GB, or 75%%)",
-    "cpu_weights_dtype": "weights' dtype on the CPU backend: auto (float32 when it fits), float32, "
-                         "bfloat16, float16, or stored",
-    "cpu_kernels": "on the CPU backend in float32, tierlm's attention and SwiGLU (default on)",
-    "cpu_amx": "on CPUs with AMX, float32 weights multiply as bfloat16 on the tile unit (default on)",
-    "decode_burst_ms": "decode time per hand-off to the event loop with one request (0: off)",
-    "decode_burst_ms_batched": "the same per 8 requests running, with several (up to the larger of the two)",
-    "stream_interval": "tokens per streamed chunk",
-    "prefix_cache": "reuse the KV of prompt prefixes seen before (default on)",
-    "cache_block_size": "tokens per prefix-cache block",
-    "hot_cache_size": "memory for cached blocks (bytes, 4GB, or 10%%)",
-    "ssd_cache": "keep blocks on disk too, across restarts (default on)",
-    "ssd_cache_dir": "folder of the SSD tier (default ~/.tierlm/cache)",
-    "ssd_cache_size": "disk for cached blocks (bytes, 50GB, or 10%% of the disk)",
-    "ssd_write_through": "write every block to SSD at once instead of when it leaves memory",
-    "sse_keepalive_s": "seconds between SSE keep-alive comments while waiting",
-    "max_body_bytes": "largest request body accepted, chunked or not",
-    "allow_client_chat_template": "render a chat_template sent in a request (bounded to 2 s and 16M "
-                                  "characters; default off: a template is code)",
-    "stall_timeout_s": "a request, or the engine's worker, with no progress this long ends with an "
-                       "error (and /health says degraded while the worker is stuck)",
-    "log_level": "debug, info, warning or error",
-}
-
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    for f in fields(Settings):
+    """One flag per setting, from its declaration in config.Settings."""
+    for f in setting_fields():
         flag = "--" + f.name.replace("_", "-")
+        help_text = (f.metadata["help"] + _default_text(f.default)).replace("%", "%%")  # argparse formats %
         if f.type.startswith("bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(f.name))
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             continue
         kind = str if "str" in f.type else int if f.type.startswith("int") else float
-        parser.add_argument(flag, type=kind, default=None, help=_HELP.get(f.name))
+        parser.add_argument(flag, type=kind, default=None, help=help_text)
     parser.add_argument("--config", help="settings file (TOML; default ~/.tierlm/settings.toml)")
 
 
+def _default_text(default) -> str:
+    if isinstance(default, bool):
+        return " (default on)" if default else " (default off)"
+    return "" if default is None else f" (default {default})"
+
+
 def _settings(args: argparse.Namespace) -> Settings:
-    cli = {f.name: getattr(args, f.name, None) for f in fields(Settings)}
+    cli = {f.name: getattr(args, f.name, None) for f in setting_fields()}
     return load_settings(cli, args.config)
 
 

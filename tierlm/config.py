@@ -1,4 +1,12 @@
-"""Settings: command line > environment (TIERLM_*) > settings file > defaults."""
+"""Settings, each declared once: command line > environment (TIERLM_*) > settings
+file (its global keys, then a [models."NAME"] section for the model served) >
+defaults.
+
+Every setting is one field of `Settings` below: its name, type, default and
+help. The command line's flags (cli.py), the TIERLM_NAME variables, the keys of
+the settings file and what the engine reads all come from that field; the
+engine takes a `Settings` itself, resolved for its model (`for_model`).
+"""
 
 from __future__ import annotations
 
@@ -6,46 +14,110 @@ import dataclasses
 import os
 import re
 import shutil
-from dataclasses import dataclass, fields
+import sys
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ImportError:  # Python 3.10
+else:
     import tomli as tomllib
 
 HOME = Path(os.environ.get("TIERLM_HOME", Path.home() / ".tierlm"))
+ENV_PREFIX = "TIERLM_"
+
+
+def setting(default, help: str, *, per_model: bool = False):
+    """One setting. `per_model`: a [models."NAME"] section of the settings file may
+    set it for one model."""
+    return field(default=default, metadata={"help": help, "per_model": per_model})
 
 
 @dataclass
 class Settings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str | None = None  # an mlx-lm model folder; None = the default model
-    model_dir: str = str(HOME / "models")
-    served_model_name: str | None = None
-    api_key: str | None = None
-    max_concurrent_requests: int = 8
-    prefill_step_size: int | None = None  # None: 256 on MLX's CPU backend, 2048 on a GPU
-    memory_limit: str | None = None  # bytes, "8GB", or "75%" of memory; None = device limit
-    cpu_weights_dtype: str = "auto"  # on MLX's CPU backend: auto, float32, bfloat16, float16, stored
-    cpu_kernels: bool = True  # on MLX's CPU backend, float32: tierlm's attention and SwiGLU
-    cpu_amx: bool = True  # on MLX's CPU backend, CPUs with AMX: float32 weights' matmuls in bfloat16 tiles
-    decode_burst_ms: float = 100.0
-    decode_burst_ms_batched: float = 20.0
-    stream_interval: int = 1
-    prefix_cache: bool = True
-    cache_block_size: int = 256
-    hot_cache_size: str = "10%"  # bytes, "4GB", or a share of memory
-    ssd_cache: bool = True
-    ssd_cache_dir: str = str(HOME / "cache")
-    ssd_cache_size: str = "10%"  # bytes, "50GB", or a share of the disk
-    ssd_write_through: bool = False
-    sse_keepalive_s: float = 5.0
-    max_body_bytes: int = 32 * 2**20
-    allow_client_chat_template: bool = False
-    stall_timeout_s: float = 300.0
-    log_level: str = "info"
+    # ---- the server
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on")
+    model: str | None = setting(None, "an mlx-lm model folder, or a name in --model-dir "
+                                      "(default: the built-in SmolLM2-135M-Instruct)")
+    model_dir: str = setting(str(HOME / "models"), "where models are kept")
+    served_model_name: str | None = setting(None, "the model id clients use (default: the folder name)",
+                                            per_model=True)
+    api_key: str | None = setting(None, "require this key as 'Authorization: Bearer KEY' or 'x-api-key'")
+    max_body_bytes: int = setting(32 * 2**20, "largest request body accepted, chunked or not")
+    allow_client_chat_template: bool = setting(False, "render a chat_template sent in a request (bounded to "
+                                                      "2 s and 16M characters; off: a template is code)")
+    sse_keepalive_s: float = setting(5.0, "seconds between SSE keep-alive comments while waiting")
+    log_level: str = setting("info", "debug, info, warning or error")
+    log_interval_s: float = setting(5.0, "seconds between the engine's progress lines in the log")
+    # ---- the engine
+    max_concurrent_requests: int = setting(8, "requests decoded together at most; more wait in a queue",
+                                           per_model=True)
+    prefill_step_size: int | None = setting(None, "prompt tokens per prefill chunk (default 256 on MLX's "
+                                                  "CPU backend, 2048 on a GPU)", per_model=True)
+    memory_limit: str | None = setting(None, "admit requests only while they fit under this (bytes, 8GB, "
+                                             "or 75%; default 90% of what the device allows)", per_model=True)
+    decode_burst_ms: float = setting(100.0, "decode time per hand-off to the event loop with one request "
+                                            "(0: off)", per_model=True)
+    decode_burst_ms_batched: float = setting(20.0, "the same per 8 requests running, with several (up to "
+                                                   "the larger of the two)", per_model=True)
+    stream_interval: int = setting(1, "tokens per streamed chunk", per_model=True)
+    stall_timeout_s: float = setting(300.0, "a request, or the engine's worker, with no progress this long "
+                                            "ends with an error (/health says degraded while the worker "
+                                            "is stuck)", per_model=True)
+    degrade_after_failures: int = setting(3, "failed engine steps in a row after which /health says "
+                                             "degraded, until a step works", per_model=True)
+    # ---- the prefix cache
+    prefix_cache: bool = setting(True, "reuse the KV of prompt prefixes seen before", per_model=True)
+    cache_block_size: int = setting(256, "tokens per prefix-cache block", per_model=True)
+    hot_cache_size: str = setting("10%", "memory for cached blocks (bytes, 4GB, or 10% of memory)",
+                                  per_model=True)
+    ssd_cache: bool = setting(True, "keep blocks on disk too, across restarts", per_model=True)
+    ssd_cache_dir: str = setting(str(HOME / "cache"), "folder of the SSD tier")
+    ssd_cache_size: str = setting("10%", "disk for cached blocks (bytes, 50GB, or 10% of the disk)")
+    ssd_write_through: bool = setting(False, "write every block to SSD at once instead of when it leaves "
+                                             "memory", per_model=True)
+    # ---- MLX's CPU backend
+    cpu_weights_dtype: str = setting("auto", "weights' dtype on the CPU backend: auto (float32 when it "
+                                             "fits), float32, bfloat16, float16, or stored", per_model=True)
+    cpu_kernels: bool = setting(True, "on the CPU backend in float32, tierlm's attention and SwiGLU",
+                                per_model=True)
+    cpu_amx: bool = setting(True, "on CPUs with AMX, float32 weights multiply as bfloat16 on the tile unit",
+                            per_model=True)
+
+    # ---- values resolved for the machine
+
+    def memory_limit_bytes(self) -> int | None:
+        return parse_size(self.memory_limit, total_memory()) if self.memory_limit else None
+
+    def hot_cache_bytes(self) -> int:
+        return parse_size(self.hot_cache_size, total_memory())
+
+    def ssd_tier(self) -> tuple[str | None, int]:
+        """(folder, bytes) of the SSD tier; (None, 0) when it is off."""
+        if not self.ssd_cache:
+            return None, 0
+        folder = Path(self.ssd_cache_dir).expanduser()
+        return str(folder), parse_size(self.ssd_cache_size, disk_size(folder))
+
+    def for_model(self, name: str) -> Settings:
+        """These settings with the settings file's [models."NAME"] section applied,
+        under what the environment and the command line set."""
+        section = self._model_sections.get(name, {})
+        return dataclasses.replace(self, **{k: v for k, v in section.items() if k not in self._overridden})
+
+    # what load_settings read besides the global values: not settings themselves
+    _model_sections: ClassVar[dict] = {}  # model name -> its section's values
+    _overridden: ClassVar[frozenset] = frozenset()  # set by the environment or the command line
+
+
+def setting_fields() -> tuple[dataclasses.Field, ...]:
+    return fields(Settings)
+
+
+def env_var(name: str) -> str:
+    return ENV_PREFIX + name.upper()
 
 
 def settings_file_path() -> Path:
@@ -54,32 +126,64 @@ def settings_file_path() -> Path:
 
 def load_settings(cli: dict | None = None, config_file: str | None = None) -> Settings:
     """Merge the layers; `cli` holds only the options given on the command line."""
-    values: dict = {}
     path = Path(config_file) if config_file else settings_file_path()
-    if path.is_file():
-        values.update(tomllib.loads(path.read_text()))
-    for f in fields(Settings):
-        env = os.environ.get(f"TIERLM_{f.name.upper()}")
-        if env is not None:
-            values[f.name] = env
-    values.update({k: v for k, v in (cli or {}).items() if v is not None})
-    unknown = set(values) - {f.name for f in fields(Settings)}
-    if unknown:
-        raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
-    return Settings(**{k: _coerce(k, v) for k, v in values.items()})
+    file_values = tomllib.loads(path.read_text()) if path.is_file() else {}
+    sections = file_values.pop("models", {})
+    env = {f.name: os.environ[env_var(f.name)] for f in setting_fields() if env_var(f.name) in os.environ}
+    given = {k: v for k, v in (cli or {}).items() if v is not None}
+    values = {**_checked(file_values, str(path)), **_checked(env, "the environment"),
+              **_checked(given, "the command line")}
+    settings = Settings(**values)
+    settings._model_sections = {name: _checked(section, f'{path} [models."{name}"]', per_model=True)
+                                for name, section in _sections(sections, path).items()}
+    settings._overridden = frozenset(env) | frozenset(given)
+    return settings
 
 
-def _coerce(name: str, value):
-    kind = {f.name: f.type for f in fields(Settings)}[name]
-    if value is None or not isinstance(value, str):
-        return value
-    if kind.startswith("bool"):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    if kind.startswith("int"):
-        return int(value)
-    if kind.startswith("float"):
-        return float(value)
-    return value
+def _sections(sections, path: Path) -> dict:
+    if not isinstance(sections, dict) or not all(isinstance(v, dict) for v in sections.values()):
+        raise ValueError(f'{path}: [models] holds one table per model, as [models."NAME"]')
+    return sections
+
+
+def _checked(values: dict, where: str, per_model: bool = False) -> dict:
+    """`values` by setting name, each coerced to its setting's type, or ValueError
+    naming the setting and where it came from."""
+    known = {f.name: f for f in setting_fields()}
+    out = {}
+    for name, value in values.items():
+        f = known.get(name)
+        if f is None:
+            raise ValueError(f"{where}: unknown setting {name!r}")
+        if per_model and not f.metadata["per_model"]:
+            raise ValueError(f"{where}: {name!r} cannot be set per model")
+        try:
+            out[name] = _coerce(f.type, value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {name} = {value!r}: {e}") from e
+    return out
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _coerce(kind: str, value):
+    """A value from any layer as the setting's type: strings (environment, CLI) are
+    parsed; TOML's own types must already match."""
+    base = kind.split("|")[0].strip()
+    if value is None:
+        return None
+    if isinstance(value, str) and base != "str":
+        text = value.strip().lower()
+        if base == "bool":
+            if text not in _TRUE + _FALSE:
+                raise ValueError("expected true or false")
+            return text in _TRUE
+        return int(text) if base == "int" else float(text)
+    expected = {"bool": bool, "int": int, "float": (int, float), "str": str}[base]
+    if not isinstance(value, expected) or (base in ("int", "float") and isinstance(value, bool)):
+        raise TypeError(f"expected {base}")
+    return float(value) if base == "float" else value
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
@@ -108,7 +212,3 @@ def total_memory() -> int:
 def disk_size(path: Path) -> int:
     path.mkdir(parents=True, exist_ok=True)
     return shutil.disk_usage(path).total
-
-
-def as_dict(settings: Settings) -> dict:
-    return dataclasses.asdict(settings)

@@ -15,50 +15,22 @@ from tierlm.api.errors import APIError, error_response, install_error_handlers
 from tierlm.api.openai_routes import router as openai_router
 from tierlm.api.served_model import ServedModel
 from tierlm.cache.block_hash import model_fingerprint
-from tierlm.config import Settings, disk_size, parse_size, total_memory
-from tierlm.engine.core import EngineConfig, EngineCore
+from tierlm.config import Settings, total_memory
+from tierlm.engine.core import EngineCore
 from tierlm.models.loader import load_model, read_model_info
 
 log = logging.getLogger(__name__)
 
 
-def engine_config(settings: Settings, model_path: Path) -> EngineConfig:
-    limit = parse_size(settings.memory_limit, total_memory()) if settings.memory_limit else None
-    ssd_dir, ssd_bytes = _ssd_tier(settings)
-    return EngineConfig(
-        prefix_cache=settings.prefix_cache,
-        cache_block_size=settings.cache_block_size,
-        hot_cache_bytes=parse_size(settings.hot_cache_size, total_memory()),
-        model_fingerprint=model_fingerprint(model_path, {}),
-        ssd_cache_dir=ssd_dir,
-        ssd_cache_bytes=ssd_bytes,
-        ssd_write_through=settings.ssd_write_through,
-        max_running=settings.max_concurrent_requests,
-        prefill_step_size=settings.prefill_step_size,
-        memory_limit=limit,
-        decode_burst_ms=settings.decode_burst_ms,
-        decode_burst_ms_batched=settings.decode_burst_ms_batched,
-        stream_interval=settings.stream_interval,
-        stall_timeout_s=settings.stall_timeout_s,
-    )
-
-
-def _ssd_tier(settings: Settings) -> tuple[str | None, int]:
-    if not settings.ssd_cache:
-        return None, 0
-    folder = Path(settings.ssd_cache_dir).expanduser()
-    return str(folder), parse_size(settings.ssd_cache_size, disk_size(folder))
-
-
 async def _load_served_model(app: FastAPI, model_path: Path) -> None:
     settings: Settings = app.state.settings
     try:
+        settings = settings.for_model(model_path.name)  # its [models."NAME"] section, by folder name
         info = read_model_info(model_path, settings.served_model_name)
-        config = engine_config(settings, model_path)
-        memory = config.memory_limit or total_memory()
+        memory = settings.memory_limit_bytes() or total_memory()
         engine = EngineCore(info.name, lambda: load_model(
             model_path, settings.cpu_weights_dtype, memory, use_cpu_kernels=settings.cpu_kernels,
-            use_amx=settings.cpu_amx), config)
+            use_amx=settings.cpu_amx), settings, model_fingerprint(model_path, {}))
         await engine.start()
         app.state.served = ServedModel(info, engine, aliases=("default",))
         log.info("serving %s (context %d) at http://%s:%d/v1", info.name, info.context_length,

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from tierlm.cache.block_hash import model_fingerprint
-from tierlm.engine.core import EngineConfig, EngineCore
+from tierlm.config import Settings
+from tierlm.engine.core import EngineCore
 from tierlm.engine.request import Request, SamplingParams
 from tierlm.models.loader import load_model
 
@@ -37,8 +38,12 @@ async def _ttft(engine: EngineCore, prompt: list[int]) -> tuple[float, int]:
 
 
 def _engine(loaded, path: Path, **config) -> EngineCore:
-    base = dict(model_fingerprint=model_fingerprint(path, {}), hot_cache_bytes=8 * 2**30)
-    return EngineCore("bench", lambda: loaded, EngineConfig(**{**base, **config}))
+    settings = Settings(hot_cache_size="8GiB", ssd_cache=False, **config)
+    return EngineCore("bench", lambda: loaded, settings, model_fingerprint(path, {}))
+
+
+def _ssd_at(folder: str) -> dict:
+    return dict(ssd_cache=True, ssd_cache_dir=folder, ssd_cache_size="50GiB")
 
 
 async def ttft_round(loaded, path: Path, prefix_len: int, seed: int) -> dict:
@@ -46,12 +51,12 @@ async def ttft_round(loaded, path: Path, prefix_len: int, seed: int) -> dict:
     prefix = _tokens(tokenizer, prefix_len, seed)
     suffixes = [tokenizer.encode(f" Question {k}: what does item {k} cost?") for k in range(3)]
     with tempfile.TemporaryDirectory() as ssd:
-        engine = _engine(loaded, path, ssd_cache_dir=ssd, ssd_cache_bytes=50 * 2**30)
+        engine = _engine(loaded, path, **_ssd_at(ssd))
         await engine.start()
         cold, _ = await _ttft(engine, prefix + suffixes[0])
         hot, hot_cached = await _ttft(engine, prefix + suffixes[1])
         await engine.close()  # flushes the hot tier to SSD
-        engine = _engine(loaded, path, ssd_cache_dir=ssd, ssd_cache_bytes=50 * 2**30)
+        engine = _engine(loaded, path, **_ssd_at(ssd))
         await engine.start()
         ssd_hit, ssd_cached = await _ttft(engine, prefix + suffixes[2])
         await engine.close()
@@ -79,7 +84,7 @@ async def decode_round(loaded, path: Path, mode: str, batch: int, out_len: int, 
     config = {"off": dict(prefix_cache=False), "hot": {}}.get(mode)
     ssd = tempfile.TemporaryDirectory()
     if config is None:  # 'ssd': every stored block is also written, while decoding
-        config = dict(ssd_cache_dir=ssd.name, ssd_cache_bytes=50 * 2**30, ssd_write_through=True)
+        config = dict(**_ssd_at(ssd.name), ssd_write_through=True)
     engine = _engine(loaded, path, cache_block_size=64, **config)
     await engine.start()
     prompts = [_tokens(loaded[1], 300, seed * 1000 + i) for i in range(batch)]

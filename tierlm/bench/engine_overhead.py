@@ -109,12 +109,14 @@ class EngineRunner:
     the rounds repeat the same work (the engine still stores every block)."""
 
     def __init__(self, model, tokenizer, batch: int, prefill_step_size: int, **config):
-        """`config`: more EngineConfig fields (diagnostics: prefix_cache=False)."""
-        from tierlm.engine.core import EngineConfig, EngineCore
+        """`config`: more settings (diagnostics: prefix_cache=False)."""
+        from tierlm.config import Settings
+        from tierlm.engine.core import EngineCore
 
         self.batch, self.runs = batch, 0
         self.loop = server_event_loop()
-        config = EngineConfig(max_running=batch, prefill_step_size=prefill_step_size, **config)
+        config = Settings(max_concurrent_requests=batch, prefill_step_size=prefill_step_size, ssd_cache=False,
+                          **config)
         self.engine = EngineCore("bench", lambda: (model, tokenizer), config)
         self.loop.run_until_complete(self.engine.start())
         self.records: list[tuple] = []  # the engine's next() calls in the current run

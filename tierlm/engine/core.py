@@ -17,12 +17,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from tierlm.cache.codecs import codecs_for
+from tierlm.config import Settings
 from tierlm.cache.prefix_cache import PrefixCache
 from tierlm.engine import ownership
 from tierlm.engine.collector import OutputCollector
@@ -58,33 +58,17 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
-@dataclass
-class EngineConfig:
-    max_running: int = 8
-    prefill_step_size: int | None = None  # None: chosen for the device, see prefill_step_for
-    memory_limit: int | None = None  # bytes; None = what the device allows
-    decode_burst_ms: float = 100.0  # budget of one hand-off with one request running
-    decode_burst_ms_batched: float = 20.0  # ... and per 8 of several (see _burst_budget_ms)
-    stream_interval: int = 1
-    prefix_cache: bool = True
-    cache_block_size: int = 256
-    hot_cache_bytes: int = 2 * 2**30
-    model_fingerprint: bytes = b""  # of the weights on disk; see cache.block_hash
-    ssd_cache_dir: str | None = None  # None: no SSD tier
-    ssd_cache_bytes: int = 0
-    ssd_write_through: bool = False
-    orphan_grace_s: float = 60.0
-    log_interval_s: float = 5.0
-    stall_timeout_s: float = 300.0  # a request, or the whole worker, with no progress this long fails
-    failures_to_degrade: int = 3  # consecutive failed steps after which /health says degraded
-
-
 class EngineCore:
-    def __init__(self, name: str, load: Callable[[], tuple], config: EngineConfig | None = None):
-        """`load` returns (model, tokenizer); it runs on the engine's worker thread."""
-        self.name, self._load = name, load
+    ORPHAN_GRACE_S = 60.0  # a request's reader gone this long: its mailbox is dropped
+
+    def __init__(self, name: str, load: Callable[[], tuple], settings: Settings | None = None,
+                 fingerprint: bytes = b""):
+        """`load` returns (model, tokenizer); it runs on the engine's worker thread.
+        `settings`: resolved for this model (Settings.for_model); `fingerprint`: of
+        the weights on disk, for the prefix cache's keys (cache.block_hash)."""
+        self.name, self._load, self.fingerprint = name, load, fingerprint
         self.model = self.tokenizer = None
-        self.config = config or EngineConfig()
+        self.config = settings or Settings()
         self.profile: ModelProfile | None = None
         self.scheduler: Scheduler | None = None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mlx-{name}")
@@ -121,11 +105,11 @@ class EngineCore:
         stream = mx.new_stream(mx.default_device())
         with mx.stream(stream):
             self.profile = profile_model(self.model)
-        limit = self.config.memory_limit or default_memory_limit()
+        limit = self.config.memory_limit_bytes() or default_memory_limit()
         prefill_step = self.config.prefill_step_size or prefill_step_for(mx.default_device())
         guard = MemoryGuard(self.profile, limit, prefill_step, stores_blocks=self.config.prefix_cache)
         sched_config = SchedulerConfig(
-            max_running=self.config.max_running,
+            max_running=self.config.max_concurrent_requests,
             prefill_step_size=prefill_step,
             stall_timeout_s=self.config.stall_timeout_s,
         )
@@ -148,14 +132,14 @@ class EngineCore:
             kinds = sorted({type(c).__name__ for c in layers})
             log.info("prefix cache off for %s: no codec for cache type(s) %s", self.name, ", ".join(kinds))
             return None
-        root = hashlib.sha256(self.config.model_fingerprint + parameter_layout(self.model)).digest()
+        root = hashlib.sha256(self.fingerprint + parameter_layout(self.model)).digest()
         c = self.config
-        cache = PrefixCache(root, codecs, c.cache_block_size, c.hot_cache_bytes,
-                            c.ssd_cache_dir, c.ssd_cache_bytes, c.ssd_write_through)
-        ssd = "off" if cache.ssd is None else f"{c.ssd_cache_dir} ({c.ssd_cache_bytes / 2**30:.1f} GiB, " + (
+        hot_bytes, (ssd_dir, ssd_bytes) = c.hot_cache_bytes(), c.ssd_tier()
+        cache = PrefixCache(root, codecs, c.cache_block_size, hot_bytes, ssd_dir, ssd_bytes, c.ssd_write_through)
+        ssd = "off" if cache.ssd is None else f"{ssd_dir} ({ssd_bytes / 2**30:.1f} GiB, " + (
             "write-through)" if c.ssd_write_through else "write-back)")
         log.info("prefix cache for %s: blocks of %d tokens, layout %s, hot tier %.0f MiB, SSD tier %s",
-                 self.name, cache.block_size, cache.signature, c.hot_cache_bytes / 2**20, ssd)
+                 self.name, cache.block_size, cache.signature, hot_bytes / 2**20, ssd)
         return cache
 
     @property
@@ -166,7 +150,7 @@ class EngineCore:
     def degraded(self) -> str | None:
         """Why the engine cannot be trusted to serve, or None: its steps keep
         failing, or the worker is stuck in one. A supervisor should restart it."""
-        if self.failed_bursts >= self.config.failures_to_degrade:
+        if self.failed_bursts >= self.config.degrade_after_failures:
             return f"the last {self.failed_bursts} engine steps failed: {self.last_failure}"
         return self.stuck
 
@@ -343,7 +327,7 @@ class EngineCore:
         """Drop mailboxes nobody reads any more (a handler that vanished)."""
         now = time.monotonic()
         for request_id, c in list(self._collectors.items()):
-            if not c.reading and now - c.last_read > self.config.orphan_grace_s:
+            if not c.reading and now - c.last_read > self.ORPHAN_GRACE_S:
                 log.info("reaping orphaned request %s", request_id)
                 if not c.finished:
                     self.abort_request(request_id)
