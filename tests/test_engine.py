@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from tiny_models import tiny_model
 
+from tierlm.config import Settings
 from tierlm.engine import ownership
 from tierlm.engine.collector import OutputCollector
-from tierlm.config import Settings
 from tierlm.engine.core import EngineCore
 from tierlm.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from tierlm.models.loader import load_model
@@ -30,6 +31,34 @@ async def started(loaded, **config) -> EngineCore:
     engine = EngineCore(f"test-{id(config)}", lambda: loaded, Settings(ssd_cache=False, **config))
     await engine.start()
     return engine
+
+
+async def eventually(condition, timeout: float = 30.0) -> None:
+    """Wait for `condition()` (checked on the event loop) to hold; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout}s")
+        await asyncio.sleep(0.01)
+
+
+async def abort_on_the_worker(engine, request_id: str, when, timeout: float = 60.0) -> None:
+    """Abort `request_id` at the first check between two bursts (on the worker
+    thread) where `when()` holds: no step runs between the check and the abort.
+    With decode bursts off a burst is one step, and a check is queued behind at
+    most the running burst and the one queued ahead of it, so it sees every
+    state that lasts a few steps, however fast the machine steps."""
+
+    def check() -> bool:
+        if not when():
+            return False
+        engine.scheduler.abort(request_id)
+        return True
+
+    deadline = time.monotonic() + timeout
+    while not await engine.on_worker(check):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the state to abort in was not seen within {timeout}s")
 
 
 def request(loaded, engine, max_tokens=8, **params) -> Request:
@@ -126,8 +155,8 @@ def test_abort_races(loaded):
         c1 = engine.add_request(r1)
         engine.abort_request(r1.request_id)
         o1 = await c1.get()
-        # 2. aborted while running, twice
-        r2 = request(loaded, engine, max_tokens=200, ignore_eos=True)
+        # 2. aborted while running, twice; far from its end (one burst is 100 ms)
+        r2 = request(loaded, engine, max_tokens=2000, ignore_eos=True)
         c2 = engine.add_request(r2)
         first = await c2.get()
         engine.abort_request(r2.request_id)
@@ -144,7 +173,7 @@ def test_abort_races(loaded):
         # 4. an unknown id
         engine.abort_request("never-existed")
         after = await engine.generate(request(loaded, engine, max_tokens=3))
-        await asyncio.sleep(0.2)
+        await eventually(lambda: not engine.scheduler.has_work())  # the last two aborts were applied
         stats = engine.get_stats()
         await engine.close()
         return o1, first, rest, streamed, o3, after, stats
@@ -152,7 +181,7 @@ def test_abort_races(loaded):
     o1, first, rest, streamed, o3, after, stats = run(go())
     assert o1.finished and o1.finish_reason == FinishReason.ABORT and o1.completion_tokens == 0
     assert first.completion_tokens >= 1 and not first.finished
-    assert rest.finish_reason == FinishReason.ABORT and rest.completion_tokens < 200
+    assert rest.finish_reason == FinishReason.ABORT and rest.completion_tokens < 2000
     assert streamed == rest.completion_tokens  # tokens of the aborted burst still reach the stream
     assert o3.finish_reason == FinishReason.LENGTH
     assert after.completion_tokens == 3
@@ -162,14 +191,11 @@ def test_abort_races(loaded):
 def test_leaving_a_stream_early_aborts_the_request(loaded):
     async def go():
         engine = await started(loaded)
-        stream = engine.stream_outputs(request(loaded, engine, max_tokens=200, ignore_eos=True))
+        stream = engine.stream_outputs(request(loaded, engine, max_tokens=2000, ignore_eos=True))
         async for _ in stream:
             break
         await stream.aclose()
-        for _ in range(100):
-            if engine.get_stats()["aborted_requests"]:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: engine.get_stats()["aborted_requests"] == 1)
         stats = engine.get_stats()
         await engine.close()
         return stats
@@ -202,13 +228,13 @@ def test_abort_during_prefill_stores_only_what_was_computed(loaded):
     long_prompt = loaded[1].encode("The history of the printing press and its effects on Europe. " * 120)
 
     async def go():
-        engine = await started(loaded, prefill_step_size=128, cache_block_size=64)
+        engine = await started(loaded, prefill_step_size=128, cache_block_size=64,
+                               decode_burst_ms=0, decode_burst_ms_batched=0)
         req = Request(engine.new_request_id(), long_prompt, SamplingParams(max_tokens=5, temperature=0))
         collector = engine.add_request(req)
         cache = engine.scheduler.cache
-        while (await engine.on_worker(lambda: len(cache.hot))) < 2:
-            await asyncio.sleep(0.01)  # some chunks are done, the prefill is not
-        engine.abort_request(req.request_id)
+        # some of its 12 chunks are done, the prefill is not
+        await abort_on_the_worker(engine, req.request_id, lambda: len(cache.hot) >= 2)
         aborted = await collector.get()
         while not aborted.finished:
             aborted = await collector.get()
@@ -236,18 +262,14 @@ def test_requests_waiting_for_a_prefix_in_flight_take_it_from_the_cache(loaded):
     prefix = loaded[1].encode("The history of the printing press and its effects on Europe. " * 40)
 
     async def go():
-        engine = await started(loaded, prefill_step_size=64, cache_block_size=64)
+        engine = await started(loaded, prefill_step_size=64, cache_block_size=64,
+                               decode_burst_ms=0, decode_burst_ms_batched=0)
         params = SamplingParams(max_tokens=3, temperature=0)
         a, b, c = (Request(engine.new_request_id(), prefix + [100 + i], params) for i in range(3))
         ca, cb, cc = engine.add_request(a), engine.add_request(b), engine.add_request(c)
         waiting = lambda: len(engine.scheduler._deferred_keys)
-        for _ in range(2000):  # A prefills 8 chunks; B and C wait all along
-            if await engine.on_worker(waiting) == 2:
-                break
-            await asyncio.sleep(0.005)
-        else:
-            pytest.fail("B and C never waited for A's prefix")
-        engine.abort_request(c.request_id)
+        # A prefills 8 chunks, one a step; B and C wait all along: C is aborted while it waits
+        await abort_on_the_worker(engine, c.request_id, lambda: waiting() == 2)
         outputs = []
         for collector in (ca, cb, cc):
             out = await collector.get()
@@ -307,7 +329,7 @@ def test_a_block_ending_with_the_prompt_is_stored_when_the_request_ends(loaded, 
 
     async def go():
         engine = await started(loaded, prefill_step_size=64, cache_block_size=64)
-        params = SamplingParams(max_tokens=8 if ending == "finished" else 500, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=8 if ending == "finished" else 4000, temperature=0, ignore_eos=True)
         a = Request(engine.new_request_id(), prompt, params)
         collector = engine.add_request(a)
         out = await collector.get()

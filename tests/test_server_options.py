@@ -1,12 +1,14 @@
-"""Server options through a real server: API key, SSE keep-alives while a long
-prompt prefills, stream_interval; and the settings layers."""
+"""Server options through a real server: API key, SSE keep-alives before the
+first token, stream_interval; and the settings layers."""
 
 from __future__ import annotations
+
+import threading
 
 import httpx
 import openai
 import pytest
-from conftest import start_server, stop_server
+from conftest import start_server, stop_server, wait_until
 
 from tierlm.config import load_settings, parse_size
 
@@ -15,8 +17,12 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def keyed_server(model_path, tmp_path_factory):
+    """One request at a time (so that one can be made to wait), one step per
+    hand-off (so that only stream_interval groups tokens)."""
     srv = start_server(model_path, tmp_path_factory.mktemp("opts") / "server.log", "--api-key", "s3cret",
-                       "--sse-keepalive-s", "0.05", "--stream-interval", "4", "--no-prefix-cache")
+                       "--sse-keepalive-s", "0.05", "--stream-interval", "4", "--no-prefix-cache",
+                       "--max-concurrent-requests", "1",
+                       "--decode-burst-ms", "0", "--decode-burst-ms-batched", "0")
     yield srv
     stop_server(srv)
 
@@ -31,17 +37,40 @@ def test_api_key_is_required(keyed_server):
     assert httpx.get(keyed_server.base_url + "/health").status_code == 200
 
 
-def test_keepalive_comments_while_a_long_prompt_prefills(keyed_server):
+AUTH = {"Authorization": "Bearer s3cret"}
+
+
+def is_content(line: str) -> bool:
+    return line.startswith("data:") and '"content": "' in line and '"role"' not in line
+
+
+def test_keepalive_comments_until_the_first_token(keyed_server):
+    """A stream whose first token is held up gets keep-alive comments meanwhile.
+    It is held up for as long as the test wants: the server's one slot is taken
+    by a long generation until the waiting stream has had its keep-alive."""
+    blocker = {"model": MODEL, "stream": True, "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+               "messages": [{"role": "user", "content": "Tell me a very long story."}]}
     body = {"model": MODEL, "stream": True, "max_tokens": 2, "temperature": 0,
             "messages": [{"role": "user", "content": "Repeat after me: " + "all work and no play " * 150}]}
     lines = []
-    with httpx.stream("POST", keyed_server.v1 + "/chat/completions", json=body, timeout=120,
-                      headers={"Authorization": "Bearer s3cret"}) as r:
-        for line in r.iter_lines():
-            if line:
-                lines.append(line)
-    first_content = next(i for i, line in enumerate(lines) if line.startswith("data:") and '"content": "' in line
-                         and '"role"' not in line)
+
+    def waiting_stream():
+        with httpx.stream("POST", keyed_server.v1 + "/chat/completions", json=body, timeout=120,
+                          headers=AUTH) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+
+    with httpx.stream("POST", keyed_server.v1 + "/chat/completions", json=blocker, timeout=120,
+                      headers=AUTH) as r:
+        next(line for line in r.iter_lines() if is_content(line))  # it holds the slot, decoding
+        waiting = threading.Thread(target=waiting_stream)
+        waiting.start()
+        wait_until(lambda: any(line.startswith(": keep-alive") for line in lines))
+        assert not any(is_content(line) for line in lines)
+    waiting.join(timeout=120)  # closing the long stream aborted it: the slot is free
+    assert not waiting.is_alive()
+    first_content = next(i for i, line in enumerate(lines) if is_content(line))
     assert any(line.startswith(": keep-alive") for line in lines[:first_content])
     assert lines[-1] == "data: [DONE]"
 
