@@ -39,13 +39,15 @@ class Server(RunningServer):
         return self.log_path.read_text()
 
 
-def start_server(model_path: Path, log_path: Path, *extra: str, timeout: float = 180) -> Server:
+def start_server(model_path: Path, log_path: Path, *extra: str, timeout: float = 180,
+                 env: dict | None = None) -> Server:
     """A server process, started and healthy; unless told otherwise its SSD cache
-    lives beside its log."""
+    lives beside its log. `env`: more environment variables for it."""
     if "--ssd-cache-dir" not in extra and "--no-ssd-cache" not in extra:
         extra = (*extra, "--ssd-cache-dir", str(log_path.parent / "ssd-cache"))
     cmd = [sys.executable, "-m", "tierlm.cli", "serve", "--model", str(model_path), "--port", "{port}", *extra]
-    return Server(ServerSpec("tierlm", cmd, ready_path="/health"), log_path=log_path).start(timeout)
+    spec = ServerSpec("tierlm", cmd, env=env or {}, ready_path="/health")
+    return Server(spec, log_path=log_path).start(timeout)
 
 
 def stop_server(server: Server) -> None:

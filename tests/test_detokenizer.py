@@ -95,3 +95,13 @@ def test_other_detokenizers_stream_through_mlx_lm(tokenizer):
     inc = IncrementalText(NaiveStreamingDetokenizer(tokenizer._tokenizer), [])
     pieces = [inc.add(t) for t in tokenizer.encode(text)] + [inc.finish()]
     assert "".join(pieces) == text
+
+
+def test_the_first_tokens_leading_space_is_trimmed_unless_kept(tokenizer):
+    """A chat reply starts clean (mlx-lm's rule); a text completion keeps the space
+    it continues its prompt with."""
+    table = byte_level_table(tokenizer.detokenizer)
+    ids = tokenizer.encode(" Paris is the capital.")
+    for keep, expected in [(False, "Paris is the capital."), (True, " Paris is the capital.")]:
+        inc = IncrementalText(tokenizer.detokenizer, [], table, keep_leading_space=keep)
+        assert "".join([inc.add(t) for t in ids] + [inc.finish()]) == expected

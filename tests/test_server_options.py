@@ -116,3 +116,22 @@ def test_health_probes_stay_out_of_the_access_log(server, client):
     log = server.log()
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in log  # the access log is on
     assert "GET /health" not in log  # though the fixture polled it until the model was up
+
+
+def test_keepalive_comments_while_a_long_prompt_prefills(model_path, tmp_path):
+    """Prefill in chunks of 64 tokens, each step made 0.1 s slower (a test-only
+    setting): a 750-token prompt takes over a second before its first token,
+    far over the 0.05 s between keep-alives, however fast the machine."""
+    srv = start_server(model_path, tmp_path / "server.log", "--sse-keepalive-s", "0.05",
+                       "--prefill-step-size", "64", "--no-prefix-cache", "--no-ssd-cache",
+                       env={"TIERLM_TEST_STEP_DELAY_S": "0.1"})
+    try:
+        body = {"model": MODEL, "stream": True, "max_tokens": 2, "temperature": 0,
+                "messages": [{"role": "user", "content": "Repeat after me: " + "all work and no play " * 150}]}
+        with httpx.stream("POST", srv.v1 + "/chat/completions", json=body, timeout=120) as r:
+            lines = [line for line in r.iter_lines() if line]
+    finally:
+        stop_server(srv)
+    first_content = next(i for i, line in enumerate(lines) if is_content(line))
+    assert sum(line.startswith(": keep-alive") for line in lines[:first_content]) >= 5
+    assert lines[-1] == "data: [DONE]"

@@ -160,6 +160,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     _reject_unsupported(body)
     tokens = await asyncio.to_thread(_prompt_tokens, model, body.prompt)
     request = model.make_request("cmpl", tokens, body, body.max_tokens or 16)
+    request.params.keep_leading_space = True  # the text continues the prompt as it stands
     echo = _prompt_text(model, body.prompt, tokens) if body.echo else ""
     if body.stream:
         return _sse_response(_completion_chunks(model, request, body, http, echo))

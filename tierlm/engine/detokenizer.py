@@ -14,13 +14,15 @@ class IncrementalText:
     is still found and never shown to the client.
     """
 
-    def __init__(self, detokenizer, stop: list[str], bytes_table: list[bytes] | None = None):
+    def __init__(self, detokenizer, stop: list[str], bytes_table: list[bytes] | None = None,
+                 keep_leading_space: bool = False):
         """`bytes_table`: `byte_level_table(detokenizer)`, built once per model; with
-        it, a byte-level detokenizer takes the fast path (ByteLevelStream)."""
+        it, a byte-level detokenizer takes the fast path (ByteLevelStream).
+        `keep_leading_space`: the first text keeps its leading space (mlx-lm trims it)."""
         if bytes_table is not None:
-            self._stream = ByteLevelStream(bytes_table)
+            self._stream = ByteLevelStream(bytes_table, keep_leading_space)
         else:
-            self._stream = MlxLmStream(detokenizer)
+            self._stream = MlxLmStream(detokenizer, keep_leading_space)
         self._stop = [s for s in stop if s]
         self._held = ""  # decoded but not yet emitted
         self.stopped = False
@@ -66,8 +68,10 @@ class IncrementalText:
 class MlxLmStream:
     """Text deltas from any of mlx-lm's streaming detokenizers."""
 
-    def __init__(self, detokenizer):
+    def __init__(self, detokenizer, keep_leading_space: bool = False):
         self._detok = detokenizer
+        if keep_leading_space and hasattr(detokenizer, "trim_space"):  # SentencePiece's
+            detokenizer.trim_space = False
         self._detok.reset()
 
     def add(self, token: int) -> str:
@@ -90,10 +94,10 @@ class ByteLevelStream:
     lone space token, wait for the next token; the first text loses one leading
     space."""
 
-    def __init__(self, bytes_table: list[bytes]):
+    def __init__(self, bytes_table: list[bytes], keep_leading_space: bool = False):
         self._bytes = bytes_table
         self._unflushed = b""
-        self._started = False  # some text was emitted
+        self._started = keep_leading_space  # some text was emitted (or none is to be trimmed)
 
     def add(self, token: int) -> str:
         piece = self._bytes[token] if token < len(self._bytes) else b"!"  # mlx-lm's padded-vocab fallback

@@ -29,6 +29,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # the first token's leading space is text too: a text completion continues its
+    # prompt verbatim (" Paris" after "The capital of France is"); a chat reply
+    # starts clean, as mlx-lm's detokenizers trim it
+    keep_leading_space: bool = False
 
     @property
     def is_greedy(self) -> bool:

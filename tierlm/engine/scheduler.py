@@ -7,6 +7,7 @@ Everything here runs on the engine's worker thread, except `add_request` and
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -98,6 +99,9 @@ class Scheduler:
         # hand-off. `urgent`: something a client waits for (a first token, an end).
         self._outbox: dict[str, RequestOutput] = {}
         self.urgent = False
+        # tests only: every step this much slower, so a race that needs a long
+        # prefill gets it from configuration, not from a slow machine
+        self._test_step_delay_s = float(os.environ.get("TIERLM_TEST_STEP_DELAY_S", "0"))
         self._gen = self._new_generator()
         self._bytes_table = byte_level_table(tokenizer.detokenizer)
 
@@ -130,6 +134,8 @@ class Scheduler:
         prefill chunk of everything admitted. Blocks computed by the previous step
         are stored first, before admission looks for them. What it produced waits
         in the outbox (`take_outputs`)."""
+        if self._test_step_delay_s:
+            time.sleep(self._test_step_delay_s)
         self._flush_stores()
         while not self._incoming.empty():
             self.waiting.append(self._incoming.get_nowait())
@@ -275,7 +281,8 @@ class Scheduler:
             sampler = make_request_sampler(params, on_fault)
             processors = make_request_processors(params, on_fault)
             caches = [self.cache.rebuild(lookup.blocks)] if hit else None
-            text = IncrementalText(self.tokenizer.detokenizer, params.stop, self._bytes_table)
+            text = IncrementalText(self.tokenizer.detokenizer, params.stop, self._bytes_table,
+                                   params.keep_leading_space)
         except Exception as e:
             raise _RequestFault(f"could not start generation: {e}") from e
         try:
