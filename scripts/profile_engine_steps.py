@@ -36,9 +36,6 @@ methods, so it is a diagnostic, not part of the package.
 
 from __future__ import annotations
 
-import tierlm  # noqa: F401  first: it loads the CPU fast path's BLAS, which must precede mlx.core
-
-# isort: split
 import argparse
 import gc
 import json

@@ -1,5 +1,7 @@
-"""The CPU fast path: the BLAS and the route in front of it (one-row products,
-AMX bfloat16 products), the native softmax and the exp-based kernels."""
+"""The CPU backend (tierlm/backends/cpu/): the BLAS and the route in MLX's
+cblas_sgemm slot (one-row products, attention's exact products, AMX bfloat16
+products), the self-check, the native softmax and the exp-based kernels. Where a
+part is reported in use, a test counts that it ran."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import mlx.core as mx
 import numpy as np
@@ -16,47 +19,172 @@ import pytest
 from mlx import nn
 from tiny_models import tiny_model
 
+from tierlm import backends
 from tierlm.backends.cpu import amx as cpu_amx
+from tierlm.backends.cpu import got, native, route
 from tierlm.backends.cpu import kernels as cpu_kernels
-from tierlm.backends.cpu import route as cpu_blas
 from tierlm.backends.cpu import weights as cpu_weights
 from tierlm.engine.core import parameter_layout
 
-OPENBLAS = cpu_blas.CANDIDATES[0]
+STATE = route.prepare()  # what loading a model on MLX's CPU backend prepares first
+OPENBLAS = route.CANDIDATES[0]
 needs_route = pytest.mark.skipif(
     shutil.which("cc") is None or not sys.platform.startswith("linux"), reason="needs Linux and a C compiler")
-needs_amx = pytest.mark.skipif(cpu_blas.status["amx"] != "available", reason="no AMX-BF16 here")
-NATIVE_SOFTMAX = [False, pytest.param(True, marks=pytest.mark.skipif(
-    not cpu_kernels.native_kernels(), reason="no AVX-512 here"))]
+needs_amx = pytest.mark.skipif(not STATE.amx.on, reason="no AMX-BF16 here")
+needs_avx512 = pytest.mark.skipif(not cpu_kernels.native_kernels(), reason="no AVX-512 here")
+NATIVE_SOFTMAX = [False, pytest.param(True, marks=needs_avx512)]
 
 
-def _status_in_fresh_process(**env) -> dict:
-    code = "import json, tierlm; from tierlm.backends.cpu import route; print(json.dumps(route.status))"
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
-                         capture_output=True, text=True, check=True).stdout
-    return json.loads(out)
+def counts() -> dict[str, int]:
+    return {**STATE.counts(), **{f"kernel_{k}": v for k, v in cpu_kernels.calls.items()}}
+
+
+def ran(before: dict[str, int]) -> dict[str, int]:
+    """What ran since `before`, per counter."""
+    return {k: v - before.get(k, 0) for k, v in counts().items() if v != before.get(k, 0)}
+
+
+def _in_fresh_process(code: str, **env) -> dict:
+    """Runs `code` (which ends by printing one JSON line) in a new interpreter."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, **env},
+                         capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+STATE_JSON = """
+from tierlm.backends.cpu import route
+s = route.prepare()
+print(json.dumps({"blas": s.blas_path, "route": s.route.on, "why": str(s.route), "gemv": str(s.gemv),
+                  "amx": str(s.amx), "kernels": s.native_kernels.on, "check": s.self_check,
+                  "warning": s.warning}))
+"""
+
+
+def _state_in_fresh_process(**env) -> dict:
+    return _in_fresh_process("import json\n" + STATE_JSON, **env)
+
+
+def test_importing_tierlm_compiles_and_loads_nothing(tmp_path):
+    """No compiler runs and no BLAS or native library is loaded by importing the
+    package, its CLI or its backend modules: only loading a model prepares them."""
+    marker = tmp_path / "cc-ran"
+    cc = tmp_path / "cc"
+    cc.write_text(f"#!/bin/sh\ntouch {marker}\nexec cc \"$@\"\n")
+    cc.chmod(0o755)
+    maps = _in_fresh_process("""
+        import json, sys
+        import tierlm
+        mlx_after_tierlm = "mlx.core" in sys.modules
+        import tierlm.cli, tierlm.backends, tierlm.backends.cpu, tierlm.backends.cpu.route
+        maps = open("/proc/self/maps").read()
+        print(json.dumps({"mlx": mlx_after_tierlm, "native": "tierlm_native" in maps,
+                          "openblas": "openblas-pthread" in maps or "libopenblasp" in maps}))
+    """, CC=str(cc), XDG_CACHE_HOME=str(tmp_path))
+    assert maps == {"mlx": False, "native": False, "openblas": False}
+    assert not marker.exists()
 
 
 @needs_route
-def test_openblas_loads_behind_the_route():
-    status = cpu_blas.status
-    assert (status["library"], status["reason"], status["gemv_route"]) == (OPENBLAS, "loaded", "on")
-    assert status["amx"] == "available" or status["amx"].startswith("off (no AMX-BF16")
-    assert status["attention"] == "avx512" or status["attention"].startswith("off (no AVX-512")
+def test_openblas_sits_behind_the_route_in_mlxs_slot():
+    assert (STATE.blas_path, STATE.route.on, STATE.gemv.on, STATE.warning) == (OPENBLAS, True, True, None)
+    assert STATE.amx.on or STATE.amx.detail == "no AMX-BF16 on this CPU"
+    assert STATE.native_kernels.on or STATE.native_kernels.detail == "no AVX-512 on this CPU"
+    assert STATE.self_check.startswith("a float32 product through MLX counted")
+    slots = route.mlx_slots()
+    assert slots and all(s.read() == native.function_address(STATE.lib, "cblas_sgemm") for s in slots)
+
+
+@needs_route
+def test_the_route_works_when_mlx_was_imported_and_used_first():
+    """mlx.core imported and its cblas_sgemm slot bound to the bundled BLAS before
+    tierlm is imported: the route still takes MLX's products, counted."""
+    got_state = _in_fresh_process("""
+        import json
+        import mlx.core as mx
+        mx.eval(mx.ones((4, 8)) @ mx.ones((8, 4)))  # binds MLX's slot to its bundled BLAS
+        import tierlm
+        from tierlm.backends.cpu import native, route
+        state = route.prepare()
+        before = native.counts(state.lib)["sgemm"]
+        out = mx.ones((3, 600)) @ mx.ones((600, 700))
+        mx.eval(out)
+        print(json.dumps({"blas": state.blas_path, "route": state.route.on, "check": state.self_check,
+                          "counted": native.counts(state.lib)["sgemm"] - before, "value": out[0, 0].item()}))
+    """)
+    assert got_state["blas"] == OPENBLAS and got_state["route"]
+    assert got_state["counted"] == 1 and got_state["value"] == 600.0
+    assert got_state["check"].startswith("a float32 product through MLX counted")
+
+
+@needs_route
+def test_the_self_check_tells_when_mlxs_matmuls_do_not_reach_the_route():
+    """An MLX that stopped calling cblas_sgemm through its slot (simulated: the
+    slot is left as it was) is caught by the self-check: the route and the BLAS
+    are reported off, with a warning, the slot keeps what it held, products stay
+    right, and the weights stay as stored."""
+    result = _in_fresh_process("""
+        import json
+        from tierlm.backends.cpu import got, route
+        got.write = lambda slot, value: slot.read()  # writes nothing
+        s = route.prepare()
+        import mlx.core as mx
+        from tiny_models import tiny_model
+        from tierlm.backends.cpu import weights
+        ok = (mx.ones((2, 600)) @ mx.ones((600, 3)))[0, 0].item() == 600.0
+        print(json.dumps({"route": s.route.on, "blas": s.blas.on, "why": str(s.route), "warning": s.warning,
+                          "check": s.self_check, "ok": ok,
+                          "weights": weights.choose_dtype("auto", tiny_model("llama"), 2**40)}))
+    """, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    assert not result["route"] and not result["blas"] and result["ok"]
+    assert result["check"] == "a float32 product through MLX was not counted at cblas_sgemm"
+    assert "MLX's matmuls do not reach it" in result["why"] and "bundled BLAS" in result["warning"]
+    assert result["weights"] == "stored"
+
+
+@needs_route
+def test_the_self_check_fails_once_the_slot_is_given_back():
+    result = _in_fresh_process("""
+        import json
+        from tierlm.backends.cpu import native, route
+        s = route.prepare()
+        count = lambda: native.counts(s.lib)["sgemm"]
+        before = route.self_check(count)[0]
+        route._restore()
+        after = route.self_check(count)
+        print(json.dumps({"before": before, "after": after[0], "why": after[1]}))
+    """)
+    assert result == {"before": True, "after": False,
+                      "why": "a float32 product through MLX was not counted at cblas_sgemm"}
+
+
+@needs_route
+def test_mlxs_slot_is_found_in_its_elf_tables():
+    slots = route.mlx_slots()
+    assert [s.kind for s in slots] == ["JUMP_SLOT"]  # mlx 0.32's libmlx.so: lazy binding through the PLT
+    assert slots[0].library.endswith("libmlx.so")
+    assert got.expected(slots[0], also={native.function_address(STATE.lib, "cblas_sgemm")})
+    held = slots[0].read()
+    assert got.write(slots[0], held) == held  # a write gives back what the slot held
 
 
 @needs_route
 def test_route_and_blas_can_be_turned_off():
-    assert _status_in_fresh_process(TIERLM_GEMV_ROUTE="off")["gemv_route"].startswith("off")
-    assert _status_in_fresh_process(TIERLM_GEMV_ROUTE="off")["library"] == OPENBLAS
-    assert _status_in_fresh_process(TIERLM_BLAS="off")["library"] is None
+    no_gemv = _state_in_fresh_process(TIERLM_GEMV_ROUTE="off")
+    assert no_gemv["gemv"] == "off (TIERLM_GEMV_ROUTE=off)"
+    assert no_gemv["blas"] == OPENBLAS and no_gemv["route"]
+    off = _state_in_fresh_process(TIERLM_BLAS="off")
+    assert off["blas"] is None and not off["route"] and not off["kernels"]
+    assert off["why"] == "off (turned off by TIERLM_BLAS=off)" and off["warning"] is None
 
 
 @needs_route
-def test_without_a_compiler_the_blas_still_loads(tmp_path):
-    status = _status_in_fresh_process(CC="/nonexistent/cc", XDG_CACHE_HOME=str(tmp_path))
-    assert status["library"] == OPENBLAS
-    assert status["gemv_route"].startswith("off (could not build")
+def test_without_a_compiler_the_blas_still_goes_in_the_slot(tmp_path):
+    """The BLAS's own sgemm in MLX's slot, proved by a counting stand-in."""
+    state = _state_in_fresh_process(CC="/nonexistent/cc", XDG_CACHE_HOME=str(tmp_path))
+    assert state["blas"] == OPENBLAS and not state["route"]
+    assert state["why"].startswith("off (could not build or load it: no C compiler")
+    assert state["check"] == "a float32 product through MLX counted 1 call(s), numpy's answer"
 
 
 @needs_route
@@ -66,9 +194,9 @@ def test_a_compiler_without_amx_builds_the_rest(tmp_path):
     old_cc = tmp_path / "old-cc"
     old_cc.write_text('#!/bin/sh\ncase "$*" in *TIERLM_NO_AMX*) exec cc "$@";; esac\necho no AMX >&2; exit 1\n')
     old_cc.chmod(0o755)
-    status = _status_in_fresh_process(CC=str(old_cc), XDG_CACHE_HOME=str(tmp_path))
-    assert status["gemv_route"] == "on"
-    assert status["amx"] == "off (the C compiler has no AMX intrinsics)"
+    state = _state_in_fresh_process(CC=str(old_cc), XDG_CACHE_HOME=str(tmp_path))
+    assert state["route"] and state["gemv"] == "on"
+    assert state["amx"] == "off (the C compiler has no AMX intrinsics)"
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 80), (3, 80), (9, 80), (9, 64), (600, 700)])
@@ -76,21 +204,45 @@ def test_float32_matmuls_match_numpy_in_every_layout(rows, cols):
     """Every route the sgemm route has: one-row products through sgemv, small
     products through the exact kernels (eight-row and two-row blocks and their
     tails, the 64-wide path), large ones through the BLAS, in every transpose
-    combination MLX emits. All must give numpy's answer."""
+    combination MLX emits. All must give numpy's answer, and each is counted
+    once by the route and by exactly one of its destinations."""
     rng = np.random.default_rng(rows)
     a, w = rng.standard_normal((rows, 96), np.float32), rng.standard_normal((cols, 96), np.float32)
     c = rng.standard_normal((rows, cols), np.float32)
     A, W, C = mx.array(a), mx.array(w), mx.array(c)
+    mx.eval(A, W, C)
     expected = a @ w.T
+    before = counts()
     cases = {
         "a @ w.T": A @ W.T,
         "a @ contiguous(w.T)": A @ mx.contiguous(W.T),
         "transposed a": mx.contiguous(A.T).T @ W.T,
         "addmm": mx.addmm(C, A, W.T, alpha=0.5, beta=2.0),
     }
-    for name, got in cases.items():
+    for name, got_ in cases.items():
         want = 0.5 * expected + 2.0 * c if name == "addmm" else expected
-        np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-4, err_msg=name)
+        np.testing.assert_allclose(np.array(got_), want, rtol=1e-4, atol=1e-4, err_msg=name)
+    if STATE.route.on:
+        delta = ran(before)
+        assert delta["sgemm"] == len(cases)
+        assert sum(delta.get(f"sgemm_{d}", 0) for d in ("amx", "exact", "gemv", "blas")) == len(cases)
+
+
+@needs_route
+def test_each_destination_of_the_route_counts_what_it_takes():
+    """One product of each shape the route tells apart; the counters say where it went."""
+    def product(a_shape, b_shape, trans_b=False):
+        a, b = mx.ones(a_shape), mx.ones(b_shape)
+        mx.eval(a, b)
+        before = counts()
+        mx.eval(a @ (b.T if trans_b else b))
+        return {k: v for k, v in ran(before).items() if k.startswith("sgemm_")}
+
+    assert product((1, 96), (96, 600)) == {"sgemm_gemv": 1}  # decoding one sequence
+    assert product((600, 96), (96, 700)) == {"sgemm_blas": 1}
+    if STATE.exact_attention.on:
+        assert product((9, 32), (40, 32), trans_b=True) == {"sgemm_exact": 1}  # attention's scores
+        assert product((9, 40), (40, 64)) == {"sgemm_exact": 1}  # its weighted values
 
 
 def _bfloat16(a: np.ndarray) -> np.ndarray:
@@ -111,11 +263,13 @@ def test_packed_weight_multiplies_in_bfloat16_on_amx(rows):
     A, W, C = mx.array(a), mx.array(w), mx.array(c)
     mx.eval(W)
     address = np.array(W, copy=False).ctypes.data
-    assert cpu_blas.native.tierlm_amx_pack(address, 80, 96)
+    assert STATE.lib.tierlm_amx_pack(address, 80, 96)
+    before = counts()
     try:
         got, got_addmm = np.array(A @ W.T), np.array(mx.addmm(C, A, W.T, alpha=0.5, beta=2.0))
     finally:
-        cpu_blas.native.tierlm_amx_unpack(address)
+        STATE.lib.tierlm_amx_unpack(address)
+    assert ran(before).get("sgemm_amx") == 2
     want = _bfloat16(a) @ _bfloat16(w).T
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got_addmm, 0.5 * want + 2.0 * c, rtol=1e-4, atol=1e-4)
@@ -126,21 +280,29 @@ def test_packed_weight_multiplies_in_bfloat16_on_amx(rows):
 
 @needs_amx
 def test_a_packed_model_keeps_its_logits_and_frees_its_copies():
+    """Through the backend's entry point: the copies are memory it reports, its
+    layout tag changes the prefix cache's keys, and the products run on AMX."""
     model = tiny_model("llama")
     want = _logits_through_a_cache(model)
     mx.eval(want)  # before packing: MLX is lazy
     layout = parameter_layout(model)
-    assert cpu_amx.pack(model) == 2 * 7 + 1  # seven Linears a layer, and the tied embedding
-    assert parameter_layout(model) != layout  # other arithmetic, other KV: other prefix-cache keys
-    assert cpu_amx.packed_bytes(model) == sum(w.size * 2 for w in cpu_amx._matmul_weights(model))
+    backend = backends.prepare(model, cpu_weights_dtype="stored", memory_bytes=2**40, cpu_kernels=False)
+    assert backend.summary["amx_packed_weights"] == 2 * 7 + 1  # seven Linears a layer, and the tied embedding
+    assert backends.describe(model) is backend
+    assert parameter_layout(model) == layout + b" products: bfloat16 on AMX"  # other KV: other cache keys
+    assert backend.extra_bytes == sum(w.size * 2 for w in cpu_amx._matmul_weights(model))
+    before = counts()
     got = _logits_through_a_cache(model)
+    mx.eval(got)
+    assert ran(before).get("sgemm_amx", 0) >= 4 * (2 * 7 + 1)  # every Linear and the head, each step
     for w, g in zip(want, got):
         assert not mx.array_equal(g, w).item()
         assert mx.allclose(g, w, rtol=0.05, atol=0.05).item()
     model_id = id(model)
-    del model
+    del model, backend
     gc.collect()
     assert model_id not in cpu_amx._packed_bytes
+    assert model_id not in backends._by_model
 
 
 def test_fast_exp_is_close_to_exp_and_exactly_zero_far_below():
@@ -180,7 +342,15 @@ def test_attention_is_bit_exact_alone_and_left_padded_in_a_batch(native):
     alone the mask is "causal". The outputs must be identical, not just close:
     greedy output and cached KV must not depend on what else ran."""
     q, k, v = _qkv(1, 6, 2, 9, 23)
+    mx.eval(q, k, v)
+    before = counts()
     alone = cpu_kernels.attention(q, k, v, 0.2, "causal", native=native)
+    mx.eval(alone)
+    if STATE.exact_attention.on:  # this bit-exactness rests on the exact products: they must have run
+        delta = ran(before)
+        assert delta.get("sgemm_exact", 0) >= 2 and delta["sgemm_exact"] == delta["sgemm"]
+    if native:
+        assert ran(before).get("softmax") == 1
     for pad in (1, 5, 16, 17):
         zeros = mx.zeros((1, 2, pad, 32))
         span = 23 + pad
@@ -190,9 +360,9 @@ def test_attention_is_bit_exact_alone_and_left_padded_in_a_batch(native):
         assert mx.array_equal(batched, alone).item(), f"left padding {pad}"
 
 
-@pytest.mark.skipif(not cpu_kernels.native_kernels(), reason="no AVX-512 here")
+@needs_avx512
 def test_native_logsumexp_matches_mlx_and_serves_mlx_lms_batch_step():
-    import sys
+    from mlx_lm.generate import BatchGenerator
 
     logits = mx.random.normal((4, 1000)) * 20
     logits[1, :] = -mx.inf  # a row that sees nothing
@@ -207,19 +377,27 @@ def test_native_logsumexp_matches_mlx_and_serves_mlx_lms_batch_step():
         cpu_kernels.install(model)
         assert isinstance(generate.mx, cpu_kernels._GenerateMx)
         assert generate.mx.logsumexp is cpu_kernels._GenerateMx.logsumexp and generate.mx.arange is mx.arange
+        before = counts()
+        gen = BatchGenerator(model, completion_batch_size=2)
+        pending = set(gen.insert([[5, 6, 7], [8, 9]], max_tokens=[3, 3]))
+        while pending:
+            pending -= {r.uid for r in gen.next()[1] if r.finish_reason is not None}
+        gen.close()
+        steps = ran(before)
+        assert steps.get("kernel_logsumexp", 0) >= 2 and steps.get("logsumexp") == steps["kernel_logsumexp"]
     finally:
         cpu_kernels.uninstall(model)
     assert generate.mx is mx
 
 
-@pytest.mark.skipif(not cpu_kernels.native_kernels(), reason="no AVX-512 here")
+@needs_avx512
 def test_native_softmax_of_a_strided_array_works_on_a_copy():
     scores = mx.random.normal((1, 2, 5, 7)).transpose(0, 1, 3, 2)  # not row-major
     got = cpu_kernels._native_softmax(scores, causal=0)
     assert mx.allclose(got, mx.softmax(scores, axis=-1), rtol=1e-5, atol=1e-6).item()
 
 
-@pytest.mark.skipif(not cpu_kernels.native_kernels(), reason="no AVX-512 here")
+@needs_avx512
 def test_native_softmax_gives_zeros_for_a_row_that_sees_nothing():
     q, k, v = _qkv(1, 2, 1, 3, 17)
     mask = mx.ones((1, 1, 3, 17), dtype=mx.bool_)
@@ -235,7 +413,7 @@ def test_swiglu_matches_mlx():
     assert mx.allclose(cpu_kernels.swiglu(gate, x), nn.silu(gate) * x, rtol=1e-4, atol=1e-5).item()
 
 
-@pytest.mark.skipif(not cpu_kernels.native_kernels(), reason="no AVX-512 here")
+@needs_avx512
 def test_native_swiglu_matches_mlx_and_leaves_views_to_the_compiled_one():
     gate, x = mx.random.normal((3, 50)) * 30, mx.random.normal((3, 50))
     want = nn.silu(gate) * x
@@ -262,22 +440,32 @@ def _logits_through_a_cache(model) -> list[mx.array]:
     ("qwen3_next", ["qwen3_next.scaled_dot_product_attention", "qwen3_next.swiglu", "switch_layers.swiglu"]),
 ])
 def test_installed_kernels_give_the_models_own_logits(name, replaced):
+    """...and every kernel reported installed ran (counted), natively where the CPU allows."""
     model = tiny_model(name)
     want = _logits_through_a_cache(model)
+    mx.eval(want)
     try:
         native = ["generate.logsumexp"] if cpu_kernels.native_kernels() else []
         assert cpu_kernels.install(model) == replaced + native
+        before = counts()
         got = _logits_through_a_cache(model)
+        mx.eval(got)
+        delta = ran(before)
     finally:
         cpu_kernels.uninstall(model)
     for w, g in zip(want, got):
         assert mx.allclose(g, w, rtol=1e-4, atol=1e-4).item()
+    assert delta.get("kernel_attention", 0) > 0
+    assert (delta.get("kernel_swiglu", 0) > 0) == any(r.endswith(".swiglu") for r in replaced)
+    if cpu_kernels.native_kernels():
+        assert delta.get("softmax", 0) == delta["kernel_attention"]
+        assert delta.get("swiglu", 0) > 0 or "kernel_swiglu" not in delta
 
 
 def test_weights_go_float32_only_when_they_fit():
     model = tiny_model("llama")
     model_bytes = cpu_weights.float32_bytes(model)
-    if cpu_blas.status["library"] is None:
+    if not STATE.blas.on:
         pytest.skip("no BLAS: auto keeps the stored weights")
     assert cpu_weights.choose_dtype("auto", model, memory_bytes=4 * model_bytes) == "float32"
     assert cpu_weights.choose_dtype("auto", model, memory_bytes=model_bytes) == "stored"
@@ -291,9 +479,61 @@ def test_the_loader_packs_for_amx_unless_told_not_to(model_path):
     from tierlm.models.loader import load_model
 
     model, _ = load_model(model_path, use_amx=False)
-    assert cpu_amx.packed_bytes(model) == 0
+    assert backends.describe(model).extra_bytes == 0 and backends.describe(model).layout_tag == b""
     model, _ = load_model(model_path)
-    assert cpu_amx.packed_bytes(model) > 100 * 2**20  # SmolLM2's 135M weights, two bytes each
+    assert backends.describe(model).extra_bytes > 100 * 2**20  # SmolLM2's 135M weights, two bytes each
+
+
+@needs_route
+@pytest.mark.parametrize("amx", [False, pytest.param(True, marks=needs_amx)])
+def test_what_the_loader_reports_in_use_runs(model_path, amx):
+    """Every part the backend of a loaded model reports in use is counted over a
+    prefill and a few decode steps, alone and as a batch of two."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from tierlm.models.loader import load_model
+
+    model, _ = load_model(model_path, use_amx=amx)
+    backend = backends.describe(model)
+    assert backend.name == "cpu" and backend.summary["weights"] == "float32"
+    before = counts()
+    for batch in (1, 2):
+        cache = make_prompt_cache(model)
+        logits = model(mx.array([[(7 * i) % 1000 + 3 for i in range(40)]] * batch), cache=cache)
+        for token in (5, 9):
+            logits = model(mx.array([[token]] * batch), cache=cache)
+        mx.eval(logits)
+    delta = ran(before)
+    expected = {"sgemm"}
+    if amx:
+        expected.add("sgemm_amx")
+    else:
+        expected |= {"sgemm_gemv", "sgemm_blas"}  # one row alone; the prefill and the batch: the BLAS
+    if STATE.exact_attention.on:
+        expected.add("sgemm_exact")
+    if "llama.scaled_dot_product_attention" in backend.summary["kernels"]:
+        expected.add("kernel_attention")
+    if "llama.swiglu" in backend.summary["kernels"]:
+        expected.add("kernel_swiglu")
+    if STATE.native_kernels.on:
+        expected |= {"softmax", "swiglu"}
+    missing = {k for k in expected if not delta.get(k)}
+    assert not missing, f"reported in use, never ran: {missing}"
+    if not amx:
+        assert "sgemm_amx" not in delta
+    stats = backend.stats()
+    assert stats["calls"]["sgemm"] >= delta["sgemm"] and stats["extra_bytes"] == backend.extra_bytes
+
+
+def test_stats_and_log_of_a_served_model_report_the_backend(server):
+    """/stats has the backend's description and its live counters; the log has
+    the fast path's line and its self-check."""
+    stats = server.stats()["backend"]
+    assert stats["name"] == "cpu" and stats["weights"] in ("float32", "stored")
+    if STATE.route.on:
+        assert stats["route"].startswith("on") and stats["calls"]["sgemm"] > 0
+        assert "CPU fast path self-check: a float32 product through MLX counted" in server.log()
+    assert "CPU fast path: weights" in server.log()
 
 
 @needs_amx

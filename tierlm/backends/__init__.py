@@ -1,1 +1,77 @@
-"""Backends: what tierlm adds to MLX on one of its devices (only the CPU backend, for now)."""
+"""What a backend adds to a loaded model, and what the rest of tierlm reads of it.
+
+MLX runs a model on Metal, CUDA or its CPU backend. Only the CPU backend gets
+more from tierlm (`tierlm.backends.cpu`: a real BLAS behind a route, native
+kernels, the weights' dtype, AMX tiles). The loader calls `prepare` once per
+model; the engine reads the `Backend` that `describe` gives back for it: the
+memory it holds outside MLX's allocator (the memory guard counts it), a tag for
+the prefix cache's keys (other arithmetic, other KV), what to log and what to
+show in /stats; and `prefill_step_for` gives the device's prefill chunk.
+
+Importing this (or `tierlm`) compiles and loads nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+DEFAULT_PREFILL_STEP = 2048
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What a backend set up for one loaded model."""
+
+    name: str = "mlx"  # "mlx": nothing added; "cpu": tierlm.backends.cpu
+    extra_bytes: int = 0  # memory held outside MLX's allocator while the model lives
+    layout_tag: bytes = b""  # appended to the weights' layout in prefix-cache keys
+    log: tuple[str, ...] = ()  # start-up log lines, info
+    warnings: tuple[str, ...] = ()  # start-up log lines, warnings (a part that failed its check)
+    summary: dict = field(default_factory=dict)  # for /stats: what is in use, and why not
+    counters: Callable[[], dict] | None = field(default=None, repr=False, compare=False)  # live, for /stats
+
+    def stats(self) -> dict:
+        """For /stats: the summary and, live, what ran so far."""
+        live = self.counters() if self.counters else {}
+        return {"name": self.name, "extra_bytes": self.extra_bytes, **self.summary, **live}
+
+
+NONE = Backend()
+_by_model: dict[int, Backend] = {}  # id(model) -> its description, while the model lives
+
+
+def prepare(model, *, cpu_weights_dtype: str = "auto", memory_bytes: int, cpu_kernels: bool = True,
+            cpu_amx: bool = True) -> Backend:
+    """Sets up what the device's backend adds to `model` (in place) and records
+    its description for `describe`. Call on the engine's thread."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        from tierlm.backends import cpu
+
+        backend = cpu.prepare(model, weights_dtype=cpu_weights_dtype, memory_bytes=memory_bytes,
+                              kernels=cpu_kernels, amx=cpu_amx)
+    else:
+        backend = NONE
+    key = id(model)
+    _by_model[key] = backend
+    weakref.finalize(model, _by_model.pop, key, None)
+    return backend
+
+
+def describe(model) -> Backend:
+    """The description `prepare` recorded for `model` (NONE when it was not prepared)."""
+    return _by_model.get(id(model), NONE)
+
+
+def prefill_step_for(device) -> int:
+    """Prompt tokens per prefill chunk on `device`."""
+    import mlx.core as mx
+
+    if device == mx.cpu:
+        from tierlm.backends import cpu
+
+        return cpu.PREFILL_STEP
+    return DEFAULT_PREFILL_STEP

@@ -29,7 +29,7 @@ from tierlm.engine.collector import OutputCollector
 from tierlm.engine.memory_guard import MemoryGuard, ModelProfile, default_memory_limit, profile_model
 from tierlm.engine.request import FinishReason, Request, RequestOutput
 from tierlm.engine.scheduler import Scheduler, SchedulerConfig
-from tierlm.backends.cpu import amx as cpu_amx
+from tierlm import backends
 
 log = logging.getLogger(__name__)
 
@@ -37,21 +37,17 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def parameter_layout(model) -> bytes:
-    """Names, shapes and dtypes of the weights as loaded, and whether their
-    products run in bfloat16 on AMX: a cast or another arithmetic changes the KV."""
+    """Names, shapes and dtypes of the weights as loaded, and the backend's tag
+    for how their products run: a cast or another arithmetic changes the KV."""
     from mlx.utils import tree_flatten
 
     layout = sorted((k, tuple(v.shape), str(v.dtype)) for k, v in tree_flatten(model.parameters()))
-    products = b" products: bfloat16 on AMX" if cpu_amx.packed_bytes(model) else b""
-    return repr(layout).encode() + products
+    return repr(layout).encode() + backends.describe(model).layout_tag
 
 
 def prefill_step_for(device) -> int:
-    """Prompt tokens per prefill chunk. On MLX's CPU backend attention over a
-    whole chunk dominates long prefills, and smaller chunks skip most of the
-    masked-out half: a 2,048-token prompt prefilled 1.5x faster in chunks of
-    256 than in one chunk (measured on SmolLM2, 2 cores)."""
-    return 256 if device == mx.cpu else 2048
+    """Prompt tokens per prefill chunk: the device's backend's (tierlm.backends)."""
+    return backends.prefill_step_for(device)
 
 
 class EngineDeadError(RuntimeError):
@@ -413,4 +409,5 @@ class EngineCore:
             "memory_limit_bytes": self.scheduler.guard.limit,
             "alive": self.is_alive,
             "degraded": self.degraded,
+            "backend": backends.describe(self.model).stats(),  # what the backend added, and what of it ran
         }

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from tierlm.backends import describe
 from tierlm.engine.request import MemoryGuardError
-from tierlm.backends.cpu import amx as cpu_amx
 
 _FP32 = 4
 
@@ -31,7 +31,7 @@ class ModelProfile:
     num_heads: int
     hidden_size: int
     intermediate_size: int
-    native_bytes: int = 0  # held outside MLX's allocator: the AMX weight copies (backends/cpu/amx.py)
+    native_bytes: int = 0  # held outside MLX's allocator: what the backend adds (tierlm.backends)
 
 
 def _arg(model, *names: str, default: int = 0) -> int:
@@ -47,7 +47,7 @@ def profile_model(model) -> ModelProfile:
     """Measure the model on its own worker thread: one token through a fresh cache."""
     from mlx.utils import tree_flatten
 
-    native_bytes = cpu_amx.packed_bytes(model)
+    native_bytes = describe(model).extra_bytes
     weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) + native_bytes
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)

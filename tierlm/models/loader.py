@@ -41,30 +41,24 @@ def read_model_info(path: Path, name: str | None = None) -> ModelInfo:
 
 def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | None = None,
                use_cpu_kernels: bool = True, use_amx: bool = True):
-    """mlx-lm's own loader: (model, tokenizer wrapper), with the weights in the
-    fastest dtype for MLX's CPU backend (backends/cpu/weights.py); there, for
-    float32, attention and SwiGLU on a faster exp (backends/cpu/kernels.py) unless
-    `use_cpu_kernels` is off, and the matmuls on AMX tiles where the CPU has them
-    (backends/cpu/amx.py) unless `use_amx` is off. Call on the engine's thread."""
+    """mlx-lm's own loader: (model, tokenizer wrapper), with what the device's
+    backend adds set up (tierlm.backends.prepare; on MLX's CPU backend the
+    `cpu_*` settings: --cpu-weights-dtype, --cpu-kernels, --cpu-amx). The
+    backend's description is `tierlm.backends.describe(model)`. Call on the
+    engine's thread."""
     from mlx_lm import load
 
+    from tierlm import backends
     from tierlm.config import total_memory
-    from tierlm.backends.cpu import amx as cpu_amx
-    from tierlm.backends.cpu import kernels as cpu_kernels
-    from tierlm.backends.cpu import weights as cpu_weights
 
     model, tokenizer = load(str(path))
-    cpu_weights.apply(cpu_weights_dtype, model, memory_bytes or total_memory())
-    if not use_cpu_kernels:
-        log.info("CPU kernels off (--no-cpu-kernels): mlx-lm's attention and SwiGLU")
-    elif replaced := cpu_kernels.install(model):  # installs on MLX's CPU device only
-        log.info("CPU kernels in use for float32: %s", ", ".join(replaced))
-    if cpu_amx.available():
-        if not use_amx:
-            log.info("AMX off (--no-cpu-amx): float32 matmuls through the BLAS")
-        elif packed := cpu_amx.pack(model):
-            log.info("AMX: %d float32 weights packed as bfloat16 tiles (%.0f MiB)",
-                     packed, cpu_amx.packed_bytes(model) / 2**20)
+    backend = backends.prepare(model, cpu_weights_dtype=cpu_weights_dtype,
+                               memory_bytes=memory_bytes or total_memory(),
+                               cpu_kernels=use_cpu_kernels, cpu_amx=use_amx)
+    for line in backend.log:
+        log.info("%s", line)
+    for line in backend.warnings:
+        log.warning("%s", line)
     _evaluate_all(model)
     return model, tokenizer
 

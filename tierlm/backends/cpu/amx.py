@@ -3,13 +3,14 @@
 On a CPU with AMX (Sapphire Rapids and later) a bfloat16 copy of each weight,
 packed into tiles once at load (native/amx_bf16.c), is read instead of the
 float32 one: half the bytes per decode step, and the tile unit's throughput for
-prefill and batched decode. The route in front of the BLAS (route.py) finds
-the copy by the float32 array's address, so the model itself is unchanged:
+prefill and batched decode. The route in front of the BLAS (native/sgemm_route.c)
+finds the copy by the float32 array's address, so the model itself is unchanged:
 mlx-lm still sees float32 weights. Activations are rounded to bfloat16 per
 product and products accumulate in float32, as bf16 inference does on GPUs.
 
 The packed copies cost half the float32 weights' memory again; they are freed
-when the model is. Off with --no-cpu-amx (TIERLM_CPU_AMX=false).
+when the model is (the backend reports them as memory it adds, which the memory
+guard counts). Off with --no-cpu-amx (TIERLM_CPU_AMX=false).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ log = logging.getLogger(__name__)
 
 
 def available() -> bool:
-    return mx.default_device() == mx.cpu and route.status["amx"] == "available"
+    """AMX products can run: the route is in MLX's slot and the CPU has AMX-BF16."""
+    state = route.current()
+    return mx.default_device() == mx.cpu and state is not None and state.route.on and state.amx.on
 
 
 _packed_bytes: dict[int, int] = {}  # id(model) -> bytes of its packed copies, while it lives
@@ -63,7 +66,7 @@ def pack(model: nn.Module) -> int:
     are released when the model is garbage-collected."""
     if not available():
         return 0
-    native = route.native
+    native = route.current().lib
     mx.eval(model.parameters())
     packed, copies = [], 0
     for weight in _matmul_weights(model):

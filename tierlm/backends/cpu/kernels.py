@@ -13,7 +13,10 @@ native/exact_gemm.c, bit-exact whatever the padding) around the softmax.
 
 `install(model)` puts both into the model's module in place of mlx-lm's, only on
 MLX's CPU device and only for float32 inputs; everything else (quantized KV
-caches, attention sinks, 16-bit activations) still goes to mlx-lm's own.
+caches, attention sinks, 16-bit activations) still goes to mlx-lm's own. Where
+the native kernels run, mlx-lm's per-step log-sum-exp of the logits runs in
+native code too (`_GenerateMx`). `calls` counts what ran (the native library
+counts its own calls too): the tests check that what is reported in use runs.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import math
 import sys
 import types
+from collections import Counter
 from functools import partial
 
 import mlx.core as mx
@@ -28,6 +32,10 @@ import numpy as np
 from mlx import nn
 
 from tierlm.backends.cpu import route
+
+# times each replacement ran in this process: "attention", "swiglu" (either way),
+# "logsumexp" (the native one, through mlx_lm.generate's proxy)
+calls: Counter = Counter()
 
 # exp(x) = (2^u)^128 with u = x·log2(e)/128: 2^u from its Taylor series (degree 9,
 # error ~1e-9), then seven squarings (error x128). Plain arithmetic, so the
@@ -83,8 +91,14 @@ def attention(queries, keys, values, scale: float, mask, native: bool | None = N
 
 
 def native_kernels() -> bool:
-    """Attention's softmax and SwiGLU in native code (CPUs with AVX-512)."""
-    return route.status["attention"].startswith("avx512")
+    """Attention's softmax and SwiGLU in native code (CPUs with AVX-512, once the
+    native library is loaded: route.prepare)."""
+    state = route.current()
+    return state is not None and state.native_kernels.on
+
+
+def _lib():
+    return route.current().lib
 
 
 def _native_softmax(scores: mx.array, causal: int) -> mx.array:
@@ -96,7 +110,7 @@ def _native_softmax(scores: mx.array, causal: int) -> mx.array:
     if not in_place:
         view = np.ascontiguousarray(view, dtype=np.float32)
     rows, cols = scores.size // scores.shape[-1], scores.shape[-1]
-    route.native.tierlm_softmax_rows(view.ctypes.data, rows, cols, causal)
+    _lib().tierlm_softmax_rows(view.ctypes.data, rows, cols, causal)
     return scores if in_place else mx.array(view)
 
 
@@ -105,6 +119,7 @@ def _wrap_attention(original):
         if sinks is not None or hasattr(cache, "bits") or queries.dtype != mx.float32 \
                 or isinstance(mask, str) and mask != "causal":
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        calls["attention"] += 1
         return attention(queries, keys, values, scale, mask)
 
     scaled_dot_product_attention.original = original
@@ -119,7 +134,7 @@ def _native_swiglu(gate: mx.array, x: mx.array) -> mx.array | None:
     g, u = np.array(gate, copy=False), np.array(x, copy=False)
     if g.shape != u.shape or not (g.flags.c_contiguous and g.flags.writeable and u.flags.c_contiguous):
         return None
-    route.native.tierlm_swiglu(g.ctypes.data, u.ctypes.data, g.size)
+    _lib().tierlm_swiglu(g.ctypes.data, u.ctypes.data, g.size)
     return gate
 
 
@@ -127,6 +142,7 @@ def _wrap_swiglu(original):
     def float32_swiglu(gate, x):
         if gate.dtype != mx.float32 or x.dtype != mx.float32:
             return original(gate, x)
+        calls["swiglu"] += 1
         if native_kernels() and (out := _native_swiglu(gate, x)) is not None:
             return out
         return swiglu(gate, x)
@@ -143,7 +159,7 @@ def _native_logsumexp(a: mx.array) -> mx.array:
     mx.eval(a)
     view = np.ascontiguousarray(np.array(a, copy=False))  # a view when it already is
     out = np.empty((view.shape[0], 1), np.float32)
-    route.native.tierlm_logsumexp_rows(view.ctypes.data, view.shape[0], view.shape[1], out.ctypes.data)
+    _lib().tierlm_logsumexp_rows(view.ctypes.data, view.shape[0], view.shape[1], out.ctypes.data)
     return mx.array(out)
 
 
@@ -163,6 +179,7 @@ class _GenerateMx(types.ModuleType):
     @staticmethod
     def logsumexp(a, axis=None, keepdims=False, **kwargs):
         if a.dtype == mx.float32 and a.ndim == 2 and axis in (-1, 1) and keepdims and not kwargs:
+            calls["logsumexp"] += 1
             return _native_logsumexp(a)
         return mx.logsumexp(a, axis=axis, keepdims=keepdims, **kwargs)
 

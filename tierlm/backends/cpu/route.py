@@ -1,13 +1,13 @@
-"""A real BLAS under MLX's Linux CPU backend.
+"""A real BLAS under MLX's Linux CPU backend, behind tierlm's sgemm route.
 
-The `mlx[cpu]` wheel links a reference BLAS dynamically and calls `cblas_sgemm`
-through it; a faster library loaded first with RTLD_GLOBAL takes those calls
-over. Measured here: a float32 matmul of SmolLM2's shapes goes from ~4 to
-120-250 GFLOP/s. MLX sends only float32 matmuls to BLAS, which is why the CPU
-fast path also runs the weights in float32 (see weights.py).
+The `mlx[cpu]` wheel calls a bundled reference BLAS's `cblas_sgemm` for every
+float32 matmul. A real one is much faster: a float32 matmul of SmolLM2's shapes
+goes from ~4 to 120-250 GFLOP/s with OpenBLAS. MLX sends only float32 matmuls to
+BLAS, which is why the CPU fast path also runs the weights in float32
+(weights.py).
 
-In front of the BLAS sits native/sgemm_route.c, built here with the system C
-compiler (with native/amx_bf16.c). It takes MLX's `cblas_sgemm` calls and sends
+In front of the BLAS sits native/sgemm_route.c (built by native.py). It takes
+MLX's `cblas_sgemm` calls and sends
 - products by a weight packed for AMX (amx.py) to the tile unit;
 - attention's small products, with AVX-512, to kernels that sum in one fixed
   order, so batching changes no bit (native/exact_gemm.c);
@@ -16,24 +16,37 @@ compiler (with native/amx_bf16.c). It takes MLX's `cblas_sgemm` calls and sends
   (SmolLM2 decode at batch 1: 86 -> 50 ms a step);
 - the rest to the BLAS's own `cblas_sgemm`.
 
-This must run before anything imports `mlx.core`; `tierlm/__init__.py` calls it.
-TIERLM_BLAS=off turns it off, TIERLM_BLAS=/path/to/lib.so picks a library,
-TIERLM_GEMV_ROUTE=off leaves the one-row products to the BLAS's sgemm,
-TIERLM_EXACT_ATTENTION=off attention's products (faster, not bit-exact batched).
+How MLX's calls get there: `prepare()`, run when the first model is loaded on
+MLX's CPU backend, loads the BLAS and the route with RTLD_LOCAL and writes the
+route's address into the slot through which MLX's own library calls
+`cblas_sgemm` (got.py). So it works whatever was imported first and touches no
+other library's calls. Then it proves it: one small float32 product through MLX
+must be counted by the route (native/counters.h) and give numpy's answer.
+Otherwise the slots get back what they held, the log and /stats say why, and
+MLX runs on its bundled BLAS.
+
+TIERLM_BLAS=off turns all of this off (and the native kernels with it),
+TIERLM_BLAS=/path/to/lib.so picks a library, TIERLM_GEMV_ROUTE=off leaves the
+one-row products to the BLAS's sgemm, TIERLM_EXACT_ATTENTION=off attention's
+products (faster, not bit-exact batched). Without a C compiler the BLAS's own
+`cblas_sgemm` goes into the slot, checked by a counting stand-in for the one
+product.
 """
 
 from __future__ import annotations
 
 import ctypes
 import glob
-import hashlib
-import importlib.metadata
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from tierlm.backends.cpu import got, native
 
 # OpenBLAS's pthread build first: its OpenMP build collapsed when the CPU was shared.
 CANDIDATES = (
@@ -42,24 +55,78 @@ CANDIDATES = (
     "/usr/lib64/libopenblasp.so.0",  # Fedora/RHEL, pthread build
     "/usr/lib64/libopenblas.so.0",
 )
-
-status = {"library": None, "reason": "not attempted", "gemv_route": "off", "amx": "off", "attention": "off"}
-
-NATIVE_SOURCES = [Path(__file__).parent / "native" / name for name in ("sgemm_route.c", "amx_bf16.c", "exact_gemm.c", "softmax.c", "swiglu.c")]
-NATIVE_HEADERS = [Path(__file__).parent / "native" / "exp512.h"]
-
-# tierlm's native library once loaded (the route, AMX packing, attention's softmax): amx.py and kernels.py call into it
-native: ctypes.CDLL | None = None
+SYMBOL = "cblas_sgemm"
 
 
-def _has_cuda_mlx() -> bool:
-    for dist in ("mlx-cuda", "mlx-cuda-12", "mlx-cuda-13"):
-        try:
-            importlib.metadata.distribution(dist)
-            return True
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return False
+@dataclass(frozen=True)
+class Feature:
+    """One part of the fast path: whether it is in use, and what (or why not)."""
+
+    on: bool
+    detail: str = ""
+
+    def __str__(self) -> str:
+        if self.on:
+            return f"on ({self.detail})" if self.detail else "on"
+        return f"off ({self.detail})"
+
+
+def _off(why: str) -> Feature:
+    return Feature(False, why)
+
+
+@dataclass(frozen=True)
+class State:
+    """What MLX's float32 matmuls reach in this process, and what the native library offers."""
+
+    blas: Feature  # on: the library's path
+    route: Feature  # tierlm's sgemm route in MLX's slot, proved by the self-check
+    gemv: Feature  # one-row products to cblas_sgemv
+    exact_attention: Feature  # attention's products summed in a fixed order (AVX-512)
+    amx: Feature  # AMX-BF16 tiles for packed weights
+    native_kernels: Feature  # softmax, SwiGLU and log-sum-exp in native code (AVX-512)
+    self_check: str  # what the start-up product showed
+    lib: ctypes.CDLL | None = field(default=None, repr=False, compare=False)
+    warning: str | None = None  # a part that should have worked and did not (an upgraded MLX, ...)
+
+    @property
+    def blas_path(self) -> str | None:
+        return self.blas.detail if self.blas.on else None
+
+    def counts(self) -> dict[str, int]:
+        """The native library's call counters (native/counters.h)."""
+        return native.counts(self.lib)
+
+
+_lock = threading.Lock()
+_state: State | None = None
+_written: list[tuple[got.Slot, int]] = []  # the slots written, with what they held
+
+
+def prepare() -> State:
+    """Sets up the BLAS and the route for this process, once; later calls return
+    the same state. Never raises for a missing piece: it says why it is off."""
+    global _state
+    with _lock:
+        if _state is None:
+            try:
+                _state = _prepare()
+            except Exception as e:  # noqa: BLE001  the fast path is optional: a bug in it must not stop the model
+                _restore()
+                _state = _nothing(f"setting it up failed: {type(e).__name__}: {e}", warn=True)
+        return _state
+
+
+def current() -> State | None:
+    """The state once `prepare` has run, else None."""
+    return _state
+
+
+def _nothing(why: str, lib: ctypes.CDLL | None = None, check: str = "not run", warn: bool = False) -> State:
+    off = _off(why)
+    return State(blas=off, route=off, gemv=off, exact_attention=off, amx=off,
+                 native_kernels=_native_kernels(lib) if lib else off, self_check=check, lib=lib,
+                 warning=f"CPU fast path off: {why}; MLX runs on its bundled BLAS" if warn else None)
 
 
 def _find(choice: str) -> str | None:
@@ -69,91 +136,143 @@ def _find(choice: str) -> str | None:
     return next((p for p in (*CANDIDATES, *mkl) if os.path.exists(p)), None)
 
 
-def preload() -> dict:
-    """Load the best BLAS found; records what happened in `status`."""
+def mlx_slots() -> list[got.Slot]:
+    """The slots through which the libraries of the loaded mlx package call cblas_sgemm."""
+    package = Path(mx.__file__).resolve().parent
+    slots = []
+    for obj in got.loaded_objects():
+        real = Path(os.path.realpath(obj.path))
+        if package in real.parents:
+            slots += got.slots_in(got.LoadedObject(str(real), obj.base), SYMBOL)
+    return slots
+
+
+def _product() -> tuple[mx.array, np.ndarray]:
+    """One small float32 product through MLX's CPU backend, and numpy's answer."""
+    a = np.linspace(-1, 1, 8 * 64, dtype=np.float32).reshape(8, 64)
+    b = np.linspace(1, -1, 64 * 40, dtype=np.float32).reshape(64, 40)
+    with mx.stream(mx.cpu):
+        out = mx.array(a) @ mx.array(b)
+        mx.eval(out)
+    return out, a @ b
+
+
+def _prepare() -> State:
     choice = os.environ.get("TIERLM_BLAS", "auto")
     if choice == "off":
-        status.update(reason="turned off by TIERLM_BLAS=off")
-    elif not sys.platform.startswith("linux") or _has_cuda_mlx():
-        status.update(reason="not needed on this backend")
-    elif "mlx.core" in sys.modules:
-        status.update(reason="mlx was imported before tierlm; import tierlm first")
-    elif (path := _find(choice)) is None:
-        status.update(reason="no BLAS found (install libopenblas0-pthread)")
-    else:
-        status.update(_load(path))
-    return status
-
-
-def _load(path: str) -> dict:
-    """Loads the BLAS at `path` globally, behind the route when it builds."""
-    routed = _route_for(path)  # says why when it is off; never raises
+        return _nothing("turned off by TIERLM_BLAS=off")
+    if not sys.platform.startswith("linux"):
+        return _nothing("not needed on this backend")
+    path = _find(choice)
+    if path is None:
+        return _nothing("no BLAS found (install libopenblas0-pthread)")
     try:
-        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # after the route: MLX finds its sgemm first
+        slots = mlx_slots()
+    except (OSError, got.ElfError) as e:
+        return _nothing(f"could not read MLX's library: {e}", warn=True)
+    if not slots:
+        return _nothing(f"MLX's libraries import no {SYMBOL}: its matmuls cannot be reached", warn=True)
+    _product()  # binds a lazily bound slot now, so that the linker does not overwrite it later
+    if unexpected := [s for s in slots if not got.expected(s)]:
+        where = unexpected[0].library
+        return _nothing(f"{where}'s {SYMBOL} slot holds an address the linker did not put there", warn=True)
+    try:
+        blas = ctypes.CDLL(path, mode=os.RTLD_LOCAL | os.RTLD_NOW)
     except OSError as e:
-        return {"reason": f"could not load {path}: {e}"}
-    if not hasattr(lib, "cblas_sgemm"):
-        return {"reason": "no cblas_sgemm in it"}
-    return {"library": path, "reason": "loaded", **routed}
-
-
-def _route_for(blas_path: str) -> dict:
-    """Puts the route in front of `blas_path`; the status of what it routes."""
-    global native
+        return _nothing(f"could not load {path}: {e}")
+    if not hasattr(blas, SYMBOL):
+        return _nothing(f"no {SYMBOL} in {path}")
+    try:
+        lib = native.load()
+    except native.BuildError as e:
+        return _blas_alone(path, blas, slots, f"could not build or load it: {e}")
     one_row = os.environ.get("TIERLM_GEMV_ROUTE") != "off"
     exact = os.environ.get("TIERLM_EXACT_ATTENTION") != "off"
+    if not lib.tierlm_route_open(path.encode(), int(one_row), int(exact)):
+        return _blas_alone(path, blas, slots, "the library lacks cblas_sgemm or cblas_sgemv", lib)
+    _write(slots, native.function_address(lib, SYMBOL))
+    proved, check = self_check(lambda: native.counts(lib)["sgemm"])
+    if not proved:
+        _restore()
+        return _nothing(f"MLX's matmuls do not reach it: {check}", lib, check, warn=True)
+    avx512 = bool(lib.tierlm_avx512_available())
+    return State(
+        blas=Feature(True, path),
+        route=Feature(True, f"{len(slots)} slot of MLX's {SYMBOL}" if len(slots) == 1
+                      else f"{len(slots)} slots of MLX's {SYMBOL}"),
+        gemv=Feature(True) if one_row else _off("TIERLM_GEMV_ROUTE=off"),
+        exact_attention=(Feature(True, "AVX-512") if exact else _off("TIERLM_EXACT_ATTENTION=off")) if avx512
+        else _off("no AVX-512 on this CPU"),
+        amx=_amx(lib),
+        native_kernels=_native_kernels(lib),
+        self_check=check,
+        lib=lib,
+    )
+
+
+def self_check(count) -> tuple[bool, str]:
+    """One small float32 product through MLX: proved when `count()` went up over
+    it and the product is numpy's."""
+    before = count()
+    out, want = _product()
+    calls = count() - before
+    if calls == 0:
+        return False, f"a float32 product through MLX was not counted at {SYMBOL}"
+    if not np.allclose(np.array(out), want, rtol=1e-4, atol=1e-4):
+        return False, "a float32 product through the route gave a wrong answer"
+    return True, f"a float32 product through MLX counted {calls} call(s), numpy's answer"
+
+
+_SGEMM = ctypes.CFUNCTYPE(None, *[ctypes.c_int] * 6, ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+                          ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int)
+
+
+def _blas_alone(path: str, blas: ctypes.CDLL, slots, why: str, lib: ctypes.CDLL | None = None) -> State:
+    """The BLAS's own cblas_sgemm in MLX's slots (no route). A counting stand-in
+    takes the self-check's product first (a Python callback: too slow to keep)."""
+    real = ctypes.cast(getattr(blas, SYMBOL), ctypes.c_void_p).value
+    forward, calls = _SGEMM(real), [0]
+
+    @_SGEMM
+    def counting(*args):
+        calls[0] += 1
+        forward(*args)
+
+    _write(slots, ctypes.cast(counting, ctypes.c_void_p).value)
     try:
-        built = _build_route()
-        lib = ctypes.CDLL(str(built), mode=ctypes.RTLD_LOCAL)
-    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        return {"gemv_route": f"off (could not build or load it: {e})"}
-    if not lib.tierlm_route_open(blas_path.encode(), int(one_row), int(exact)):
-        return {"gemv_route": "off (the library lacks cblas_sgemm or cblas_sgemv)"}
-    ctypes.CDLL(str(built), mode=ctypes.RTLD_GLOBAL)  # now global, ahead of the real BLAS
-    _declare(lib)
-    native = lib
-    return {"gemv_route": "on" if one_row else "off (TIERLM_GEMV_ROUTE=off)", "amx": _amx_status(lib),
-            "attention": _attention_status(lib, exact)}
+        proved, check = self_check(lambda: calls[0])
+    finally:
+        _restore()
+    route = _off(why)
+    if not proved:
+        return State(blas=_off(f"MLX's matmuls do not reach it: {check}"), route=route, gemv=route,
+                     exact_attention=route, amx=route, native_kernels=_native_kernels(lib) if lib else route,
+                     self_check=check, lib=lib,
+                     warning=f"CPU fast path off: {check}; MLX runs on its bundled BLAS")
+    _write(slots, real)
+    return State(blas=Feature(True, path), route=route, gemv=route, exact_attention=route, amx=route,
+                 native_kernels=_native_kernels(lib) if lib else route, self_check=check, lib=lib)
 
 
-def _attention_status(lib: ctypes.CDLL, exact: bool) -> str:
-    if not lib.tierlm_avx512_available():
-        return "off (no AVX-512 on this CPU)"
-    return "avx512" if exact else "avx512, products through the BLAS (TIERLM_EXACT_ATTENTION=off)"
+def _write(slots: list[got.Slot], address: int) -> None:
+    for slot in slots:
+        previous = got.write(slot, address)
+        if not any(s == slot for s, _ in _written):
+            _written.append((slot, previous))
 
 
-def _amx_status(lib: ctypes.CDLL) -> str:
+def _restore() -> None:
+    """Gives every written slot back what it held before tierlm wrote it."""
+    while _written:
+        slot, previous = _written.pop()
+        got.write(slot, previous)
+
+
+def _native_kernels(lib: ctypes.CDLL) -> Feature:
+    return Feature(True, "AVX-512") if lib.tierlm_avx512_available() else _off("no AVX-512 on this CPU")
+
+
+def _amx(lib: ctypes.CDLL) -> Feature:
     if not lib.tierlm_amx_compiled():
-        return "off (the C compiler has no AMX intrinsics)"
-    return "available" if lib.tierlm_amx_available() else "off (no AMX-BF16 on this CPU)"
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    """The argument types of what amx.py and kernels.py call in the native library."""
-    lib.tierlm_amx_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    lib.tierlm_amx_unpack.argtypes = [ctypes.c_void_p]
-    lib.tierlm_softmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
-    lib.tierlm_swiglu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
-    lib.tierlm_logsumexp_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
-
-
-def _build_route() -> Path:
-    """The compiled native library, built once per source version into the user's cache."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in NATIVE_SOURCES + NATIVE_HEADERS)).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm" / "native"
-    built = cache / f"tierlm_native-{digest}.so"
-    if built.exists():
-        return built
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc) found")
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as scratch:  # then a rename: safe when two start at once
-        tmp = Path(scratch) / built.name
-        command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp), *map(str, NATIVE_SOURCES), "-ldl", "-lpthread", "-lm"]
-        try:
-            subprocess.run(command, check=True, capture_output=True, timeout=120)
-        except subprocess.CalledProcessError:  # a compiler too old for AMX: build the rest
-            subprocess.run([*command, "-DTIERLM_NO_AMX"], check=True, capture_output=True, timeout=120)
-        os.replace(tmp, built)
-    return built
+        return _off("the C compiler has no AMX intrinsics")
+    return Feature(True, "AMX-BF16") if lib.tierlm_amx_available() else _off("no AMX-BF16 on this CPU")

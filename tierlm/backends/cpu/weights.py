@@ -10,16 +10,11 @@ it keeps its stored format. Nothing changes on Metal or CUDA.
 
 from __future__ import annotations
 
-import logging
-
 import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from tierlm.backends.cpu import amx as cpu_amx
-from tierlm.backends.cpu import route
-
-log = logging.getLogger(__name__)
+from tierlm.backends.cpu import amx, route
 
 CHOICES = ("auto", "float32", "bfloat16", "float16", "stored")
 
@@ -48,10 +43,11 @@ def choose_dtype(setting: str, model: nn.Module, memory_bytes: int) -> str:
         return "stored"
     if setting != "auto":
         return setting
-    if route.status["library"] is None:
+    state = route.current()
+    if state is None or not state.blas.on:
         return "stored"  # without BLAS float32 gains little and costs 8x the memory
     # On AMX machines the float32 weights get bfloat16 copies too (amx.py).
-    needed = float32_bytes(model) * (3 if cpu_amx.available() else 2) // 2
+    needed = float32_bytes(model) * (3 if amx.available() else 2) // 2
     return "float32" if needed <= memory_bytes // 2 else "stored"
 
 
@@ -65,14 +61,10 @@ def convert(model: nn.Module, dtype_name: str) -> None:
 
 
 def apply(setting: str, model: nn.Module, memory_bytes: int) -> str:
+    """Converts the model to the dtype chosen; returns it ('stored': unchanged)."""
     choice = choose_dtype(setting, model, memory_bytes)
-    blas = route.status
     if choice != "stored":
         convert(model, choice)
-    if mx.default_device() == mx.cpu:
-        log.info("CPU fast path: weights %s (setting %s); BLAS %s (%s), one-row gemv route %s, AMX %s, "
-                 "native attention %s", choice, setting, blas["library"] or "bundled reference", blas["reason"],
-                 blas["gemv_route"], blas["amx"], blas["attention"])
     return choice
 
 

@@ -2,7 +2,7 @@
  *
  * On CPUs with AMX (Sapphire Rapids and later), a bf16 tile product does 16x16x32
  * multiply-adds in one instruction, and a bf16 weight is half the bytes of a float32
- * one. tierlm/models/cpu_amx.py packs each float32 weight a model multiplies by
+ * one. tierlm/backends/cpu/amx.py packs each float32 weight a model multiplies by
  * (y = x . W^T, W stored N x K) into tiles once, at load, keyed by the address of
  * the float32 array; sgemm_route.c sends every cblas_sgemm whose B is a packed
  * weight here. x is rounded to bf16 per call; products accumulate in float32.

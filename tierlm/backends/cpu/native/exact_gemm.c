@@ -22,7 +22,7 @@
 #include <immintrin.h>
 
 /* 1 when the CPU has AVX-512F: the route's exact kernels, and softmax.c and
- * swiglu.c (models/cpu_kernels.py asks through cpu_blas.py). */
+ * swiglu.c (route.py asks). */
 int tierlm_avx512_available(void) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f");

@@ -11,11 +11,16 @@
  *   sgemm handles 1 x K by K x N far below memory bandwidth, its sgemv reads the
  *   same weights ~2-3x faster here;
  * - everything else to the real cblas_sgemm.
- * tierlm/cpu_blas.py builds it with the system C compiler, calls
- * tierlm_route_open() with the real BLAS, then makes this library global and the
- * real BLAS after it, so that MLX finds this cblas_sgemm first and every other
- * BLAS/LAPACK symbol there. */
+ * tierlm/backends/cpu/native.py builds it with the system C compiler and loads
+ * it with RTLD_LOCAL; route.py calls tierlm_route_open() with the real BLAS
+ * (loaded with RTLD_LOCAL too), then writes this cblas_sgemm's address into the
+ * slot through which MLX's library calls cblas_sgemm (got.py), and proves with
+ * one product that the calls arrive (counters.h). */
 #include <dlfcn.h>
+
+#include "counters.h"
+
+unsigned long tierlm_counts[COUNT_KINDS];
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
@@ -48,14 +53,20 @@ int tierlm_route_open(const char *path, int route_one_row, int route_exact) {
 void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha,
                  const float *A, int lda, const float *B, int ldb, float beta, float *C,
                  int ldc) {
+  TIERLM_COUNT(COUNT_SGEMM);
   /* x . W^T with W stored N x K, as nn.Linear multiplies */
   if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && ldb == K &&
-      tierlm_amx_sgemm(M, N, K, alpha, A, lda, B, beta, C, ldc))
+      tierlm_amx_sgemm(M, N, K, alpha, A, lda, B, beta, C, ldc)) {
+    TIERLM_COUNT(COUNT_SGEMM_AMX);
     return;
+  }
   if (exact_route && order == ROW_MAJOR && trans_a == NO_TRANS &&
-      tierlm_exact_sgemm(trans_b == TRANS, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc))
+      tierlm_exact_sgemm(trans_b == TRANS, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
+    TIERLM_COUNT(COUNT_SGEMM_EXACT);
     return;
+  }
   if (one_row_route && order == ROW_MAJOR && M == 1) {
+    TIERLM_COUNT(COUNT_SGEMM_GEMV);
     /* C (1 x N) = alpha * a (1 x K) . op(B) (K x N) + beta * C, as y = op(B)^T a. */
     int inc_a = trans_a == NO_TRANS ? 1 : lda;
     if (trans_b == TRANS) /* B is stored N x K */
@@ -64,5 +75,6 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
       real_sgemv(ROW_MAJOR, TRANS, K, N, alpha, B, ldb, A, inc_a, beta, C, 1);
     return;
   }
+  TIERLM_COUNT(COUNT_SGEMM_BLAS);
   real_sgemm(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }

@@ -7,9 +7,11 @@
  * the layer's matmuls. Here one pass per row finds the maximum, a second takes
  * exp (range reduction, a degree-6 polynomial, the exponent put back with
  * scalef) and sums, a third normalizes, all while the row sits in cache:
- * ~30x faster. models/cpu_kernels.py calls it on evaluated scores. */
+ * ~30x faster. kernels.py calls it on evaluated scores. */
 #include <math.h>
 #include <string.h>
+
+#include "counters.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -79,6 +81,7 @@ static void scale_row(float *row, long n, float factor) {
  * so a mask array (batched prefill) gives what "causal" gives alone. A row that
  * sees nothing (all -inf) becomes all 0. */
 void tierlm_softmax_rows(float *x, long rows, long cols, long causal) {
+  TIERLM_COUNT(COUNT_SOFTMAX);
   for (long r = 0; r < rows; r++) {
     float *row = x + r * cols;
     long seen = causal > 0 ? cols - causal + r % causal + 1 : cols;
@@ -94,6 +97,7 @@ void tierlm_softmax_rows(float *x, long rows, long cols, long causal) {
 /* out[r] = log(sum_j exp(x[r][j])) over each of `rows` rows of `cols` floats:
  * the normalizer mlx-lm's BatchGenerator subtracts from every step's logits. */
 void tierlm_logsumexp_rows(float *x, long rows, long cols, float *out) {
+  TIERLM_COUNT(COUNT_LOGSUMEXP);
   for (long r = 0; r < rows; r++) {
     float *row = x + r * cols, top = row_max(row, cols);
     out[r] = top == -INFINITY ? -INFINITY : top + logf(exp_row(row, cols, top, 0));

@@ -2,8 +2,10 @@
  *
  * MLX's compiled kernels on this backend are scalar and split the polynomial exp
  * into several passes: SwiGLU over a 500-token prefill's 1,536-wide MLP took
- * ~3.7 ms a layer. models/cpu_kernels.py calls this on the evaluated gate and
+ * ~3.7 ms a layer. kernels.py calls this on the evaluated gate and
  * up projections instead. Element by element, so batching changes no bit. */
+#include "counters.h"
+
 #if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx512f")
@@ -11,6 +13,7 @@
 #include "exp512.h"
 
 void tierlm_swiglu(float *gate, const float *x, long n) {
+  TIERLM_COUNT(COUNT_SWIGLU);
   const __m512 one = _mm512_set1_ps(1.0f);
   for (long i = 0; i < n; i += 16) {
     __mmask16 lanes = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);

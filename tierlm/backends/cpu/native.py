@@ -1,0 +1,86 @@
+"""tierlm's native library: the C under native/, built once with the system C
+compiler into the user's cache and loaded with RTLD_LOCAL (it exports nothing
+to the process; MLX reaches its `cblas_sgemm` only through the slot route.py
+writes).
+
+What is in it: the sgemm route (sgemm_route.c), AMX weight tiles and their
+products (amx_bf16.c), attention's fixed-order products (exact_gemm.c), the row
+softmax and log-sum-exp (softmax.c) and SwiGLU (swiglu.c); counters.h counts
+the calls each of them serves, which the self-check and the tests read.
+
+Built the first time a model is loaded on MLX's CPU backend, never on import.
+CC picks the compiler, XDG_CACHE_HOME the cache folder.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent / "native"
+SOURCES = [HERE / name for name in ("sgemm_route.c", "amx_bf16.c", "exact_gemm.c", "softmax.c", "swiglu.c")]
+HEADERS = [HERE / "exp512.h", HERE / "counters.h"]
+
+# The order of counters.h's enum: what each tierlm_counts slot counts.
+COUNTERS = ("sgemm", "sgemm_amx", "sgemm_exact", "sgemm_gemv", "sgemm_blas", "softmax", "swiglu", "logsumexp")
+
+
+class BuildError(RuntimeError):
+    """The native library could not be built or loaded."""
+
+
+def build() -> Path:
+    """The compiled library, built once per source version into the user's cache."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm" / "native"
+    built = cache / f"tierlm_native-{digest}.so"
+    if built.exists():
+        return built
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise BuildError("no C compiler (cc) found")
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as scratch:  # then a rename: safe when two start at once
+        tmp = Path(scratch) / built.name
+        command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp), *map(str, SOURCES), "-ldl", "-lpthread", "-lm"]
+        try:
+            try:
+                subprocess.run(command, check=True, capture_output=True, timeout=120)
+            except subprocess.CalledProcessError:  # a compiler too old for AMX: build the rest
+                subprocess.run([*command, "-DTIERLM_NO_AMX"], check=True, capture_output=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise BuildError(f"the C compiler failed: {e}") from e
+        os.replace(tmp, built)
+    return built
+
+
+def load() -> ctypes.CDLL:
+    """Builds (when needed) and loads the library, its functions declared."""
+    try:
+        lib = ctypes.CDLL(str(build()), mode=os.RTLD_LOCAL | os.RTLD_NOW)
+    except OSError as e:
+        raise BuildError(f"could not load it: {e}") from e
+    lib.tierlm_route_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+    lib.tierlm_amx_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.tierlm_amx_unpack.argtypes = [ctypes.c_void_p]
+    lib.tierlm_softmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
+    lib.tierlm_swiglu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+    lib.tierlm_logsumexp_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    return lib
+
+
+def function_address(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+def counts(lib: ctypes.CDLL | None) -> dict[str, int]:
+    """Calls served so far in this process, per counter (all 0 without the library)."""
+    if lib is None:
+        return dict.fromkeys(COUNTERS, 0)
+    table = (ctypes.c_ulong * len(COUNTERS)).in_dll(lib, "tierlm_counts")
+    return dict(zip(COUNTERS, table))
