@@ -34,8 +34,10 @@ from mlx import nn
 from tierlm.backends.cpu import route
 
 # times each replacement ran in this process: "attention", "swiglu" (either way),
-# "logsumexp" (the native one, through mlx_lm.generate's proxy)
-calls: Counter = Counter()
+# "logsumexp" (the native one, through mlx_lm.generate's proxy). Every key is
+# there from the start: /stats reads it from another thread, and a key added
+# while it iterates would break the iteration.
+calls: Counter = Counter(attention=0, swiglu=0, logsumexp=0)
 
 # exp(x) = (2^u)^128 with u = x·log2(e)/128: 2^u from its Taylor series (degree 9,
 # error ~1e-9), then seven squarings (error x128). Plain arithmetic, so the
