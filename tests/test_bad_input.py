@@ -203,7 +203,7 @@ def small_vocab_server(model_path, tmp_path_factory):
     import mlx.core as mx
     from conftest import start_server, stop_server
 
-    from tierlm.bench.gpu import make_random_model
+    from tierlm.models.random_model import make_random_model
 
     folder = make_random_model("tiny", tmp_path_factory.mktemp("small-vocab") / "model", model_path, "float32")
     weights = mx.load(str(folder / "model.safetensors"))

@@ -6,7 +6,6 @@ import asyncio
 import time
 
 import pytest
-from tiny_models import tiny_model
 
 from tierlm.config import Settings
 from tierlm.engine import ownership
@@ -14,6 +13,7 @@ from tierlm.engine.collector import OutputCollector
 from tierlm.engine.core import EngineCore
 from tierlm.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from tierlm.models.loader import load_model
+from tierlm.models.random_model import tiny_model
 
 QUESTION = [{"role": "user", "content": "Write a poem about autumn leaves."}]
 

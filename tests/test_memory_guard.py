@@ -36,15 +36,11 @@ def kv_heavy_server(model_path, tmp_path_factory):
     """A random model with small weights (~18 MB) and a lot of KV per token (8
     layers x 8 KV heads x 64 x float32 = 32 KiB), so a few hundred tokens fill a
     100 MB limit fast, without hours of CPU."""
-    from tierlm.bench import gpu
+    from tierlm.models.random_model import PRESETS, make_random_model
 
-    gpu.PRESETS["kv-heavy"] = {**gpu.PRESETS["tiny"], "num_hidden_layers": 8, "num_attention_heads": 8,
-                               "num_key_value_heads": 8, "head_dim": 64}
-    try:
-        folder = gpu.make_random_model("kv-heavy", tmp_path_factory.mktemp("kv-heavy") / "model",
-                                       model_path, "float32")
-    finally:
-        del gpu.PRESETS["kv-heavy"]
+    kv_heavy = {**PRESETS["tiny"], "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
+                "head_dim": 64}
+    folder = make_random_model(kv_heavy, tmp_path_factory.mktemp("kv-heavy") / "model", model_path, "float32")
     srv = start_server(folder, folder.parent / "server.log", "--memory-limit", "100MB", "--no-ssd-cache")
     yield srv
     stop_server(srv)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import tiny_model
 
 from tierlm.cache.block_hash import block_keys
 from tierlm.cache.codecs import codecs_for
 from tierlm.cache.hot_tier import Block
 from tierlm.cache.prefix_cache import PrefixCache
+from tierlm.models.random_model import tiny_model
 
 BLOCK = 16
 
