@@ -17,7 +17,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx import nn
-from tiny_models import tiny_model
 
 from tierlm import backends
 from tierlm.backends.cpu import amx as cpu_amx
@@ -25,6 +24,7 @@ from tierlm.backends.cpu import got, native, route
 from tierlm.backends.cpu import kernels as cpu_kernels
 from tierlm.backends.cpu import weights as cpu_weights
 from tierlm.engine.core import parameter_layout
+from tierlm.models.random_model import tiny_model
 
 STATE = route.prepare()  # what loading a model on MLX's CPU backend prepares first
 OPENBLAS = route.CANDIDATES[0]
@@ -129,13 +129,13 @@ def test_the_self_check_tells_when_mlxs_matmuls_do_not_reach_the_route():
         got.write = lambda slot, value: slot.read()  # writes nothing
         s = route.prepare()
         import mlx.core as mx
-        from tiny_models import tiny_model
+        from tierlm.models.random_model import tiny_model
         from tierlm.backends.cpu import weights
         ok = (mx.ones((2, 600)) @ mx.ones((600, 3)))[0, 0].item() == 600.0
         print(json.dumps({"route": s.route.on, "blas": s.blas.on, "why": str(s.route), "warning": s.warning,
                           "check": s.self_check, "ok": ok,
                           "weights": weights.choose_dtype("auto", tiny_model("llama"), 2**40)}))
-    """, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    """)
     assert not result["route"] and not result["blas"] and result["ok"]
     assert result["check"] == "a float32 product through MLX was not counted at cblas_sgemm"
     assert "MLX's matmuls do not reach it" in result["why"] and "bundled BLAS" in result["warning"]
