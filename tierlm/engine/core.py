@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -32,8 +31,6 @@ from tierlm.engine.scheduler import Scheduler, SchedulerConfig
 from tierlm import backends
 
 log = logging.getLogger(__name__)
-
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def parameter_layout(model) -> bytes:
@@ -84,10 +81,6 @@ class EngineCore:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        # The worker thread waits on the device with the GIL released; when the step
-        # is done it must get the GIL back from the event loop thread quickly, not
-        # after Python's default 5 ms switch interval (a whole decode step on a GPU).
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self.scheduler = await loop.run_in_executor(self._worker, self._build_scheduler)
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run_loop(), name=f"engine-{self.name}")
