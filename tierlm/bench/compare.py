@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tierlm.bench import runs, servers
 from tierlm.bench.metrics import median
 from tierlm.bench.report import console, ms, num, print_table, ratio, write_json
 
@@ -23,8 +24,6 @@ MEDIAN_KEYS = {
 
 
 def server_specs(args, concurrencies: list[int]) -> list:
-    from tierlm.bench import servers
-
     model = Path(args.model).expanduser() if args.model else servers.default_model_folder()
     top = max(max(concurrencies), 1)
     ctx = args.input_len + args.output_len + 64
@@ -51,30 +50,28 @@ def server_specs(args, concurrencies: list[int]) -> list:
 
 
 def run_compare(args, command: str) -> int:
-    from tierlm.bench.cli import _concurrencies, _default_tokenizer, run_one
-    from tierlm.bench.servers import RunningServer
-
-    concurrencies = _concurrencies(args.concurrency)
+    """`tierlm bench compare`; `command`: the command line, for the result file."""
+    concurrencies = runs.concurrencies(args.concurrency)
     specs = server_specs(args, concurrencies)
-    tokenizer = _default_tokenizer(args)
-    runs: list[dict] = []
+    tokenizer = runs.default_tokenizer(args)
+    results: list[dict] = []
     for rnd in range(args.rounds):
         order = specs if rnd % 2 == 0 else specs[::-1]
         for spec in order:
             console.print(f"round {rnd + 1}/{args.rounds}: starting {spec.name}")
             args.model_id = spec.model_id
-            with RunningServer(spec) as server:
+            with servers.RunningServer(spec) as server:
                 for c in concurrencies:
-                    run = run_one(args, server.base_url, tokenizer, c, label=spec.name)
+                    run = runs.run_one(args, server.base_url, tokenizer, c, label=spec.name)
                     run.update(server=spec.name, round=rnd)
-                    runs.append(run)
+                    results.append(run)
                     s = run["summary"]
                     console.print(
                         f"  {spec.name} c={c}: {s['output_tok_s']:.1f} out tok/s, "
                         f"TTFT p50 {ms(s['ttft_s']['p50'])} ms, failed {s['failed']}"
                     )
     names = [s.name for s in specs]
-    table = medians(runs, names, concurrencies)
+    table = medians(results, names, concurrencies)
     print_compare(table, names, concurrencies, args)
     if args.json:
         write_json(
@@ -86,18 +83,18 @@ def run_compare(args, command: str) -> int:
                 "rounds": args.rounds,
                 "workload": args.workload,
                 "medians": table,
-                "runs": runs,
+                "runs": results,
             },
             command,
         )
     return 0
 
 
-def medians(runs: list[dict], names: list[str], concurrencies: list[int]) -> dict:
+def medians(results: list[dict], names: list[str], concurrencies: list[int]) -> dict:
     out: dict = {}
     for name in names:
         for c in concurrencies:
-            mine = [r["summary"] for r in runs if r["server"] == name and r["concurrency"] == c]
+            mine = [r["summary"] for r in results if r["server"] == name and r["concurrency"] == c]
             out[f"{name}@{c}"] = {k: median([f(s) for s in mine]) for k, f in MEDIAN_KEYS.items()}
     return out
 
