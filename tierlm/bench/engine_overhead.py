@@ -5,6 +5,10 @@ Both decode greedily with no stop tokens, so both do exactly the same model work
 what differs is everything tierlm adds around it (the asyncio loop, the worker
 thread hand-offs, per-request samplers, detokenizing, collectors). Runs
 alternate (bare, engine, engine, bare, ...) and the medians are compared.
+
+MLX, mlx-lm and the engine are imported inside the functions that run models:
+`tierlm bench docs` imports this module for pair_ratios and step_ratios only,
+and renders the docs without loading any of them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,97 @@
+"""docs/benchmarks.md shows, per machine and benchmark, only the newest result;
+the older files of the same benchmark are named as data."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from tierlm.bench.docs import render_docs
+
+PCT = {"p50": 0.1, "p90": 0.1, "p99": 0.1}
+SUMMARY = {"requests_s": 1.0, "output_tok_s": 10.0, "ttft_s": PCT, "tpot_s": PCT, "itl_s": PCT,
+           "e2e_s": PCT, "mean_output_tokens": 8.0, "failed": 0}
+MEDIAN = {"output_tok_s": 10.0, "requests_s": 1.0, "ttft_p50": 0.1, "ttft_p99": 0.1, "tpot_p50": 0.1,
+          "itl_p50": 0.1, "e2e_p50": 0.1, "mean_output_tokens": 8.0, "failed": 0}
+
+
+def compare(date: str, input_len: int, threads: int = 1) -> dict:
+    llama = ["llama-server", "-m", "m.gguf", "-t", str(threads)]
+    return {"kind": "compare", "date": date, "command": f"tierlm bench compare  # {date}",
+            "machine": {"cpu": "Test CPU", "git": f"c{input_len}-{date[8:10]}"},
+            "servers": [{"name": "tierlm", "cmd": ["tierlm"]}, {"name": "llama-server", "cmd": llama}],
+            "concurrencies": [1], "rounds": 2, "workload": "random",
+            "medians": {"tierlm@1": MEDIAN, "llama-server@1": MEDIAN},
+            "runs": [{"concurrency": 1, "workload": "random", "summary": SUMMARY,
+                      "workload_params": {"num_prompts": 2, "input_len": input_len, "output_len": 8}}]}
+
+
+def engine(date: str, rounds: int, model: str = "/m/tiny", queue: bool = False) -> dict:
+    side = {"decode_tok_s": 100.0, "total_tok_s": 100.0}
+    summary = {"batch": 1, "bare": side, "engine": side, "decode_ratio": 1.0, "total_ratio": 1.0}
+    if queue:
+        summary |= {"bare-queue": {"total_tok_s": 90.0}, "engine-queue": {"total_tok_s": 90.0}}
+    return {"kind": "engine", "date": date, "command": f"tierlm bench engine  # {date}", "machine": {},
+            "model": model, "device": "cpu", "rounds": rounds, "prompt_len": 4, "max_tokens": 8,
+            "runs": [], "summary": [summary]}
+
+
+def serve(date: str) -> dict:
+    return {"kind": "serve", "date": date, "command": f"tierlm bench serve  # {date}", "machine": {},
+            "base_url": "http://127.0.0.1:1",
+            "runs": [{"concurrency": 1, "workload": "random", "summary": SUMMARY,
+                      "workload_params": {"num_prompts": 4, "input_len": 16, "output_len": 8}}]}
+
+
+def sections(text: str) -> dict[str, str]:
+    parts = re.split(r"^### ", text, flags=re.M)[1:]
+    return {p.splitlines()[0]: p for p in parts}
+
+
+def test_only_the_newest_result_of_each_benchmark_is_shown(tmp_path):
+    files = {
+        # one benchmark, two results: the newer one shows
+        "compare-a.json": compare("2026-01-01 10:00:00 UTC", 32),
+        "compare-b.json": compare("2026-01-02 10:00:00 UTC", 32),
+        # another request shape, and another llama-server thread count: benchmarks of their own
+        "compare-c.json": compare("2026-01-01 09:00:00 UTC", 500),
+        "compare-d.json": compare("2026-01-01 08:00:00 UTC", 32, threads=2),
+        # engine overhead per model; a one-round file is no overhead result
+        "engine-old.json": engine("2026-01-01 10:00:00 UTC", 3),
+        "engine-new.json": engine("2026-01-03 10:00:00 UTC", 2),
+        "engine-other-model.json": engine("2026-01-01 10:00:00 UTC", 2, model="/m/big"),
+        "engine-once.json": engine("2026-01-04 10:00:00 UTC", 1),
+        # served vs bare: serve-X with engine-X is one run; the newer run shows
+        "serve-r1.json": serve("2026-01-01 10:00:00 UTC"),
+        "engine-r1.json": engine("2026-01-01 09:59:00 UTC", 1, queue=True),
+        "serve-r2.json": serve("2026-01-02 10:00:00 UTC"),
+        "engine-r2.json": engine("2026-01-02 09:59:00 UTC", 1, queue=True),
+    }
+    machine = tmp_path / "results" / "testbox"
+    machine.mkdir(parents=True)
+    for name, doc in files.items():
+        (machine / name).write_text(json.dumps(doc))
+    text = render_docs(tmp_path / "results", tmp_path / "benchmarks.md").read_text()
+
+    assert text.startswith("# Benchmarks") and "Tools" in text
+    assert "## testbox: Test CPU" in text
+    found = sections(text)
+    assert len(found) == len(set(found)) == 6  # no two titled alike
+    compares = {t: s for t, s in found.items() if t.startswith("Side by side")}
+    assert len(compares) == 3
+    newest = compares["Side by side: random workload, 32 → 8 tokens; tierlm vs llama-server (1 thread)"]
+    assert "2026-01-02 10:00:00 UTC" in newest and "`compare-b.json`" in newest
+    assert "tierlm bench compare  # 2026-01-02 10:00:00 UTC" in newest  # its command
+    assert "commit `c32-02`" in newest
+    assert "Older results of this benchmark, kept as data: `compare-a.json`." in newest
+    assert "2026-01-01 10:00:00" not in newest  # the older result's tables are not rendered
+
+    tiny = found["Engine overhead: `tiny` on cpu"]
+    assert "`engine-new.json`" in tiny and "kept as data: `engine-old.json`." in tiny
+    assert "Older" not in found["Engine overhead: `big` on cpu"]
+
+    served = found["Served vs bare `BatchGenerator` vs roofline: `tiny`"]
+    assert "`serve-r2.json`" in served and "`engine-r2.json`" in served
+    assert "kept as data: `engine-r1.json`, `serve-r1.json`." in served
+
+    assert "Other files here, of no benchmark above (kept as data): `engine-once.json`." in text
