@@ -106,3 +106,14 @@ def test_the_engine_reads_the_settings_it_is_given():
     assert engine._burst_budget_ms(1) == 7 and engine._burst_budget_ms(16) == 6
     assert Settings(hot_cache_size="1GiB").hot_cache_bytes() == 2**30
     assert Settings(ssd_cache=False).ssd_tier() == (None, 0)
+
+
+def test_the_readme_lists_every_setting_as_declared():
+    """README.md's table is settings_markdown()'s output: regenerate it with
+    python -c 'from tierlm.config import settings_markdown; print(settings_markdown())'."""
+    from pathlib import Path
+
+    from tierlm.config import settings_markdown
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert settings_markdown() in readme

@@ -212,3 +212,19 @@ def total_memory() -> int:
 def disk_size(path: Path) -> int:
     path.mkdir(parents=True, exist_ok=True)
     return shutil.disk_usage(path).total
+
+
+def settings_markdown() -> str:
+    """The README's table of every setting, from their declarations (a test keeps
+    the README's copy equal to this)."""
+    rows = ["| flag | environment | default | per model | what it does |", "|---|---|---|---|---|"]
+    for f in setting_fields():
+        flag = "--" + f.name.replace("_", "-")
+        if f.type.startswith("bool"):
+            flag = f"{flag} / --no-{flag[2:]}"
+        default = {True: "on", False: "off", None: "—"}.get(f.default, f.default) \
+            if isinstance(f.default, (bool, type(None))) else f.default
+        default = str(default).replace(str(Path.home()), "~")
+        rows.append(f"| `{flag}` | `{env_var(f.name)}` | {default} | {'yes' if f.metadata['per_model'] else ''} "
+                    f"| {f.metadata['help']} |")
+    return "\n".join(rows)
