@@ -6,6 +6,7 @@ tierlm bench engine    EngineCore vs a bare mlx-lm BatchGenerator loop, in proce
 tierlm bench roofline  decode roofline: weight bytes per step over measured copy bandwidth
 tierlm bench make-model  a random-weight model folder with real shapes (GPU runs)
 tierlm bench docs      regenerate docs/benchmarks.md from result JSON files
+tierlm bench soak      chaos run against one server: 5xx, hung, wrong answers, memory kept
 """
 
 from __future__ import annotations
@@ -78,6 +79,28 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--results", default="docs/bench-results")
     p.add_argument("--out", default="docs/benchmarks.md")
     p.set_defaults(func=cmd_docs)
+
+    p = bsub.add_parser("soak", help="chaos run: 5xx, hung requests, answers unlike alone, RSS kept")
+    p.add_argument("--base-url", default=None, help="a server on 127.0.0.1 (default: start tierlm here)")
+    p.add_argument("--pid", type=int, default=None, help="with --base-url: its process, for RSS")
+    p.add_argument("--model", default=None, help="model folder (default: the default model)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
+    p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the started server (repeatable)")
+    p.add_argument("--max-concurrent", type=int, default=None,
+                   help="the server's --max-concurrent-requests (default: --concurrency)")
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prefix-len", type=int, default=600, help="tokens of the shared system prompt")
+    p.add_argument("--hang-s", type=float, default=180.0, help="no answer by then: hung")
+    p.add_argument("--max-duration-s", type=float, default=3600.0, help="no new request after this")
+    p.add_argument("--rss-tolerance-pct", type=float, default=5.0, help="RSS after the clear vs before")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(func=_soak)
 
 
 def _add_load_args(p: argparse.ArgumentParser, default_concurrency: str = "1") -> None:
@@ -319,6 +342,12 @@ def cmd_make_model(args) -> int:
     tokenizer = args.tokenizer or _default_tokenizer(args)
     print(make_random_model(args.preset, Path(args.out), Path(tokenizer), args.dtype))
     return 0
+
+
+def _soak(args) -> int:
+    from tierlm.bench.soak import cmd_soak
+
+    return cmd_soak(args, _command(), _default_tokenizer(args))
 
 
 def cmd_docs(args) -> int:
