@@ -58,6 +58,7 @@ def resolve_model(settings: Settings) -> Path:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _setup_logging(settings.log_level)
+    __import__("tierlm.engine.allocator").engine.allocator.configure_allocator()  # idle heap trim
     import uvicorn
 
     from tierlm.api.app import create_app
