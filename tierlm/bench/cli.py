@@ -7,17 +7,18 @@ tierlm bench roofline  decode roofline: weight bytes per step over measured copy
 tierlm bench make-model  a random-weight model folder with real shapes (GPU runs)
 tierlm bench docs      regenerate docs/benchmarks.md from result JSON files
 tierlm bench soak      chaos run against one server: 5xx, hung, wrong answers, memory kept
+
+tierlm/cli.py imports this module for every command, `tierlm serve` included, so
+each subcommand imports what it runs inside its function: the server never loads
+the harness (rich, httpx, the workloads, MLX for the in-process benchmarks).
+The harness's modules import each other downward only (runs.py: one load run);
+none imports this one.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
-import os
-import shlex
-import sys
-import time
 from pathlib import Path
 
 
@@ -69,7 +70,7 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=cmd_roofline)
 
     p = bsub.add_parser("make-model", help="write a random-weight model folder with real shapes")
-    p.add_argument("preset", help="llama-1b | llama-8b | tiny")
+    p.add_argument("preset", help="llama-1b | llama-8b | tiny, or a tiny llama | gemma3_text | qwen3_next")
     p.add_argument("out")
     p.add_argument("--tokenizer", default=None, help="model folder whose tokenizer files to copy")
     p.add_argument("--dtype", default="bfloat16")
@@ -145,141 +146,36 @@ def _add_load_args(p: argparse.ArgumentParser, default_concurrency: str = "1") -
     p.add_argument("--no-progress", dest="progress", action="store_false")
 
 
-def _concurrencies(text: str) -> list[int]:
-    return [int(x) for x in str(text).split(",") if x.strip()]
-
-
-def _default_tokenizer(args) -> str:
-    from tierlm.bench.servers import default_model_folder
-
-    if getattr(args, "tokenizer", None):
-        return args.tokenizer
-    model = getattr(args, "model", None)
-    return model if model and Path(model).expanduser().is_dir() else str(default_model_folder())
-
-
-def build_workload(args, tokenizer: str, concurrency: int):
-    from tierlm.bench.workloads import TokenSoup, multi_turn_workload, random_workload, shared_prefix_workload
-
-    soup = TokenSoup(tokenizer, seed=args.seed * 1000 + concurrency)
-    n = args.num_prompts or max(args.min_prompts, args.prompts_per_concurrency * max(concurrency, 1))
-    if args.workload == "random":
-        return random_workload(soup, n, args.input_len, args.output_len, args.range_ratio)
-    if args.workload == "shared-prefix":
-        per = max(1, math.ceil(n / args.num_prefixes))
-        return shared_prefix_workload(
-            soup, args.num_prefixes, args.prefix_len, per, args.suffix_len, args.output_len
-        )
-    conversations = args.num_prompts or max(1, n // max(args.turns, 1), max(concurrency, 1))
-    return multi_turn_workload(
-        soup, conversations, args.turns, args.system_len, args.input_len, args.output_len
-    )
-
-
-def warmup_requests(args, tokenizer: str):
-    from tierlm.bench.workloads import BenchRequest, TokenSoup
-
-    soup = TokenSoup(tokenizer, seed=10**6 + args.seed)
-    return [BenchRequest(8, prompt=soup.text(32), input_tokens=32) for _ in range(args.warmup)]
-
-
-def eos_ids(tokenizer: str) -> list[int]:
-    import json
-
-    path = Path(tokenizer).expanduser()
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        f = path / name
-        if f.is_file():
-            v = json.loads(f.read_text()).get("eos_token_id")
-            ids.update(v if isinstance(v, list) else [v] if v is not None else [])
-    return sorted(ids)
-
-
-def load_config(args, base_url: str, concurrency: int, model: str | None = None):
-    from tierlm.bench.client import LoadConfig
-
-    return LoadConfig(
-        base_url=base_url,
-        model=model,
-        concurrency=concurrency or None,
-        request_rate=args.request_rate,
-        temperature=args.temperature,
-        ignore_eos=args.ignore_eos,
-        ban_token_ids=eos_ids(_default_tokenizer(args)) if args.ban_eos else [],
-        api_key=getattr(args, "api_key", None),
-        seed=args.seed,
-    )
-
-
-def run_one(args, base_url: str, tokenizer: str, concurrency: int, label: str = "") -> dict:
-    from tierlm.bench.client import run_load
-    from tierlm.bench.metrics import summarize
-    from tierlm.bench.report import progress_bar
-
-    workload = build_workload(args, tokenizer, concurrency)
-    cfg = load_config(args, base_url, concurrency, getattr(args, "model_id", None))
-    desc = f"{label} {workload.name} c={concurrency}".strip()
-    with progress_bar(workload.num_requests, desc, args.progress) as done:
-        load = os.getloadavg()[0]
-        cpu = time.process_time()
-        records, duration = asyncio.run(run_load(workload, cfg, warmup_requests(args, tokenizer), done))
-        cpu = time.process_time() - cpu
-    summary = summarize(records, duration)
-    # near 1.0 the load generator itself, not the server, may be the bottleneck
-    summary["client_cpu_frac"] = cpu / duration if duration > 0 else math.nan
-    summary["loadavg_1m_before"] = load  # other work on the machine shows here
-    per_request = [
-        {
-            "ttft": r.ttft if r.ok else None,
-            "tpot": r.tpot if r.ok else None,
-            "e2e": r.e2e if r.ok else None,
-            "prompt_tokens": r.prompt_tokens,
-            "output_tokens": r.n_output,
-            "error": r.error,
-        }
-        for r in records
-    ]
-    return {
-        "concurrency": concurrency,
-        "workload": workload.name,
-        "workload_params": workload.params,
-        "summary": summary,
-        "per_request": per_request,
-    }
-
-
-def _command() -> str:
-    return "tierlm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-
-
 def cmd_serve(args) -> int:
+    from tierlm.bench import runs
     from tierlm.bench.report import print_table, serve_rows, write_json
 
-    tokenizer = _default_tokenizer(args)
+    tokenizer = runs.default_tokenizer(args)
     args.model_id = args.model
-    runs = [run_one(args, args.base_url, tokenizer, c) for c in _concurrencies(args.concurrency)]
-    header, rows = serve_rows(runs, ("concurrency",))
+    results = [runs.run_one(args, args.base_url, tokenizer, c) for c in runs.concurrencies(args.concurrency)]
+    header, rows = serve_rows(results, ("concurrency",))
     print_table(f"{args.workload} workload against {args.base_url} (times in ms)", header, rows)
     if args.json:
-        write_json(args.json, "serve", {"base_url": args.base_url, "runs": runs}, _command())
-    return 0 if all(r["summary"]["failed"] == 0 for r in runs) else 1
+        write_json(args.json, "serve", {"base_url": args.base_url, "runs": results}, runs.command_line())
+    return 0 if all(r["summary"]["failed"] == 0 for r in results) else 1
 
 
 def cmd_compare(args) -> int:
+    from tierlm.bench import runs
     from tierlm.bench.compare import run_compare
 
-    return run_compare(args, _command())
+    return run_compare(args, runs.command_line())
 
 
 def cmd_engine(args) -> int:
+    from tierlm.bench import runs
     from tierlm.bench.engine_overhead import pair_ratios, run_overhead, step_ratios
     from tierlm.bench.report import console, num, pairs_cell, print_table, write_json
 
-    model = args.model or _default_tokenizer(args)
+    model = args.model or runs.default_tokenizer(args)
     result = run_overhead(
         model,
-        _concurrencies(args.batch),
+        runs.concurrencies(args.batch),
         args.input_len,
         args.output_len,
         args.rounds,
@@ -321,33 +217,36 @@ def cmd_engine(args) -> int:
         rows,
     )
     if args.json:
-        write_json(args.json, "engine", result, _command())
+        write_json(args.json, "engine", result, runs.command_line())
     return 0
 
 
 def cmd_roofline(args) -> int:
-    from tierlm.bench.gpu import roofline
+    from tierlm.bench import runs
     from tierlm.bench.report import write_json
+    from tierlm.bench.roofline import roofline
 
-    result = roofline(args.model or _default_tokenizer(args), _concurrencies(args.batch), args.context)
+    result = roofline(args.model or runs.default_tokenizer(args), runs.concurrencies(args.batch), args.context)
     print(result)
     if args.json:
-        write_json(args.json, "roofline", result, _command())
+        write_json(args.json, "roofline", result, runs.command_line())
     return 0
 
 
 def cmd_make_model(args) -> int:
-    from tierlm.bench.gpu import make_random_model
+    from tierlm.bench import runs
+    from tierlm.models.random_model import make_random_model
 
-    tokenizer = args.tokenizer or _default_tokenizer(args)
+    tokenizer = args.tokenizer or runs.default_tokenizer(args)
     print(make_random_model(args.preset, Path(args.out), Path(tokenizer), args.dtype))
     return 0
 
 
 def _soak(args) -> int:
+    from tierlm.bench import runs
     from tierlm.bench.soak import cmd_soak
 
-    return cmd_soak(args, _command(), _default_tokenizer(args))
+    return cmd_soak(args, runs.command_line(), runs.default_tokenizer(args))
 
 
 def cmd_docs(args) -> int:

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import time
 
-# bench/cli.py's make-model still imports it from here
-from tierlm.models.random_model import make_random_model  # noqa: F401
-
 
 def copy_bandwidth(gib: float = 2.0, iters: int = 10) -> float:
     """Bytes read + written per second by an elementwise copy of `gib` GiB."""
