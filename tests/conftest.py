@@ -72,6 +72,14 @@ def client(server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="session")
+def loaded(model_path):
+    """The default model and its tokenizer, loaded in this process (engine tests)."""
+    from tierlm.models.loader import load_model
+
+    return load_model(model_path)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_path):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 

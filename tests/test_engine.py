@@ -6,31 +6,14 @@ import asyncio
 import time
 
 import pytest
+from engine_testing import request, run, started
 
 from tierlm.config import Settings
 from tierlm.engine import ownership
 from tierlm.engine.collector import OutputCollector
 from tierlm.engine.core import EngineCore
 from tierlm.engine.request import FinishReason, Request, RequestOutput, SamplingParams
-from tierlm.models.loader import load_model
 from tierlm.models.random_model import tiny_model
-
-QUESTION = [{"role": "user", "content": "Write a poem about autumn leaves."}]
-
-
-@pytest.fixture(scope="module")
-def loaded(model_path):
-    return load_model(model_path)
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-async def started(loaded, **config) -> EngineCore:
-    engine = EngineCore(f"test-{id(config)}", lambda: loaded, Settings(ssd_cache=False, **config))
-    await engine.start()
-    return engine
 
 
 async def eventually(condition, timeout: float = 30.0) -> None:
@@ -60,11 +43,6 @@ async def abort_on_the_worker(engine, request_id: str, when, timeout: float = 60
         if time.monotonic() > deadline:
             pytest.fail(f"the state to abort in was not seen within {timeout}s")
 
-
-def request(loaded, engine, max_tokens=8, **params) -> Request:
-    tokens = loaded[1].apply_chat_template(QUESTION, add_generation_prompt=True)
-    params.setdefault("temperature", 0)
-    return Request(engine.new_request_id(), tokens, SamplingParams(max_tokens=max_tokens, **params))
 
 
 # ---- collectors -------------------------------------------------------------

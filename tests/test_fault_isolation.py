@@ -12,37 +12,11 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import pytest
+from engine_testing import request, run, started
 
 from tierlm.engine import sampling as sampling_module
 from tierlm.engine import scheduler as scheduler_module
-from tierlm.config import Settings
-from tierlm.engine.core import EngineCore
-from tierlm.engine.request import FinishReason, Request, SamplingParams
-from tierlm.models.loader import load_model
-
-QUESTION = [{"role": "user", "content": "Write a poem about autumn leaves."}]
-
-
-@pytest.fixture(scope="module")
-def loaded(model_path):
-    return load_model(model_path)
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-async def started(loaded, **config) -> EngineCore:
-    engine = EngineCore(f"faults-{id(config)}", lambda: loaded, Settings(ssd_cache=False, **config))
-    await engine.start()
-    return engine
-
-
-def request(loaded, engine, max_tokens=8, text=QUESTION, **params) -> Request:
-    tokens = loaded[1].apply_chat_template(text, add_generation_prompt=True)
-    params.setdefault("temperature", 0)
-    return Request(engine.new_request_id(), tokens, SamplingParams(max_tokens=max_tokens, **params))
+from tierlm.engine.request import FinishReason
 
 
 async def next_twenty_succeed(loaded, engine) -> None:
@@ -56,6 +30,19 @@ async def next_twenty_succeed(loaded, engine) -> None:
     assert all(o.completion_tokens == 6 for o in outputs)
     assert len({o.text for o in outputs[:10]}) == 1
     assert engine.degraded is None and engine.is_alive
+
+
+async def beside_a_bystander(loaded, max_tokens: int, **victim_params):
+    """(a greedy request's output alone, the victim's, the same greedy request's
+    beside the victim), then the next twenty requests, on a fresh engine."""
+    engine = await started(loaded)
+    alone = await engine.generate(request(loaded, engine, max_tokens=max_tokens))
+    victim = engine.generate(request(loaded, engine, max_tokens=max_tokens, **victim_params))
+    bystander = engine.generate(request(loaded, engine, max_tokens=max_tokens))
+    results = await asyncio.gather(victim, bystander)
+    await next_twenty_succeed(loaded, engine)
+    await engine.close()
+    return alone, *results
 
 
 def test_a_top_k_the_sampler_refuses_fails_that_request_alone(loaded):
@@ -124,17 +111,7 @@ def test_a_logits_processor_that_raises_fails_its_request_alone(loaded, monkeypa
     lets through): one that raises mid-decode."""
     exploding_processors(monkeypatch, seed=666)
 
-    async def go():
-        engine = await started(loaded)
-        alone = await engine.generate(request(loaded, engine, max_tokens=30))
-        victim = engine.generate(request(loaded, engine, max_tokens=30, seed=666))
-        bystander = engine.generate(request(loaded, engine, max_tokens=30))
-        results = await asyncio.gather(victim, bystander)
-        await next_twenty_succeed(loaded, engine)
-        await engine.close()
-        return alone, results
-
-    alone, (victim, bystander) = run(go())
+    alone, victim, bystander = run(beside_a_bystander(loaded, 30, seed=666))
     assert victim.finish_reason == FinishReason.ERROR and "injected processor fault" in victim.error
     assert victim.completion_tokens >= 1  # what it made before the fault reached its stream
     assert bystander.error is None and bystander.text == alone.text
@@ -151,17 +128,7 @@ def test_a_detokenizer_that_raises_fails_its_request_alone(loaded, monkeypatch):
 
     monkeypatch.setattr(scheduler_module, "IncrementalText", Exploding)
 
-    async def go():
-        engine = await started(loaded)
-        alone = await engine.generate(request(loaded, engine, max_tokens=20))
-        victim = engine.generate(request(loaded, engine, max_tokens=20, stop=["<explode>"]))
-        bystander = engine.generate(request(loaded, engine, max_tokens=20))
-        results = await asyncio.gather(victim, bystander)
-        await next_twenty_succeed(loaded, engine)
-        await engine.close()
-        return alone, results
-
-    alone, (victim, bystander) = run(go())
+    alone, victim, bystander = run(beside_a_bystander(loaded, 20, stop=["<explode>"]))
     assert victim.finish_reason == FinishReason.ERROR and "detokenizing failed" in victim.error
     assert bystander.error is None and bystander.text == alone.text
 
