@@ -88,3 +88,24 @@ def test_a_bug_mid_stream_ends_with_an_error_event_and_done(app_url, monkeypatch
         monkeypatch.undo()
         ok = client.post("/chat/completions", json={"messages": MSG, "max_tokens": 2, "temperature": 0})
         assert ok.status_code == 200
+
+
+def test_health_says_degraded_while_steps_keep_failing_and_recovers(app_url, monkeypatch):
+    """A fault we cannot cause for real: every model step raises."""
+    from tierlm.engine import scheduler as scheduler_module
+
+    def broken(self):
+        raise RuntimeError("injected step fault")
+
+    monkeypatch.setattr(scheduler_module.BatchGenerator, "next", broken)
+    with httpx.Client(base_url=app_url, timeout=60) as client:
+        body = {"messages": MSG, "max_tokens": 2, "temperature": 0}
+        for _ in range(3):  # --degrade-after-failures' default
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 500 and "injected step fault" in r.json()["error"]["message"]
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "degraded"
+        assert "injected step fault" in health.json()["detail"]
+        monkeypatch.undo()
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+        assert client.get("/health").status_code == 200
