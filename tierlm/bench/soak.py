@@ -158,7 +158,7 @@ def _delta(a: dict | None, b: dict | None) -> dict | None:
 
 
 class RssSampler:
-    """Reads the server's RSS once a second on a thread while the load runs."""
+    """Reads the server's RSS (MiB) once a second on a thread while the load runs."""
 
     def __init__(self, pid: int | None, every_s: float = 1.0):
         self.pid, self.every_s, self.samples = pid, every_s, []
@@ -169,7 +169,8 @@ class RssSampler:
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             try:
-                self.samples.append((round(time.monotonic() - self._t0, 1), rss_kib(self.pid)["VmRSS"]))
+                rss = round(rss_kib(self.pid)["VmRSS"] / 1024, 1)
+                self.samples.append((round(time.monotonic() - self._t0, 1), rss))  # seconds, MiB
             except (OSError, KeyError):
                 return
 
@@ -515,7 +516,7 @@ def cmd_soak(args, command: str, tokenizer: str) -> int:
             ["unexpected outcomes", str(result["unexpected"])],
             ["alone again after the run, mismatched", str(result["post_alone_mismatched"])],
             ["RSS before / after / after clear (MiB)", f"{rss['before']} / {rss['after']} / {rss['after_clear']}"],
-            ["RSS peak during the run (MiB)", str(rss["peak_during"] and round(rss["peak_during"] / 1024, 1))],
+            ["RSS peak during the run (MiB)", str(rss["peak_during"])],
             ["output tok/s under load", str(result["throughput"]["output_tok_s_under_load"])],
             ["tok/s alone / normal requests under load (medians)",
              f"{result['throughput']['alone_tok_s_median']} / {result['throughput']['normal_tok_s_median_under_load']}"],
