@@ -58,10 +58,12 @@ def resolve_model(settings: Settings) -> Path:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _setup_logging(settings.log_level)
-    __import__("tierlm.engine.allocator").engine.allocator.configure_allocator()  # idle heap trim
     import uvicorn
 
     from tierlm.api.app import create_app
+    from tierlm.engine.allocator import configure_allocator
+
+    configure_allocator()  # the C heap's free pages go back when idle; started before the model loads
 
     model_path = resolve_model(settings)
     app = create_app(settings, model_path)
