@@ -44,7 +44,7 @@ def serve(date: str) -> dict:
 
 
 def sections(text: str) -> dict[str, str]:
-    parts = re.split(r"^### ", text, flags=re.M)[1:]
+    parts = re.split(r"^### ", text, flags=re.MULTILINE)[1:]
     return {p.splitlines()[0]: p for p in parts}
 
 

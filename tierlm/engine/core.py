@@ -20,15 +20,15 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from tierlm import backends
 from tierlm.cache.codecs import codecs_for
-from tierlm.config import Settings
 from tierlm.cache.prefix_cache import PrefixCache
+from tierlm.config import Settings
 from tierlm.engine import ownership
 from tierlm.engine.collector import OutputCollector
 from tierlm.engine.memory_guard import MemoryGuard, ModelProfile, default_memory_limit, profile_model
 from tierlm.engine.request import FinishReason, Request, RequestOutput
 from tierlm.engine.scheduler import Scheduler, SchedulerConfig
-from tierlm import backends
 
 log = logging.getLogger(__name__)
 
