@@ -50,6 +50,12 @@ def render_chat_template(tokenizer, messages: list[dict], variables: dict, clien
             MemoryError, RecursionError) as e:
         param = "messages" if client_template is None else "chat_template"
         raise APIError(400, f"the chat template rejected these messages: {e}", param, "invalid_value") from e
+    except Exception as e:
+        if client_template is None:
+            raise  # the model's own template: a bug of ours
+        # a client's template is the client's code: whatever it raises is its error
+        raise APIError(400, f"the chat template rejected these messages: {type(e).__name__}: {e}",
+                       "chat_template", "invalid_value") from e
 
 
 def _bounded(render):
