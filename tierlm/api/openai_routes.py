@@ -135,9 +135,15 @@ def _chat_chunks(model, request, body, http) -> AsyncIterator[str]:
 # ---- text completions -------------------------------------------------------
 
 
-def _prompt_tokens(model: ServedModel, prompt) -> list[int]:
+def _single_prompt(prompt):
+    """A one-element prompt array's element; any other prompt as it is."""
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
-        prompt = prompt[0]
+        return prompt[0]
+    return prompt
+
+
+def _prompt_tokens(model: ServedModel, prompt) -> list[int]:
+    prompt = _single_prompt(prompt)
     if isinstance(prompt, str):
         return list(model.tokenizer.encode(prompt))
     if prompt and all(isinstance(t, int) for t in prompt):
@@ -149,8 +155,7 @@ def _prompt_tokens(model: ServedModel, prompt) -> list[int]:
 
 def _prompt_text(model: ServedModel, prompt, tokens: list[int]) -> str:
     """The prompt as text, for `echo`; token ids are decoded once validated."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]
+    prompt = _single_prompt(prompt)
     return prompt if isinstance(prompt, str) else model.tokenizer.decode(tokens)
 
 
@@ -159,8 +164,8 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     model = served(http, body.model)
     _reject_unsupported(body)
     tokens = await asyncio.to_thread(_prompt_tokens, model, body.prompt)
-    request = model.make_request("cmpl", tokens, body, body.max_tokens or 16)
-    request.params.keep_leading_space = True  # the text continues the prompt as it stands
+    # keep_leading_space: the text continues the prompt as it stands
+    request = model.make_request("cmpl", tokens, body, body.max_tokens or 16, keep_leading_space=True)
     echo = _prompt_text(model, body.prompt, tokens) if body.echo else ""
     if body.stream:
         return _sse_response(_completion_chunks(model, request, body, http, echo))

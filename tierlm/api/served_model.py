@@ -55,7 +55,8 @@ class ServedModel:
             raise APIError(400, str(e), "messages", "memory_limit") from e
         return max_tokens
 
-    def sampling_params(self, body: SamplingFields, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, body: SamplingFields, max_tokens: int, keep_leading_space: bool = False
+                        ) -> SamplingParams:
         """The OpenAI fields as the engine's params, before `check_request` holds
         them against the model."""
         return SamplingParams(
@@ -72,11 +73,13 @@ class ServedModel:
             stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
+            keep_leading_space=keep_leading_space,
         )
 
-    def make_request(self, prefix: str, tokens: list[int], body: SamplingFields, max_tokens: int | None) -> Request:
+    def make_request(self, prefix: str, tokens: list[int], body: SamplingFields, max_tokens: int | None,
+                     keep_leading_space: bool = False) -> Request:
         limit = self.check_prompt(len(tokens), max_tokens)
-        params = check_request(self.sampling_params(body, limit), tokens, self.vocab_size,
+        params = check_request(self.sampling_params(body, limit, keep_leading_space), tokens, self.vocab_size,
                                {"prompt": "prompt" if prefix == "cmpl" else "messages"})
         return Request(self.engine.new_request_id(prefix), tokens, params)
 
