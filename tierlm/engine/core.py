@@ -260,12 +260,8 @@ class EngineCore:
         """Worker thread: a burst of steps. A step that raises fails what was in
         flight right here, before any queued burst can step the broken batch."""
         self._burst_started = time.monotonic()
-        steps_before = self.scheduler.counters.steps
         try:
-            outputs = self._steps()
-            if self.scheduler.counters.steps > steps_before:  # a model step worked
-                self.failed_bursts = 0
-            return outputs
+            return self._steps()
         except Exception as e:
             log.exception("engine %s step failed", self.name)
             self.failed_bursts += 1
@@ -291,7 +287,9 @@ class EngineCore:
             scheduler.step()
             if scheduler.urgent or budget_ms <= 0 or time.perf_counter() >= deadline or not scheduler.has_work():
                 # a hand-off that only stored the last step's blocks ran no model step
-                self.bursts += scheduler.counters.steps > steps_before
+                if scheduler.counters.steps > steps_before:
+                    self.bursts += 1
+                    self.failed_bursts = 0  # a model step worked
                 return scheduler.take_outputs()
 
     def _burst_budget_ms(self, running: int) -> float:
