@@ -392,13 +392,15 @@ class Scheduler:
         """Take the requests whose sampler, processors or detokenizer raised out of
         the batch, each with its error; the others go on."""
         faults, self._faults = self._faults, {}
-        uids = [self._uid_of[rid] for rid in faults if rid in self._uid_of]
-        if not uids:
+        self._fail_in_batch({self._uid_of[rid]: message for rid, message in faults.items() if rid in self._uid_of})
+
+    def _fail_in_batch(self, messages: dict[int, str]) -> None:
+        """End these running requests (by uid) with their errors; what they computed stays cached."""
+        if not messages:
             return
-        self._remove(uids)  # what they computed stays cached
-        for uid in uids:
-            state = self._finish(uid, completed=False)
-            self._fault(state, False, faults[state.request.request_id])
+        self._remove(list(messages))
+        for uid, message in messages.items():
+            self._fault(self._finish(uid, completed=False), False, message)
 
     def _check_stalls(self) -> None:
         """About once a second: a running request that has neither prefilled nor
@@ -408,18 +410,14 @@ class Scheduler:
         if now < self._next_stall_check:
             return
         self._next_stall_check = now + 1.0
-        stalled = []
+        stalled = {}
         for uid, state in self.running.items():
             seen = (state.prefilled_tokens, state.completion_tokens)
             if seen != state.progress[:2]:
                 state.progress = (*seen, now)
             elif now - state.progress[2] > self.config.stall_timeout_s:
-                stalled.append(uid)
-        if stalled:
-            self._remove(stalled)
-            for uid in stalled:
-                state = self._finish(uid, completed=False)
-                self._fault(state, False, f"no progress for {self.config.stall_timeout_s:g} s")
+                stalled[uid] = f"no progress for {self.config.stall_timeout_s:g} s"
+        self._fail_in_batch(stalled)
 
     def _prompt_end_can_wait(self, state: _Running) -> bool:
         """Whether the end of the prompt can wait for the request's end: sliced KV
