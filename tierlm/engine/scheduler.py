@@ -392,7 +392,8 @@ class Scheduler:
         """Take the requests whose sampler, processors or detokenizer raised out of
         the batch, each with its error; the others go on."""
         faults, self._faults = self._faults, {}
-        self._fail_in_batch({self._uid_of[rid]: message for rid, message in faults.items() if rid in self._uid_of})
+        self._fail_in_batch({self._uid_of[rid]: message for rid, message in faults.items()
+                             if rid in self._uid_of})
 
     def _fail_in_batch(self, messages: dict[int, str]) -> None:
         """End these running requests (by uid) with their errors; what they computed stays cached."""
