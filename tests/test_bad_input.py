@@ -43,7 +43,7 @@ def assert_openai_error(response, status, param=None):
         ({"messages": [{"role": "wizard", "content": "hi"}]}, None),
         ({"messages": "hi"}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-        ({"messages": MSG, "logprobs": True}, "logprobs"),
+        ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         # values that passed validation and then broke the engine or the handler
         ({"messages": MSG, "temperature": 1, "top_k": 49153}, "top_k"),
         ({"messages": MSG, "top_k": -2}, "top_k"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -17,7 +18,7 @@ from tierlm.api.served_model import ServedModel, raise_for_error, usage
 from tierlm.api.sse import DONE, KEEPALIVE, sse_data
 from tierlm.api.templates import render_chat_template
 from tierlm.api.validation import check_template_args
-from tierlm.engine.request import FinishReason, Request, RequestOutput
+from tierlm.engine.request import FinishReason, Request, RequestOutput, TokenLogprobs
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger(__name__)
@@ -30,11 +31,6 @@ def served(http: HTTPRequest, requested: str | None) -> ServedModel:
     if not model.matches(requested):
         raise APIError(404, f"The model '{requested}' does not exist", "model", "model_not_found")
     return model
-
-
-def _reject_unsupported(body) -> None:
-    if body.logprobs:
-        raise APIError(400, "logprobs are not supported yet", "logprobs", "unsupported")
 
 
 @router.get("/models")
@@ -90,10 +86,10 @@ def _render_chat(model: ServedModel, body: ChatCompletionRequest, allow_client_t
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     model = served(http, body.model)
-    _reject_unsupported(body)
     allow_template = http.app.state.settings.allow_client_chat_template
     tokens = await asyncio.to_thread(_render_chat, model, body, allow_template)
-    request = model.make_request("chatcmpl", tokens, body, body.max_completion_tokens or body.max_tokens)
+    request = model.make_request("chatcmpl", tokens, body, body.max_completion_tokens or body.max_tokens,
+                                 logprobs=body.logprobs_count)
     if body.stream:
         return _sse_response(_chat_chunks(model, request, body, http))
     output = await model.generate_unless_disconnected(request, http)
@@ -106,7 +102,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
         "choices": [{
             "index": 0,
             "message": {"role": "assistant", "content": output.text},
-            "logprobs": None,
+            "logprobs": _chat_logprobs(model, output.logprobs) if body.logprobs else None,
             "finish_reason": _finish(output),
         }],
         "usage": usage(output),
@@ -116,20 +112,44 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
 def _chat_chunks(model, request, body, http) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(delta: dict, finish: str | None = None) -> dict:
+    def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> dict:
         return {
             "id": request.request_id, "object": "chat.completion.chunk", "created": created,
             "model": model.info.name,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                         "logprobs": None if logprobs is None else _chat_logprobs(model, logprobs)}],
         }
 
+    asked = [] if body.logprobs else None  # a chunk with text carries its tokens' entries, even none
     return _stream(
         model, request, body, http,
         first=chunk({"role": "assistant", "content": ""}),
-        piece=lambda text: chunk({"content": text}),
-        final=lambda out: chunk({}, _finish(out)),
+        piece=lambda text, logprobs: chunk({"content": text}, logprobs=logprobs or asked),
+        final=lambda out, logprobs: chunk({}, _finish(out), logprobs),
         usage_chunk=lambda out: {**chunk({}), "choices": [], "usage": usage(out)},
     )
+
+
+def _chat_logprobs(model: ServedModel, entries: list[TokenLogprobs] | None) -> dict:
+    """OpenAI's chat `logprobs`: one entry per generated token, each with its top
+    alternatives (`top_logprobs`, most likely first; empty when 0 were asked)."""
+    return {
+        "content": [{**_token_logprob(model, token, logprob),
+                     "top_logprobs": [_token_logprob(model, t, lp) for t, lp in alternatives]}
+                    for token, logprob, alternatives in entries or ()],
+        "refusal": None,
+    }
+
+
+def _token_logprob(model: ServedModel, token: int, logprob: float) -> dict:
+    data = model.token_bytes(token)
+    return {"token": _token_text(data), "logprob": logprob, "bytes": list(data)}
+
+
+def _token_text(data: bytes) -> str:
+    """A token's text; bytes that are part of a UTF-8 character (byte-level BPE
+    splits some) as escapes, `\\xe2`, as OpenAI shows them."""
+    return data.decode("utf-8", "backslashreplace")
 
 
 # ---- text completions -------------------------------------------------------
@@ -162,10 +182,10 @@ def _prompt_text(model: ServedModel, prompt, tokens: list[int]) -> str:
 @router.post("/completions")
 async def completions(body: CompletionRequest, http: HTTPRequest):
     model = served(http, body.model)
-    _reject_unsupported(body)
     tokens = await asyncio.to_thread(_prompt_tokens, model, body.prompt)
     # keep_leading_space: the text continues the prompt as it stands
-    request = model.make_request("cmpl", tokens, body, body.max_tokens or 16, keep_leading_space=True)
+    request = model.make_request("cmpl", tokens, body, body.max_tokens or 16, keep_leading_space=True,
+                                 logprobs=body.logprobs_count)
     echo = _prompt_text(model, body.prompt, tokens) if body.echo else ""
     if body.stream:
         return _sse_response(_completion_chunks(model, request, body, http, echo))
@@ -176,28 +196,64 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
         "object": "text_completion",
         "created": int(time.time()),
         "model": model.info.name,
-        "choices": [{"index": 0, "text": echo + output.text, "logprobs": None, "finish_reason": _finish(output)}],
+        "choices": [{
+            "index": 0,
+            "text": echo + output.text,
+            "logprobs": None if body.logprobs is None else _LegacyLogprobs(model)(output.logprobs),
+            "finish_reason": _finish(output),
+        }],
         "usage": usage(output),
     }
 
 
 def _completion_chunks(model, request, body, http, echo: str) -> AsyncIterator[str]:
     created = int(time.time())
+    legacy = None if body.logprobs is None else _LegacyLogprobs(model)  # text offsets run on across chunks
 
-    def chunk(text: str, finish: str | None = None) -> dict:
+    def chunk(text: str, finish: str | None = None, logprobs: list | None = None) -> dict:
         return {
             "id": request.request_id, "object": "text_completion", "created": created,
             "model": model.info.name,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                         "logprobs": None if legacy is None or logprobs is None else legacy(logprobs)}],
         }
 
+    asked = [] if legacy is not None else None
     return _stream(
         model, request, body, http,
         first=chunk(echo) if echo else None,
-        piece=chunk,
-        final=lambda out: chunk("", _finish(out)),
+        piece=lambda text, logprobs: chunk(text, logprobs=logprobs or asked),
+        final=lambda out, logprobs: chunk("", _finish(out), logprobs),
         usage_chunk=lambda out: {**chunk(""), "choices": [], "usage": usage(out)},
     )
+
+
+class _LegacyLogprobs:
+    """The completions API's `logprobs` (tokens, token_logprobs, top_logprobs,
+    text_offset), for the whole text or chunk by chunk: each token's offset is
+    where its first character starts in the completion's text (a token that begins
+    inside a character split across tokens gets that character's offset).
+    `top_logprobs` maps the n most likely tokens, and always the chosen one (up to
+    n + 1 entries, as OpenAI's)."""
+
+    def __init__(self, model: ServedModel, offset: int = 0):
+        self.model, self.offset = model, offset
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def __call__(self, entries: list[TokenLogprobs] | None) -> dict:
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for token, logprob, alternatives in entries or ():
+            data = self.model.token_bytes(token)
+            text = _token_text(data)
+            top = {_token_text(self.model.token_bytes(t)): lp for t, lp in alternatives}
+            top.setdefault(text, logprob)
+            tokens.append(text)
+            token_logprobs.append(logprob)
+            top_logprobs.append(top)
+            text_offset.append(self.offset)
+            self.offset += len(self._utf8.decode(data))
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": text_offset}
 
 
 # ---- shared streaming -------------------------------------------------------
@@ -218,17 +274,20 @@ async def _stream(
     body: SamplingFields,
     http: HTTPRequest,
     first: dict | None,
-    piece: Callable[[str], dict],
-    final: Callable[[RequestOutput], dict],
+    piece: Callable[[str, list | None], dict],
+    final: Callable[[RequestOutput, list | None], dict],
     usage_chunk: Callable[[RequestOutput], dict],
 ) -> AsyncIterator[str]:
     """Drive one request and frame its outputs as SSE. Keep-alive comments go out
     while a long prompt is prefilling; a failure ends with an error event, never
-    silence; leaving early (client gone) aborts the request."""
+    silence; leaving early (client gone) aborts the request. Logprobs go with the
+    text of their tokens; those of tokens whose text is held back (a partial
+    character, a possible stop string) wait for the next piece, or the final chunk."""
     keepalive = http.app.state.settings.sse_keepalive_s
     outputs = model.engine.stream_outputs(request, keepalive_s=keepalive)
     if first is not None:
         yield sse_data(first)
+    logprobs: list | None = None  # entries not yet sent
     try:
         async for output in outputs:
             if output is None:
@@ -238,10 +297,13 @@ async def _stream(
                 status = 400 if output.error_type == "memory" else 500
                 yield sse_data(error_body(status, output.error, code="generation_failed"))
                 break
+            if output.logprobs:
+                logprobs = output.logprobs if logprobs is None else logprobs + output.logprobs
             if output.text:
-                yield sse_data(piece(output.text))
+                yield sse_data(piece(output.text, logprobs))
+                logprobs = None
             if output.finished:
-                yield sse_data(final(output))
+                yield sse_data(final(output, logprobs))
                 if body.stream_options and body.stream_options.include_usage:
                     yield sse_data(usage_chunk(output))
         yield DONE

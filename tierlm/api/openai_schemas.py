@@ -73,6 +73,11 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None
 
 
+# alternatives per token: OpenAI's chat limit; its legacy completions stop at 5,
+# which vLLM (and tierlm) raise to 20 as well
+MAX_TOP_LOGPROBS = 20
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -82,9 +87,41 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # refused unless the server allows client templates
 
+    @model_validator(mode="after")
+    def _check_logprobs(self):
+        n = self.top_logprobs
+        if n is not None:
+            if not 0 <= n <= MAX_TOP_LOGPROBS:
+                raise APIError(400, f"'top_logprobs': must be between 0 and {MAX_TOP_LOGPROBS}, got {n}",
+                               "top_logprobs", "invalid_value")
+            if not self.logprobs:
+                raise APIError(400, "'top_logprobs': logprobs must be set to true when top_logprobs is used",
+                               "top_logprobs", "invalid_value")
+        return self
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """Alternatives per token for the engine; None when logprobs are off."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = Field(default=None, ge=1, le=1)
+
+    @model_validator(mode="after")
+    def _check_logprobs(self):
+        n = self.logprobs
+        if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"'logprobs': must be between 0 and {MAX_TOP_LOGPROBS}, got {n}",
+                           "logprobs", "invalid_value")
+        if n is not None and self.echo:
+            raise APIError(400, "'echo': echo together with logprobs (the prompt's logprobs) is not supported",
+                           "echo", "unsupported")
+        return self
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return self.logprobs

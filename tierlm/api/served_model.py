@@ -4,6 +4,7 @@ limits. Turns validated request fields into engine requests; knows no MLX."""
 from __future__ import annotations
 
 import asyncio
+from functools import cached_property
 
 from fastapi import Request as HTTPRequest
 
@@ -11,6 +12,7 @@ from tierlm.api.errors import APIError
 from tierlm.api.openai_schemas import SamplingFields
 from tierlm.api.validation import check_request, parse_logit_bias
 from tierlm.engine.core import EngineCore
+from tierlm.engine.detokenizer import byte_level_table
 from tierlm.engine.request import MemoryGuardError, Request, RequestOutput, SamplingParams
 from tierlm.models.loader import ModelInfo, usable_vocab_size
 
@@ -55,8 +57,8 @@ class ServedModel:
             raise APIError(400, str(e), "messages", "memory_limit") from e
         return max_tokens
 
-    def sampling_params(self, body: SamplingFields, max_tokens: int, keep_leading_space: bool = False
-                        ) -> SamplingParams:
+    def sampling_params(self, body: SamplingFields, max_tokens: int, keep_leading_space: bool = False,
+                        logprobs: int | None = None) -> SamplingParams:
         """The OpenAI fields as the engine's params, before `check_request` holds
         them against the model."""
         return SamplingParams(
@@ -74,14 +76,45 @@ class ServedModel:
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
             keep_leading_space=keep_leading_space,
+            logprobs=logprobs,
         )
 
     def make_request(self, prefix: str, tokens: list[int], body: SamplingFields, max_tokens: int | None,
-                     keep_leading_space: bool = False) -> Request:
+                     keep_leading_space: bool = False, logprobs: int | None = None) -> Request:
+        """`logprobs`: alternatives per token (SamplingParams.logprobs), None for none."""
         limit = self.check_prompt(len(tokens), max_tokens)
-        params = check_request(self.sampling_params(body, limit, keep_leading_space), tokens, self.vocab_size,
-                               {"prompt": "prompt" if prefix == "cmpl" else "messages"})
+        params = check_request(self.sampling_params(body, limit, keep_leading_space, logprobs), tokens,
+                               self.vocab_size, {"prompt": "prompt" if prefix == "cmpl" else "messages"})
         return Request(self.engine.new_request_id(prefix), tokens, params)
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's own bytes (a piece of a UTF-8 character for some byte-level
+        tokens), as logprobs show it."""
+        data = self._token_bytes.get(token)
+        if data is None:
+            data = self._token_bytes[token] = self._bytes_of(token)
+        return data
+
+    @cached_property
+    def _token_bytes(self) -> dict[int, bytes]:
+        table = byte_level_table(self.tokenizer.detokenizer)  # ~40 ms, once
+        return dict(enumerate(table)) if table is not None else {}
+
+    def _bytes_of(self, token: int) -> bytes:
+        """A token outside the byte-level table: SentencePiece's piece (its byte
+        fallback `<0xHH>` as that byte, '▁' as a space), else its decoded text."""
+        try:
+            piece = self.tokenizer.convert_ids_to_tokens(token)
+        except (IndexError, KeyError, TypeError, ValueError, OverflowError):
+            piece = None
+        if isinstance(piece, str):
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            return piece.replace("\u2581", " ").encode()
+        return self.tokenizer.decode([token]).encode()
 
     async def generate_unless_disconnected(self, request: Request, http: HTTPRequest) -> RequestOutput:
         """Run to completion, aborting if the client goes away meanwhile."""

@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tierlm.engine.constraint import TokenConstraint
 
 
 class FinishReason(str, enum.Enum):
@@ -33,10 +37,20 @@ class SamplingParams:
     # prompt verbatim (" Paris" after "The capital of France is"); a chat reply
     # starts clean, as mlx-lm's detokenizers trim it
     keep_leading_space: bool = False
+    # which tokens may come next (a grammar, a thinking budget); the request's own
+    constraint: TokenConstraint | None = None
+    # log-probabilities of the generated tokens: None = off; n = the chosen token's
+    # and the n most likely alternatives' (0 to 20), per token (RequestOutput.logprobs)
+    logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+# one generated token's log-probabilities: (token id, its logprob, [(id, logprob) of
+# the top alternatives, most likely first])
+TokenLogprobs = tuple[int, float, list[tuple[int, float]]]
 
 
 @dataclass
@@ -66,10 +80,17 @@ class RequestOutput:
     error: str | None = None
     error_type: str | None = None  # "memory" | "internal"; decides the HTTP status
     first_token_time: float | None = None
+    # one entry per generated token, for requests that asked (SamplingParams.logprobs),
+    # else None; a stop token that ends the request unseen (EOS) has none
+    logprobs: list[TokenLogprobs] | None = None
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         self.text += later.text
         self.token_ids.extend(later.token_ids)
+        if later.logprobs:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(later.logprobs)
         self.finished = later.finished
         self.finish_reason = later.finish_reason
         self.completion_tokens = later.completion_tokens

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from tierlm.cache.hot_tier import Block
@@ -24,6 +25,11 @@ from tierlm.engine.request import FinishReason, MemoryGuardError, Request, Reque
 from tierlm.engine.sampling import make_request_processors, make_request_sampler, repair_random_state
 
 log = logging.getLogger(__name__)
+
+
+def _finite(logprob: float) -> float:
+    """A token masked out (-inf) as vLLM shows it: JSON has no infinity."""
+    return max(-9999.0, logprob)  # NaN too
 
 
 class _RequestFault(Exception):
@@ -276,7 +282,7 @@ class Scheduler:
         try:  # what is built for this request alone: if it raises, the request fails alone
             on_fault = self._fault_reporter(request.request_id)
             stop_ids = list(params.stop_token_ids)
-            if not params.ignore_eos:
+            if not params.ignore_eos or params.constraint is not None:
                 stop_ids += sorted(self.tokenizer.eos_token_ids)
             sampler = make_request_sampler(params, on_fault)
             processors = make_request_processors(params, on_fault)
@@ -351,11 +357,14 @@ class Scheduler:
                 continue
             caches, tokens = self._gen.extract_cache([r.uid])[r.uid]
             self._store(state, tokens, caches)
-        stopped = []
+        stopped, scored = [], None
         for r in gen_responses:
             state = self.running.get(r.uid)
             if state is None:
                 continue
+            if state.request.params.logprobs is not None and r.finish_reason != "stop":
+                scored = scored or []  # a stop token (EOS) is never shown: it gets no entry
+                scored.append((state, r))
             try:
                 ended = self._on_token(state, r.token, r.finish_reason)
             except Exception as e:  # its detokenizer or stop matcher: this request's alone
@@ -366,12 +375,43 @@ class Scheduler:
                 elif self.cache is not None:
                     self._store(state, r.all_tokens, r.prompt_cache)
                 self._finish(r.uid)
+        if scored:
+            self._record_logprobs(scored)
         if stopped:
             self._remove(stopped)
         self.counters.generated_tokens += len(gen_responses)
         if self._faults:
             self._end_faulted()
         self._check_stalls()
+
+    def _record_logprobs(self, scored: list) -> None:
+        """The chosen token's logprob and the top alternatives, for the requests that
+        asked, in one evaluation for the whole step. BatchGenerator's `logprobs` is
+        the log-softmax of the logits after the request's processors (logit_bias,
+        penalties, a grammar's mask) and before its sampler (temperature, top_p,
+        top_k, min_p), as vLLM's "processed" logprobs; for a request with no
+        processor they are the model's own log-softmax."""
+        k = max(state.request.params.logprobs for state, _ in scored)
+        with mx.stream(self._stream):
+            rows = mx.stack([r.logprobs for _, r in scored]).astype(mx.float32)
+            tokens = mx.array([[r.token] for _, r in scored])
+            arrays = [mx.take_along_axis(rows, tokens, axis=-1)[:, 0]]
+            if k:
+                top = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
+                arrays += [top, mx.take_along_axis(rows, top, axis=-1)]
+            values = [a.tolist() for a in arrays]
+        for i, (state, r) in enumerate(scored):
+            out = state.out
+            if out is None:  # its detokenizer failed before the output began: it ends in error
+                continue
+            n = state.request.params.logprobs
+            alternatives = []
+            if n:
+                pairs = zip(values[1][i], map(_finite, values[2][i]))
+                alternatives = sorted(pairs, key=lambda p: -p[1])[:n]
+            if out.logprobs is None:
+                out.logprobs = []
+            out.logprobs.append((r.token, _finite(values[0][i]), alternatives))
 
     def _fault_reporter(self, request_id: str):
         """What a request's sampler and processors call with what they raised."""
