@@ -3,6 +3,7 @@
 tierlm bench serve     load generator against any OpenAI-compatible server
 tierlm bench compare   starts tierlm, mlx_lm.server and llama-server in turn, same workload
 tierlm bench engine    EngineCore vs a bare mlx-lm BatchGenerator loop, in process
+tierlm bench constrained  a batch with one grammar-constrained request vs none, in process
 tierlm bench roofline  decode roofline: weight bytes per step over measured copy bandwidth
 tierlm bench make-model  a random-weight model folder with real shapes (GPU runs)
 tierlm bench docs      regenerate docs/benchmarks.md from result JSON files
@@ -61,6 +62,15 @@ def add_bench_parser(sub) -> None:
                    help="run the bare loop on a worker thread, as the engine does")
     p.add_argument("--json", default=None, help="write results here")
     p.set_defaults(func=cmd_engine)
+
+    p = bsub.add_parser("constrained", help="one JSON-schema-constrained request in a batch vs none, in process")
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch", default="1,8", help="comma list of batch sizes")
+    p.add_argument("--repeats", type=int, default=4, help="rounds per batch; the arms alternate each round")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--json", default=None, help="write results here")
+    p.set_defaults(func=cmd_constrained)
 
     p = bsub.add_parser("roofline", help="measure copy bandwidth and the decode roofline of a model")
     p.add_argument("--model", default=None)
@@ -218,6 +228,34 @@ def cmd_engine(args) -> int:
     )
     if args.json:
         write_json(args.json, "engine", result, runs.command_line())
+    return 0
+
+
+def cmd_constrained(args) -> int:
+    from tierlm.bench import runs
+    from tierlm.bench.constrained import HEADER, run_constrained, table_rows
+    from tierlm.bench.report import console, machine_info, num, print_table, write_json
+
+    result = run_constrained(
+        args.model or runs.default_tokenizer(args),
+        runs.concurrencies(args.batch),
+        args.max_tokens,
+        args.repeats,
+        args.prefill_step_size,
+        on_progress=lambda r: console.print(
+            f"  batch {r['batch']:3d} {r['runner']:11s} step {num(r['step_tok_s'])} tok/s, "
+            f"decode {num(r['decode_tok_s'])} tok/s, tokens {r['generated']}"
+        ),
+    )
+    cpu = machine_info().get("cpu", "?")
+    print_table(
+        f"constrained decoding on {result['device']}, {cpu} ({result['cpu_flags']}); "
+        f"medians of {args.repeats} rounds",
+        HEADER,
+        table_rows(result),
+    )
+    if args.json:
+        write_json(args.json, "constrained", result, runs.command_line())
     return 0
 
 
