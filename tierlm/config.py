@@ -69,6 +69,14 @@ class Settings:
     degrade_after_failures: int = setting(3, "failed engine steps in a row after which /health says "
                                              "degraded, until a step works", per_model=True)
     # ---- the prefix cache
+    tool_format: str = setting("auto", "how the model writes tool calls: auto (its chat template's family, "
+                               "else generic), generic, or a family (hermes, llama3_json, mistral, ...)",
+                               per_model=True)
+    reasoning: str = setting("auto", "the model's thinking markers: auto (from its tokenizer), off, or "
+                             "START,END (e.g. '<think>,</think>'): text between them is reasoning_content",
+                             per_model=True)
+    max_thinking_tokens: int | None = setting(None, "thinking tokens after which the thinking section is "
+                                              "closed (a request's max_thinking_tokens wins)", per_model=True)
     prefix_cache: bool = setting(True, "reuse the KV of prompt prefixes seen before", per_model=True)
     cache_block_size: int = setting(256, "tokens per prefix-cache block", per_model=True)
     hot_cache_size: str = setting("10%", "memory for cached blocks (bytes, 4GB, or 10% of memory)",

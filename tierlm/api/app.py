@@ -18,6 +18,7 @@ from tierlm.cache.block_hash import model_fingerprint
 from tierlm.config import Settings, total_memory
 from tierlm.engine.core import EngineCore
 from tierlm.models.loader import load_model, read_model_info
+from tierlm.structured.turn import ModelTurns
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +33,23 @@ async def _load_served_model(app: FastAPI, model_path: Path) -> None:
             model_path, settings.cpu_weights_dtype, memory, use_cpu_kernels=settings.cpu_kernels,
             use_amx=settings.cpu_amx), settings, model_fingerprint(model_path, {}))
         await engine.start()
-        app.state.served = ServedModel(info, engine, aliases=("default",))
+        turns = await asyncio.to_thread(_model_turns, engine.tokenizer, settings)
+        app.state.served = ServedModel(info, engine, aliases=("default",), turns=turns)
         log.info("serving %s (context %d) at http://%s:%d/v1", info.name, info.context_length,
                  settings.host, settings.port)
     except Exception as e:
         log.exception("could not load %s", model_path)
         app.state.load_error = f"{type(e).__name__}: {e}"
+
+
+def _model_turns(tokenizer, settings: Settings) -> ModelTurns:
+    """How the model takes turns (tools, reasoning), its grammars made ready:
+    llguidance's view of the tokenizer takes a moment, better at start than on
+    the first request that needs it."""
+    turns = ModelTurns(tokenizer, None if settings.tool_format == "auto" else settings.tool_format,
+                       settings.reasoning, settings.max_thinking_tokens)
+    _ = turns.grammars.ll_tokenizer
+    return turns
 
 
 class QuietHealthProbes(logging.Filter):

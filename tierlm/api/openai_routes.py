@@ -14,11 +14,15 @@ from fastapi.responses import StreamingResponse
 
 from tierlm.api.errors import APIError, error_body
 from tierlm.api.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tierlm.api.openai_turns import delta_of, finish_reason, message_dicts, message_of, turn_error, turn_spec
 from tierlm.api.served_model import ServedModel, raise_for_error, usage
 from tierlm.api.sse import DONE, KEEPALIVE, sse_data
 from tierlm.api.templates import render_chat_template
 from tierlm.api.validation import check_template_args
 from tierlm.engine.request import FinishReason, Request, RequestOutput, TokenLogprobs
+from tierlm.structured.events import Gathered
+from tierlm.structured.tools import TurnError
+from tierlm.structured.turn import TurnParser, TurnRun, TurnSpec
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger(__name__)
@@ -69,31 +73,37 @@ def _flatten_content(content) -> str:
     return "".join(texts)
 
 
-def _render_chat(model: ServedModel, body: ChatCompletionRequest, allow_client_template: bool) -> list[int]:
-    messages = []
-    for m in body.messages:
-        message = {"role": "system" if m.role == "developer" else m.role, "content": _flatten_content(m.content)}
-        for key in ("name", "tool_calls", "tool_call_id"):
-            if getattr(m, key) is not None:
-                message[key] = getattr(m, key)
-        messages.append(message)
-    kwargs = check_template_args(body.chat_template_kwargs)
-    if body.tools:
-        kwargs["tools"] = body.tools
+def _render_chat(model: ServedModel, body: ChatCompletionRequest, spec: TurnSpec,
+                 allow_client_template: bool) -> list[int]:
+    try:
+        messages, variables = model.turns.prepare(spec, message_dicts(body.messages, _flatten_content))
+    except TurnError as e:
+        raise turn_error(e) from e
+    kwargs = {**check_template_args(body.chat_template_kwargs), **variables}
     return render_chat_template(model.tokenizer, messages, kwargs, body.chat_template, allow_client_template)
+
+
+def _start_turn(model: ServedModel, spec: TurnSpec, tokens: list[int]) -> TurnRun:
+    try:
+        return model.turns.start(spec, tokens)
+    except TurnError as e:
+        raise turn_error(e) from e
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     model = served(http, body.model)
+    spec = turn_spec(body)
     allow_template = http.app.state.settings.allow_client_chat_template
-    tokens = await asyncio.to_thread(_render_chat, model, body, allow_template)
+    tokens = await asyncio.to_thread(_render_chat, model, body, spec, allow_template)
+    turn = await asyncio.to_thread(_start_turn, model, spec, tokens)
     request = model.make_request("chatcmpl", tokens, body, body.max_completion_tokens or body.max_tokens,
-                                 logprobs=body.logprobs_count)
+                                 logprobs=body.logprobs_count, constraint=turn.constraint)
     if body.stream:
-        return _sse_response(_chat_chunks(model, request, body, http))
+        return _sse_response(_chat_chunks(model, request, body, http, turn.parser))
     output = await model.generate_unless_disconnected(request, http)
     raise_for_error(output)
+    gathered = Gathered().add(turn.parser.feed(output.text) + turn.parser.finish())
     return {
         "id": request.request_id,
         "object": "chat.completion",
@@ -101,15 +111,15 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
         "model": model.info.name,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": output.text},
+            "message": message_of(gathered),
             "logprobs": _chat_logprobs(model, output.logprobs) if body.logprobs else None,
-            "finish_reason": _finish(output),
+            "finish_reason": finish_reason(_finish(output), turn.parser.called),
         }],
         "usage": usage(output),
     }
 
 
-def _chat_chunks(model, request, body, http) -> AsyncIterator[str]:
+def _chat_chunks(model, request, body, http, parser: TurnParser) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> dict:
@@ -120,12 +130,22 @@ def _chat_chunks(model, request, body, http) -> AsyncIterator[str]:
                          "logprobs": None if logprobs is None else _chat_logprobs(model, logprobs)}],
         }
 
-    asked = [] if body.logprobs else None  # a chunk with text carries its tokens' entries, even none
+    def chunks(events: list, logprobs: list | None) -> list[dict]:
+        """One chunk per event; the tokens' logprobs go with the first."""
+        out = [chunk(delta_of(e)) for e in events]
+        if out and body.logprobs:
+            out[0]["choices"][0]["logprobs"] = _chat_logprobs(model, logprobs or [])
+        return out
+
+    def final(out: RequestOutput, logprobs: list | None) -> list[dict]:
+        return [*chunks(parser.finish(), logprobs),
+                chunk({}, finish_reason(_finish(out), parser.called))]
+
     return _stream(
         model, request, body, http,
         first=chunk({"role": "assistant", "content": ""}),
-        piece=lambda text, logprobs: chunk({"content": text}, logprobs=logprobs or asked),
-        final=lambda out, logprobs: chunk({}, _finish(out), logprobs),
+        pieces=lambda text, logprobs: chunks(parser.feed(text), logprobs),
+        final=final,
         usage_chunk=lambda out: {**chunk({}), "choices": [], "usage": usage(out)},
     )
 
@@ -222,8 +242,8 @@ def _completion_chunks(model, request, body, http, echo: str) -> AsyncIterator[s
     return _stream(
         model, request, body, http,
         first=chunk(echo) if echo else None,
-        piece=lambda text, logprobs: chunk(text, logprobs=logprobs or asked),
-        final=lambda out, logprobs: chunk("", _finish(out), logprobs),
+        pieces=lambda text, logprobs: [chunk(text, logprobs=logprobs or asked)],
+        final=lambda out, logprobs: [chunk("", _finish(out), logprobs)],
         usage_chunk=lambda out: {**chunk(""), "choices": [], "usage": usage(out)},
     )
 
@@ -274,15 +294,17 @@ async def _stream(
     body: SamplingFields,
     http: HTTPRequest,
     first: dict | None,
-    piece: Callable[[str, list | None], dict],
-    final: Callable[[RequestOutput, list | None], dict],
+    pieces: Callable[[str, list | None], list[dict]],
+    final: Callable[[RequestOutput, list | None], list[dict]],
     usage_chunk: Callable[[RequestOutput], dict],
 ) -> AsyncIterator[str]:
     """Drive one request and frame its outputs as SSE. Keep-alive comments go out
     while a long prompt is prefilling; a failure ends with an error event, never
-    silence; leaving early (client gone) aborts the request. Logprobs go with the
-    text of their tokens; those of tokens whose text is held back (a partial
-    character, a possible stop string) wait for the next piece, or the final chunk."""
+    silence; leaving early (client gone) aborts the request. `pieces` frames new
+    text as chunks (none while a parser holds it back). Logprobs go with the text
+    of their tokens; those of tokens whose text is held back (a partial character,
+    a possible stop string, a tool call's markup) wait for the next chunk, or the
+    final ones."""
     keepalive = http.app.state.settings.sse_keepalive_s
     outputs = model.engine.stream_outputs(request, keepalive_s=keepalive)
     if first is not None:
@@ -299,11 +321,13 @@ async def _stream(
                 break
             if output.logprobs:
                 logprobs = output.logprobs if logprobs is None else logprobs + output.logprobs
-            if output.text:
-                yield sse_data(piece(output.text, logprobs))
+            if output.text and (framed := pieces(output.text, logprobs)):
+                for data in framed:
+                    yield sse_data(data)
                 logprobs = None
             if output.finished:
-                yield sse_data(final(output, logprobs))
+                for data in final(output, logprobs):
+                    yield sse_data(data)
                 if body.stream_options and body.stream_options.include_usage:
                     yield sse_data(usage_chunk(output))
         yield DONE

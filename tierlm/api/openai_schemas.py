@@ -84,6 +84,13 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None
+    # extensions: a Lark grammar (llguidance's dialect) the answer must match, as
+    # llama.cpp's `grammar`; and a cap on thinking tokens, closing the section
+    grammar: str | None = None
+    max_thinking_tokens: int | None = Field(default=None, ge=0)
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # refused unless the server allows client templates
 

@@ -11,15 +11,19 @@ from fastapi import Request as HTTPRequest
 from tierlm.api.errors import APIError
 from tierlm.api.openai_schemas import SamplingFields
 from tierlm.api.validation import check_request, parse_logit_bias
+from tierlm.engine.constraint import TokenConstraint
 from tierlm.engine.core import EngineCore
 from tierlm.engine.detokenizer import byte_level_table
 from tierlm.engine.request import MemoryGuardError, Request, RequestOutput, SamplingParams
 from tierlm.models.loader import ModelInfo, usable_vocab_size
+from tierlm.structured.turn import ModelTurns
 
 
 class ServedModel:
-    def __init__(self, info: ModelInfo, engine: EngineCore, aliases: tuple[str, ...] = ()):
+    def __init__(self, info: ModelInfo, engine: EngineCore, aliases: tuple[str, ...] = (),
+                 turns: ModelTurns | None = None):
         self.info, self.engine = info, engine
+        self.turns = turns or ModelTurns(engine.tokenizer)  # tools, output formats, reasoning
         self.names = {info.name, str(info.path), *aliases}
         self.vocab_size = usable_vocab_size(engine.tokenizer, engine.model, info.name)
 
@@ -80,11 +84,14 @@ class ServedModel:
         )
 
     def make_request(self, prefix: str, tokens: list[int], body: SamplingFields, max_tokens: int | None,
-                     keep_leading_space: bool = False, logprobs: int | None = None) -> Request:
-        """`logprobs`: alternatives per token (SamplingParams.logprobs), None for none."""
+                     keep_leading_space: bool = False, logprobs: int | None = None,
+                     constraint: TokenConstraint | None = None) -> Request:
+        """`logprobs`: alternatives per token (SamplingParams.logprobs), None for none.
+        `constraint`: the tokens the answer may be made of (a grammar, a thinking budget)."""
         limit = self.check_prompt(len(tokens), max_tokens)
         params = check_request(self.sampling_params(body, limit, keep_leading_space, logprobs), tokens,
                                self.vocab_size, {"prompt": "prompt" if prefix == "cmpl" else "messages"})
+        params.constraint = constraint
         return Request(self.engine.new_request_id(prefix), tokens, params)
 
     def token_bytes(self, token: int) -> bytes:

@@ -19,6 +19,7 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
+from tierlm.engine.constraint import constraint_processor
 from tierlm.engine.request import SamplingParams
 
 OnFault = Callable[[str], None]
@@ -71,6 +72,8 @@ def make_request_processors(params: SamplingParams, on_fault: OnFault) -> list:
         presence_penalty=params.presence_penalty or None,
         frequency_penalty=params.frequency_penalty or None,
     )
+    if params.constraint is not None:  # last: the mask has the final word
+        processors.append(constraint_processor(params.constraint))
     return [guard_processor(p, on_fault) for p in processors]
 
 

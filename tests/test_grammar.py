@@ -1,0 +1,85 @@
+"""tierlm.structured.grammar: the one place tierlm uses llguidance. These tests
+fail loudly when llguidance's surface changes (LLTokenizer from a Hugging Face
+tokenizer, LLMatcher, the JSON and Lark front ends, the token bitmask)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tierlm.structured.grammar import (
+    GrammarError,
+    GrammarViolation,
+    ModelGrammars,
+    json_body,
+    json_schema_grammar,
+    lark_grammar,
+)
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return ModelGrammars(tokenizer)
+
+
+def drive(grammars, grammar: str, text: str):
+    """Feed `text`'s tokens through a fresh constraint, checking each was allowed."""
+    constraint = grammars.constraint(grammar)
+    vocab = grammars.ll_tokenizer.vocab_size
+    for token in grammars._tokenizer.encode(text, add_special_tokens=False):
+        mask = constraint.allowed(vocab)
+        assert mask.shape == (vocab,) and mask.dtype == bool
+        assert mask[token], f"{grammars._tokenizer.decode([token])!r} refused"
+        constraint.consume(token)
+    return constraint
+
+
+def test_json_schema_accepts_valid_text_then_only_eos(grammars, tokenizer):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}, "required": ["n"]}
+    constraint = drive(grammars, json_schema_grammar(schema), '{"n": 42}')
+    mask = constraint.allowed(grammars.ll_tokenizer.vocab_size)
+    assert set(np.flatnonzero(mask)) == set(tokenizer.eos_token_ids)
+    assert constraint.done or constraint.matcher.is_accepting()
+
+
+def test_a_refused_token_is_a_violation(grammars, tokenizer):
+    constraint = grammars.constraint(json_schema_grammar({"type": "integer"}))
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+    assert not constraint.allowed(grammars.ll_tokenizer.vocab_size)[letter]
+    with pytest.raises(GrammarViolation):
+        constraint.consume(letter)
+
+
+def test_the_mask_covers_a_wider_model_vocabulary(grammars):
+    constraint = grammars.constraint(json_schema_grammar({"type": "integer"}))
+    vocab = grammars.ll_tokenizer.vocab_size
+    mask = constraint.allowed(vocab + 100)
+    assert mask.shape == (vocab + 100,) and not mask[vocab:].any()
+
+
+def test_lark_with_a_json_body_and_compact_separators(grammars):
+    lark = f'start: "call " {json_body({"type": "object", "properties": {"a": {"type": "array"}}})}'
+    drive(grammars, lark_grammar(lark), 'call {"a": [1, 2]}')
+    with pytest.raises(AssertionError, match="refused"):
+        drive(grammars, lark_grammar(lark), 'call {"a" :[1,2]}')
+
+
+@pytest.mark.parametrize("grammar", [
+    json_schema_grammar({"type": "string", "pattern": "(?<=a)b"}),  # look-behind: unsupported
+    lark_grammar("start: undefined_rule"),
+])
+def test_what_cannot_compile_is_a_grammar_error(grammars, grammar):
+    with pytest.raises(GrammarError):
+        grammars.check(grammar)
+
+
+def test_a_schema_that_is_not_json_is_a_grammar_error():
+    with pytest.raises(GrammarError):
+        json_schema_grammar("{not json")
+
+
+def test_special_tokens_are_named_in_lark(grammars, tokenizer):
+    eos = tokenizer.eos_token_ids
+    special = tokenizer.decode(sorted(eos))
+    assert grammars.literal(special) == f"<[{sorted(eos)[0]}]>"
+    assert grammars.literal("<tool_call>") == json.dumps("<tool_call>")  # several tokens in SmolLM2

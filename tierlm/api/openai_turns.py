@@ -1,0 +1,122 @@
+"""The OpenAI chat API's side of a turn: `tools`, `tool_choice` and
+`response_format` read into a `TurnSpec`, and the turn's events written back
+as OpenAI messages and stream deltas. The turn's logic itself lives in
+tierlm.structured, shared with the other APIs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tierlm.api.errors import APIError
+from tierlm.structured.events import Event, Gathered, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallStart
+from tierlm.structured.tools import Tool, ToolChoice, TurnError
+from tierlm.structured.turn import TurnSpec
+
+
+def turn_spec(body) -> TurnSpec:
+    """The turn a chat completion body asks for; a 400 naming the field if it is wrong."""
+    tools = read_tools(body.tools)
+    return TurnSpec(
+        tools=tools,
+        tool_choice=read_tool_choice(body.tool_choice, bool(tools), body.parallel_tool_calls),
+        json_schema=read_response_format(body.response_format),
+        grammar=body.grammar,
+        max_thinking_tokens=body.max_thinking_tokens,
+    )
+
+
+def read_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
+    out = []
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise APIError(400, "each tool must be {\"type\": \"function\", \"function\": {...}}", f"tools[{i}]")
+        name, parameters = function.get("name"), function.get("parameters")
+        if not isinstance(name, str):
+            raise APIError(400, "a function tool needs a name", f"tools[{i}].function.name")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise APIError(400, "parameters must be a JSON schema object", f"tools[{i}].function.parameters")
+        out.append(Tool(name, str(function.get("description") or ""), parameters))
+    return out
+
+
+def read_tool_choice(choice, have_tools: bool, parallel: bool = True) -> ToolChoice:
+    if choice is None:
+        return ToolChoice("auto" if have_tools else "none", parallel=parallel)
+    if choice in ("none", "auto", "required"):
+        return ToolChoice(choice, parallel=parallel)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if isinstance(name, str):
+            return ToolChoice("required", name, parallel)
+    raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or "
+                   "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+
+
+def read_response_format(fmt: dict[str, Any] | None) -> dict | bool | None:
+    """The JSON schema a text answer must follow, or None for free text."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise APIError(400, "json_schema needs a 'schema' object", "response_format.json_schema.schema")
+        return schema
+    raise APIError(400, "response_format type must be 'text', 'json_object' or 'json_schema'",
+                   "response_format.type")
+
+
+def turn_error(e: TurnError) -> APIError:
+    return APIError(400, str(e), e.param, "invalid_request")
+
+
+def message_dicts(messages, flatten) -> list[dict]:
+    """The request's messages as plain dicts (tierlm.structured's shape)."""
+    out = []
+    for m in messages:
+        message = {"role": "system" if m.role == "developer" else m.role, "content": flatten(m.content)}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        out.append(message)
+    return out
+
+
+# ---- back to OpenAI's shape --------------------------------------------------
+
+
+def delta_of(event: Event) -> dict:
+    """One event as a chat.completion.chunk delta."""
+    if isinstance(event, TextDelta):
+        return {"content": event.text}
+    if isinstance(event, ReasoningDelta):
+        return {"reasoning_content": event.text}
+    if isinstance(event, ToolCallStart):
+        call = {"index": event.index, "id": event.id, "type": "function",
+                "function": {"name": event.name, "arguments": ""}}
+        return {"tool_calls": [call]}
+    assert isinstance(event, ToolCallArgs)
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+
+
+def message_of(turn: Gathered) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": turn.content}
+    if turn.reasoning:
+        message["reasoning_content"] = turn.reasoning
+    if turn.tool_calls:
+        message["content"] = turn.content or None
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in turn.tool_calls
+        ]
+    return message
+
+
+def finish_reason(reason: str, called: bool) -> str:
+    return "tool_calls" if called and reason == "stop" else reason

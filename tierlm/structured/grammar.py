@@ -1,0 +1,114 @@
+"""Grammars with llguidance: a JSON schema, a Lark grammar or a tool-call
+format compiled for one model's tokenizer, and the token constraint that
+enforces it while the request decodes.
+
+This is the one place tierlm reaches into llguidance; tests/test_grammar.py
+fails loudly when its surface changes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import llguidance
+import llguidance.hf
+import numpy as np
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+# Compact JSON: flexible whitespace lets small models write newlines forever
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A grammar or schema llguidance cannot compile; the message says why."""
+
+
+class GrammarViolation(RuntimeError):
+    """The request's tokens left its grammar (a bug, or a stop string cutting a token)."""
+
+
+def json_schema_grammar(schema: dict | bool) -> str:
+    """The grammar of JSON text that validates against `schema`."""
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"the JSON schema is not valid: {e}") from e
+
+
+def lark_grammar(lark: str) -> str:
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def json_body(schema: dict | bool) -> str:
+    """A JSON schema as a body inside a Lark rule (`%json {...}`), compact as above."""
+    if schema is True or schema == {}:
+        schema = {}
+    elif schema is False:
+        raise GrammarError("the JSON schema `false` accepts nothing")
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+
+
+class ModelGrammars:
+    """Compiles grammars for one model. llguidance's view of the tokenizer takes
+    about a second to build: it is built once, on first use."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer  # mlx-lm's TokenizerWrapper
+        self._ll: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll is None:
+                eos = sorted(self._tokenizer.eos_token_ids)
+                self._ll = llguidance.hf.from_tokenizer(self._tokenizer._tokenizer, eos_token=eos)
+            return self._ll
+
+    def literal(self, text: str) -> str:
+        """`text` as a Lark literal for this model: a special token by name (a
+        quoted string never matches one), anything else quoted."""
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and self.ll_tokenizer.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
+
+    def check(self, grammar: str) -> None:
+        """Raise GrammarError unless `grammar` compiles for this model."""
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        if error:
+            raise GrammarError(error)
+
+    def constraint(self, grammar: str) -> GrammarConstraint:
+        """A fresh constraint for one request (it keeps that request's parse state).
+        Compiling can take a while for a large schema: call it off the event loop."""
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return GrammarConstraint(matcher, self.ll_tokenizer.vocab_size)
+
+
+class GrammarConstraint:
+    """A `TokenConstraint` (tierlm.engine.constraint) backed by an LLMatcher."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, ll_vocab: int):
+        self.matcher = matcher
+        self._bitmask = allocate_token_bitmask(1, ll_vocab)
+        self._ll_vocab = ll_vocab
+
+    def consume(self, token: int) -> None:
+        if not self.matcher.consume_token(token) or self.matcher.is_error():
+            raise GrammarViolation(f"token {token} broke the grammar: {self.matcher.get_error()}")
+
+    def allowed(self, vocab: int) -> np.ndarray:
+        fill_next_token_bitmask(self.matcher, self._bitmask)
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
+        if vocab <= bits.size:
+            return bits[:vocab].astype(bool)
+        # the model has more rows than the tokenizer has tokens: those are never allowed
+        return np.concatenate([bits, np.zeros(vocab - bits.size, np.uint8)]).astype(bool)
+
+    @property
+    def done(self) -> bool:
+        return self.matcher.is_stopped()

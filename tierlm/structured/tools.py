@@ -1,0 +1,219 @@
+"""Tools as a turn uses them: the tool list and `tool_choice` checked, the
+messages prepared for a template that knows tools or not, and the grammar that
+makes a call well formed.
+
+Messages are OpenAI chat-shaped dicts (`role`, `content`, `tool_calls` with
+`function.name` / `function.arguments`, `tool_call_id`); each adapter turns its
+API's messages into these.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tierlm.structured.grammar import json_body
+from tierlm.structured.tool_calls import ToolFormat
+
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+class TurnError(ValueError):
+    """Something in the request's tools, tool_choice or output format is wrong:
+    a 400 naming `param`."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str = ""
+    parameters: dict | None = None  # a JSON schema of the arguments object
+
+    @property
+    def schema(self) -> dict:
+        return self.parameters if self.parameters is not None else EMPTY_PARAMETERS
+
+    def as_json(self) -> dict:
+        return {"name": self.name, "description": self.description, "parameters": self.schema}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: str = "auto"  # "none" | "auto" | "required"
+    name: str | None = None  # a named function: mode "required", this tool only
+    parallel: bool = True  # several calls in one turn (OpenAI's parallel_tool_calls)
+
+
+def check_tools(tools: list[Tool], choice: ToolChoice, param: str = "tools") -> None:
+    names = set()
+    for i, tool in enumerate(tools):
+        if not _NAME.match(tool.name):
+            raise TurnError(f"tool name {tool.name!r} must be 1-64 letters, digits, '_', '-', '.' or ':'",
+                            f"{param}[{i}].function.name")
+        if tool.name in names:
+            raise TurnError(f"two tools are named {tool.name!r}", f"{param}[{i}].function.name")
+        if tool.parameters is not None and not isinstance(tool.parameters, dict):
+            raise TurnError("parameters must be a JSON schema object", f"{param}[{i}].function.parameters")
+        names.add(tool.name)
+    if choice.mode == "required" and not tools:
+        raise TurnError("tool_choice 'required' needs at least one tool", "tool_choice")
+    if choice.name is not None and choice.name not in names:
+        raise TurnError(f"tool_choice names {choice.name!r}, which is not among the tools", "tool_choice")
+
+
+# ---- messages --------------------------------------------------------------
+
+
+def template_messages(messages: list[dict], fmt: ToolFormat) -> list[dict]:
+    """The messages as the chat template should see them. A template that knows
+    tools gets each call's arguments as an object (templates write them with
+    `tojson`); for one that does not, calls and results become text in the
+    generic format, results as a user turn (some templates accept no other
+    roles, or demand that user and assistant alternate)."""
+    if fmt.native:
+        return [_with_argument_objects(m) for m in messages]
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] == "tool":
+            _append_user_text(out, _generic_result(m))
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            out.append({"role": "assistant", "content": _generic_calls(m, fmt)})
+        else:
+            out.append({k: v for k, v in m.items() if k in ("role", "content", "name")})
+    return out
+
+
+def _with_argument_objects(message: dict) -> dict:
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        function = dict(call.get("function") or {})
+        function["arguments"] = _arguments_object(function.get("arguments"))
+        calls.append({**call, "function": function})
+    return {**message, "tool_calls": calls}
+
+
+def _arguments_object(arguments):
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments  # the client's text, as sent
+    return arguments if arguments is not None else {}
+
+
+def _generic_calls(message: dict, fmt: ToolFormat) -> str:
+    text = message.get("content") or ""
+    for call in message["tool_calls"]:
+        function = call.get("function") or {}
+        body = {"name": function.get("name", ""), fmt.args_key: _arguments_object(function.get("arguments"))}
+        text += f"{fmt.start}{json.dumps(body, ensure_ascii=False)}{fmt.end}"
+    return text
+
+
+def _generic_result(message: dict) -> str:
+    body = {"tool_call_id": message.get("tool_call_id"), "content": message.get("content") or ""}
+    if message.get("name"):
+        body["name"] = message["name"]
+    return f"<tool_response>{json.dumps(body, ensure_ascii=False)}</tool_response>"
+
+
+def _append_user_text(out: list[dict], text: str) -> None:
+    if out and out[-1]["role"] == "user" and out[-1].get("_results"):
+        out[-1]["content"] += "\n" + text
+    else:
+        out.append({"role": "user", "content": text, "_results": True})
+
+
+def generic_instructions(tools: list[Tool], choice: ToolChoice, fmt: ToolFormat) -> str:
+    """What a model whose template knows no tools is told about them."""
+    listed = "\n".join(json.dumps(t.as_json(), ensure_ascii=False) for t in tools)
+    example = f'{fmt.start}{{"name": "<tool name>", "{fmt.args_key}": {{<arguments>}}}}{fmt.end}'
+    text = (
+        "You can call tools. Each tool is described by a JSON object:\n"
+        f"<tools>\n{listed}\n</tools>\n"
+        f"To call a tool, answer with {example}, one such block per call, with arguments that "
+        "follow the tool's parameters schema. Tool results come back in <tool_response> blocks."
+    )
+    if choice.name:
+        return text + f" Call the tool {choice.name!r} now."
+    if choice.mode == "required":
+        return text + " Call one or more tools now."
+    return text + " If no tool is needed, answer the user directly."
+
+
+def with_instructions(messages: list[dict], instructions: str) -> list[dict]:
+    """The messages with `instructions` added to the system prompt (one is made if none)."""
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]
+        content = first.get("content") or ""
+        return [{**first, "content": f"{content}\n\n{instructions}" if content else instructions}, *messages[1:]]
+    return [{"role": "system", "content": instructions}, *messages]
+
+
+def strip_private(messages: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith("_")} for m in messages]
+
+
+# ---- grammar ---------------------------------------------------------------
+
+
+def call_schema(tools: list[Tool], fmt: ToolFormat, only: str | None = None) -> dict:
+    """The JSON schema of one call's body: the name first (the parser streams the
+    arguments once it has it), then the arguments, valid for that tool."""
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, fmt.args_key: t.schema},
+            "required": ["name", fmt.args_key],
+            "additionalProperties": False,
+        }
+        for t in tools if only is None or t.name == only
+    ]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def call_grammar(tools: list[Tool], fmt: ToolFormat, choice: ToolChoice, literal: Callable[[str], str],
+                 text_schema: dict | None = None) -> str | None:
+    """A Lark grammar (llguidance's dialect) for what the model may answer, or
+    None when it is free. `required` and a named tool: one or more calls and
+    nothing else (one call unless `choice.parallel`). `auto`: free text, until the model opens a call: from there
+    the call must be well formed (a lazy trigger, llguidance's structural tags).
+    `text_schema`: the answer, when it is not a call, is JSON of this schema.
+    `literal` writes a marker as Lark (a special token is named, not spelled)."""
+    if choice.mode == "none" or not tools or not fmt.json_body or not fmt.start:
+        return None
+    body = json_body(call_schema(tools, fmt, choice.name))
+    open_, close = _call_frame(fmt, literal)
+    lines = ["%llguidance {}"]
+    if choice.mode == "required":
+        many = 'call ("\\n"? call)*' if choice.parallel else "call"
+        lines += [f"start: {many}", f"call: {open_} {body} {close}"]
+    elif text_schema is not None:
+        lines += ["start: call+ | answer", f"call: {open_} {body} {close}", f"answer: {json_body(text_schema)}"]
+    else:
+        lines += [
+            "start: (call)* tail",
+            "tail: TEXT",
+            r"TEXT: /(.|\n)*/",
+            f"call_open[lazy]: TEXT {open_}",
+            f"call: call_open {body} {close}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _call_frame(fmt: ToolFormat, literal: Callable[[str], str]) -> tuple[str, str]:
+    """The call's opening and closing, in Lark: the family's markers, with the
+    newlines its models write around the body."""
+    pad = ' "\\n"' if fmt.name in ("hermes", "json_tools") else ""
+    open_ = literal(fmt.start) + pad
+    close = (pad + " " + literal(fmt.end)).strip() if fmt.end else ""
+    return open_, close
