@@ -90,24 +90,34 @@ class ModelGrammars:
 
 
 class GrammarConstraint:
-    """A `TokenConstraint` (tierlm.engine.constraint) backed by an LLMatcher."""
+    """A `TokenConstraint` (tierlm.engine.constraint) backed by an LLMatcher.
+
+    The first mask is computed when the constraint is made, off the engine's
+    thread: it is the slow one (llguidance builds its lexer states then, up to
+    a few milliseconds), and the batch would wait for it."""
 
     def __init__(self, matcher: llguidance.LLMatcher, ll_vocab: int):
         self.matcher = matcher
         self._bitmask = allocate_token_bitmask(1, ll_vocab)
         self._ll_vocab = ll_vocab
+        self._next = self._mask()  # the mask for the state the matcher is in, if computed
 
     def consume(self, token: int) -> None:
+        self._next = None
         if not self.matcher.consume_token(token) or self.matcher.is_error():
             raise GrammarViolation(f"token {token} broke the grammar: {self.matcher.get_error()}")
 
     def allowed(self, vocab: int) -> np.ndarray:
-        fill_next_token_bitmask(self.matcher, self._bitmask)
-        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
-        if vocab <= bits.size:
-            return bits[:vocab].astype(bool)
+        mask, self._next = (self._next if self._next is not None else self._mask()), None
+        if vocab <= mask.size:
+            return mask[:vocab]
         # the model has more rows than the tokenizer has tokens: those are never allowed
-        return np.concatenate([bits, np.zeros(vocab - bits.size, np.uint8)]).astype(bool)
+        return np.concatenate([mask, np.zeros(vocab - mask.size, bool)])
+
+    def _mask(self) -> np.ndarray:
+        fill_next_token_bitmask(self.matcher, self._bitmask)
+        bits = np.unpackbits(self._bitmask.view(np.uint8), count=self._ll_vocab, bitorder="little")
+        return bits.view(bool)  # 0/1 bytes are bools already: no copy
 
     @property
     def done(self) -> bool:
