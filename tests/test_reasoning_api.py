@@ -42,16 +42,6 @@ TEMPLATE = (
 )
 OUTPUT_OPENS = {"chat_template_kwargs": {"open_thinking": False}}
 
-# tierlm/structured/turn.py `_after_thinking` writes the end marker inside a
-# lazy lexeme (`thought[lazy]: THOUGHT <[id]>`), which llguidance refuses for a
-# special token: a grammar or response_format after a thinking section the
-# prompt opened is a 400 when the end marker is one token (llguidance counts
-# every added token as special, so Qwen3's tokenizer too).
-AFTER_PROMPT_THINKING = pytest.mark.xfail(
-    raises=openai.BadRequestError, strict=True,
-    reason="turn.py _after_thinking: a special-token end marker in a [lazy] lexeme does not compile")
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, model_path):
     """The tokenizer folder (SmolLM2's, markers added, the template above), then
@@ -205,7 +195,6 @@ def test_streamed_and_not_agree_through_the_output_opened_section(thinking, ids)
     assert not reasoning.startswith("\n") and not content.startswith("\n")  # the whitespace after a marker goes
 
 
-@AFTER_PROMPT_THINKING
 def test_grammar_after_a_section_the_prompt_opens(thinking, tok, ids):
     """The prompt opened the section: the grammar is the answer's, after a free
     thinking section (which the budget closes: the random model would not)."""
@@ -214,8 +203,6 @@ def test_grammar_after_a_section_the_prompt_opens(thinking, tok, ids):
     no_markers(reasoning, content)
 
 
-@pytest.mark.xfail(raises=openai.InternalServerError, strict=True, reason="a quoted literal equal to a special token (\"<think>\") is a 500 at "
-                   "decode time: llguidance's forced tokens take the special token, which the literal refuses")
 def test_a_quoted_marker_in_a_grammar_is_no_server_error(thinking):
     """`"<think>"` spells the marker as text, never as the special token: it
     must either work (text markers are still markers) or be refused with a 400."""
@@ -298,7 +285,6 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
 JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
 
 
-@AFTER_PROMPT_THINKING
 def test_json_schema_after_thinking(thinking):
     reasoning, content = both(thinking, response_format=JSON_FORMAT, max_thinking_tokens=3, max_tokens=40)
     assert reasoning

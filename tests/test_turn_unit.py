@@ -131,7 +131,6 @@ def test_generic_calls_keep_arguments_the_client_wrote_as_text():
     )
 
 
-@pytest.mark.xfail(strict=True, reason="a user message next to tool results makes two user turns in a row")
 def test_generic_results_next_to_a_user_message_still_alternate():
     messages = [
         {"role": "user", "content": "Weather?"},
@@ -382,11 +381,6 @@ def test_auto_with_a_text_schema_is_a_call_or_that_json(grammars):
     assert not any(t.strip().startswith("H") for t in allowed_texts(grammars, constraint))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="auto's lazy trigger is the marker *and* its newline: a call written "
-    "without the newline is not enforced",
-)
 def test_auto_enforces_a_hermes_call_written_without_its_newline(grammars, tokenizer):
     constraint = constraint_of(grammars, HERMES, ToolChoice("auto"))
     drive(grammars, constraint, 'Sure.<tool_call>{"name": "')
@@ -394,9 +388,6 @@ def test_auto_enforces_a_hermes_call_written_without_its_newline(grammars, token
     assert not constraint.allowed(grammars.ll_tokenizer.vocab_size)[bogus]
 
 
-@pytest.mark.xfail(
-    strict=True, reason="auto with a text schema joins calls with nothing: no newline between them"
-)
 def test_auto_with_a_text_schema_allows_one_call_per_line(grammars):
     schema = CHOICES["auto_text_schema"][1]
     drive(
@@ -406,7 +397,6 @@ def test_auto_with_a_text_schema_allows_one_call_per_line(grammars):
     )
 
 
-@pytest.mark.xfail(strict=True, reason="auto ignores parallel_tool_calls=False: several calls pass")
 @pytest.mark.parametrize("schema", [None, CHOICES["auto_text_schema"][1]], ids=["free", "text_schema"])
 def test_auto_without_parallel_calls_allows_one_call(grammars, tokenizer, schema):
     constraint = constraint_of(grammars, HERMES, ToolChoice("auto", parallel=False), schema)

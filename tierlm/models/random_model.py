@@ -95,6 +95,8 @@ TOKENIZER_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
+    "chat_template.jinja",  # where transformers 5's save_pretrained keeps the template
+    "chat_template.json",
 )
 
 

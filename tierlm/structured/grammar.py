@@ -74,6 +74,18 @@ class ModelGrammars:
             return f"<[{ids[0]}]>"
         return json.dumps(text)
 
+    def name_special_tokens(self, lark: str) -> str:
+        """A client's Lark grammar with each quoted literal that spells a special
+        token (`"<think>"`) written as that token (`<[id]>`): llguidance would
+        otherwise produce the token, then refuse it as not matching the text."""
+        for text, token in self._special_tokens().items():
+            lark = lark.replace(json.dumps(text), f"<[{token}]>")
+        return lark
+
+    def _special_tokens(self) -> dict[str, int]:
+        added = self._tokenizer._tokenizer.get_added_vocab()  # llguidance counts every added token special
+        return {text: token for text, token in added.items() if self.ll_tokenizer.is_special_token(token)}
+
     def check(self, grammar: str) -> None:
         """Raise GrammarError unless `grammar` compiles for this model."""
         error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)

@@ -85,6 +85,8 @@ def template_messages(messages: list[dict], fmt: ToolFormat) -> list[dict]:
             _append_user_text(out, _generic_result(m))
         elif m["role"] == "assistant" and m.get("tool_calls"):
             out.append({"role": "assistant", "content": _generic_calls(m, fmt)})
+        elif m["role"] == "user":
+            _append_user_text(out, m.get("content") or "")
         else:
             out.append({k: v for k, v in m.items() if k in ("role", "content", "name")})
     return out
@@ -127,10 +129,14 @@ def _generic_result(message: dict) -> str:
 
 
 def _append_user_text(out: list[dict], text: str) -> None:
+    """A user turn's text, or a tool result: joined to the user turn before it
+    (made of results, or followed by them), so that user and assistant alternate."""
     if out and out[-1]["role"] == "user" and out[-1].get("_results"):
         out[-1]["content"] += "\n" + text
+    elif out and out[-1]["role"] == "user" and text.startswith("<tool_response>"):
+        out[-1] = {**out[-1], "content": f"{out[-1].get('content') or ''}\n\n{text}", "_results": True}
     else:
-        out.append({"role": "user", "content": text, "_results": True})
+        out.append({"role": "user", "content": text, "_results": text.startswith("<tool_response>")})
 
 
 def generic_instructions(tools: list[Tool], choice: ToolChoice, fmt: ToolFormat) -> str:
@@ -184,36 +190,35 @@ def call_schema(tools: list[Tool], fmt: ToolFormat, only: str | None = None) -> 
 def call_grammar(tools: list[Tool], fmt: ToolFormat, choice: ToolChoice, literal: Callable[[str], str],
                  text_schema: dict | None = None) -> str | None:
     """A Lark grammar (llguidance's dialect) for what the model may answer, or
-    None when it is free. `required` and a named tool: one or more calls and
-    nothing else (one call unless `choice.parallel`). `auto`: free text, until the model opens a call: from there
-    the call must be well formed (a lazy trigger, llguidance's structural tags).
-    `text_schema`: the answer, when it is not a call, is JSON of this schema.
+    None when it is free.
+
+    - `required` and a named tool: calls and nothing else.
+    - `auto`: free text until the model writes the call's opening marker (a lazy
+      trigger, as llguidance's structural tags); from there the call must be
+      well formed. With `text_schema`, the answer is calls or JSON of that schema.
+    - One call only unless `choice.parallel`; several go one per line at most.
     `literal` writes a marker as Lark (a special token is named, not spelled)."""
     if choice.mode == "none" or not tools or not fmt.json_body or not fmt.start:
         return None
     body = json_body(call_schema(tools, fmt, choice.name))
-    open_, close = _call_frame(fmt, literal)
+    pad = ' "\\n"?' if fmt.name in ("hermes", "json_tools") else ""  # the newlines its models write
+    close = f"{pad} {literal(fmt.end)}" if fmt.end else ""
+    calls = 'call ("\\n"? call)*' if choice.parallel else "call"
     lines = ["%llguidance {}"]
-    if choice.mode == "required":
-        many = 'call ("\\n"? call)*' if choice.parallel else "call"
-        lines += [f"start: {many}", f"call: {open_} {body} {close}"]
-    elif text_schema is not None:
-        lines += ["start: call+ | answer", f"call: {open_} {body} {close}", f"answer: {json_body(text_schema)}"]
+    if choice.mode == "required" or text_schema is not None:
+        answer = " | answer" if choice.mode != "required" else ""
+        lines += [f"start: {calls}{answer}", f"call: {literal(fmt.start)}{pad} {body}{close}"]
+        if answer:
+            lines.append(f"answer: {json_body(text_schema)}")
     else:
+        # the trigger is the marker alone: a model that leaves out the newline
+        # after it is held to the grammar all the same. One call (not parallel)
+        # ends the answer.
         lines += [
-            "start: (call)* tail",
+            f"start: {'(call)* tail' if choice.parallel else 'call | tail'}",
             "tail: TEXT",
             r"TEXT: /(.|\n)*/",
-            f"call_open[lazy]: TEXT {open_}",
-            f"call: call_open {body} {close}",
+            f"call_open[lazy]: TEXT {literal(fmt.start)}",
+            f"call: call_open{pad} {body}{close}",
         ]
     return "\n".join(lines) + "\n"
-
-
-def _call_frame(fmt: ToolFormat, literal: Callable[[str], str]) -> tuple[str, str]:
-    """The call's opening and closing, in Lark: the family's markers, with the
-    newlines its models write around the body."""
-    pad = ' "\\n"' if fmt.name in ("hermes", "json_tools") else ""
-    open_ = literal(fmt.start) + pad
-    close = (pad + " " + literal(fmt.end)).strip() if fmt.end else ""
-    return open_, close

@@ -124,22 +124,27 @@ class ModelTurns:
             lark = f"%llguidance {{}}\nstart: {json_body(spec.json_schema)}\n"
         if lark is None:
             return None
-        return _after_thinking(lark, self.markers, self.grammars.literal) if thinking else _lark(lark)
+        if spec.grammar is not None:
+            lark = self.grammars.name_special_tokens(lark)
+        if not thinking:
+            return _lark(lark)
+        return _after_thinking(lark, self.markers, self.grammars.literal, sorted(self.tokenizer.eos_token_ids))
 
 
 def _lark(lark: str) -> str:
     return json.dumps({"grammars": [{"lark_grammar": lark}]})
 
 
-def _after_thinking(lark: str, markers: ThinkingMarkers, literal) -> str:
+def _after_thinking(lark: str, markers: ThinkingMarkers, literal, eos: list[int]) -> str:
     """`lark` after a free thinking section that the prompt opened: the answer's
-    grammar starts once the model closes it."""
-    head = (
-        "%llguidance {}\n"
-        f"start: thought (\"\\n\" \"\\n\"?)? @answer\n"
-        f"thought[lazy]: THOUGHT {literal(markers.end)}\n"
-        "THOUGHT: /(.|\\n)*/\n"
-    )
+    grammar starts once the model closes it (never with the end of sequence,
+    which would leave the answer out)."""
+    end = literal(markers.end)
+    if end.startswith("<["):  # one special token: llguidance lexes none inside a lazy lexeme
+        thought = f"thought: <[^{end[2:-2]},{','.join(map(str, eos))}]>* {end}\n"
+    else:
+        thought = f"thought[lazy]: THOUGHT {end}\nTHOUGHT: /(.|\\n)*/\n"
+    head = '%llguidance {}\nstart: thought ("\\n" "\\n"?)? @answer\n' + thought
     return json.dumps({"grammars": [{"lark_grammar": head}, {"name": "answer", "lark_grammar": lark}]})
 
 
