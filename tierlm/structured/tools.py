@@ -19,6 +19,9 @@ from tierlm.structured.tool_calls import ToolFormat
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+# calls in one answer at most: a small model asked for a call may call again and
+# again, to the end of the context, when nothing stops it
+MAX_PARALLEL_CALLS = 8
 
 
 class TurnError(ValueError):
@@ -196,14 +199,15 @@ def call_grammar(tools: list[Tool], fmt: ToolFormat, choice: ToolChoice, literal
     - `auto`: free text until the model writes the call's opening marker (a lazy
       trigger, as llguidance's structural tags); from there the call must be
       well formed. With `text_schema`, the answer is calls or JSON of that schema.
-    - One call only unless `choice.parallel`; several go one per line at most.
+    - One call only unless `choice.parallel`; then up to MAX_PARALLEL_CALLS,
+      one per line at most.
     `literal` writes a marker as Lark (a special token is named, not spelled)."""
     if choice.mode == "none" or not tools or not fmt.json_body or not fmt.start:
         return None
     body = json_body(call_schema(tools, fmt, choice.name))
     pad = ' "\\n"?' if fmt.name in ("hermes", "json_tools") else ""  # the newlines its models write
     close = f"{pad} {literal(fmt.end)}" if fmt.end else ""
-    calls = 'call ("\\n"? call)*' if choice.parallel else "call"
+    calls = f'call ("\\n"? call){{0,{MAX_PARALLEL_CALLS - 1}}}' if choice.parallel else "call"
     lines = ["%llguidance {}"]
     if choice.mode == "required" or text_schema is not None:
         answer = " | answer" if choice.mode != "required" else ""
@@ -215,7 +219,7 @@ def call_grammar(tools: list[Tool], fmt: ToolFormat, choice: ToolChoice, literal
         # after it is held to the grammar all the same. One call (not parallel)
         # ends the answer.
         lines += [
-            f"start: {'(call)* tail' if choice.parallel else 'call | tail'}",
+            f"start: {f'call{{0,{MAX_PARALLEL_CALLS}}} tail' if choice.parallel else 'call | tail'}",
             "tail: TEXT",
             r"TEXT: /(.|\n)*/",
             f"call_open[lazy]: TEXT {literal(fmt.start)}",
