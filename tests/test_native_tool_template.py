@@ -179,7 +179,7 @@ def check_calls(choice, names=None):
 
 
 def test_mlx_lm_infers_json_tools_and_tierlm_reads_hermes(native_tokenizer):
-    from tierlm.structured.tool_calls import HERMES, format_for
+    from tierlm.structured.tool_formats import HERMES, format_for
 
     assert native_tokenizer.init_kwargs.get("tool_parser_type") == "json_tools"
     assert native_tokenizer.has_tool_calling and native_tokenizer.tool_call_start == "<tool_call>"

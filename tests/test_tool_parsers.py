@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from tierlm.structured.events import Gathered, TextDelta, ToolCallArgs, ToolCallStart
-from tierlm.structured.tool_calls import (
+from tierlm.structured.tool_calls import ToolCallParser
+from tierlm.structured.tool_formats import (
     GENERIC,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
-    ToolCallParser,
     ToolFormat,
     format_for,
     format_named,

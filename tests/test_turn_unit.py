@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tierlm.structured.grammar import GrammarConstraint, ModelGrammars, lark_grammar
-from tierlm.structured.tool_calls import GENERIC, HERMES, format_named
+from tierlm.structured.tool_formats import GENERIC, HERMES, format_named
 from tierlm.structured.tools import (
     Tool,
     ToolChoice,

@@ -1,96 +1,21 @@
-"""Tool-call formats per model family, and a streaming parser from text deltas to events.
+"""A streaming parser from a model's text deltas to tool-call events.
 
-A format says how a model writes a call (`<tool_call>{json}</tool_call>`, `[TOOL_CALLS][...]`,
-`<|tool_call_start|>[f(x=1)]<|tool_call_end|>`, ...). Families whose body is JSON are read here
-with a small incremental scanner so that the arguments stream as they are generated; the others
-are buffered to their end marker and handed to mlx-lm's parser for that family.
+Families whose body is JSON (tool_formats.py) are read here with a small
+incremental scanner so that the arguments stream as they are generated; the
+others are buffered to their end marker and handed to mlx-lm's parser for that
+family.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
-import pkgutil
 import secrets
-from dataclasses import dataclass
 
-import mlx_lm.tool_parsers
 import regex
 
 from tierlm.structured.events import Event, TextDelta, ToolCallArgs, ToolCallStart
-
-
-@dataclass(frozen=True)
-class ToolFormat:
-    name: str  # family: "hermes", "llama3_json", "mistral", "generic", or an mlx-lm parser module's name
-    start: str  # text that opens one call
-    end: str  # text that closes it; "" means the call runs to the end of the output
-    args_key: str = "arguments"  # key of the arguments in a JSON body ("parameters" is accepted too)
-    json_body: bool = True  # body is {"name": .., args_key: {..}} (or a JSON list of them)
-    native: bool = True  # the chat template renders `tools` itself; False: tierlm puts them in the prompt
-    bare_json: bool = False  # a call may also open with its JSON object alone (Llama 3.1 `{"name": ...}`)
-
-
-HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
-LLAMA3_JSON = ToolFormat("llama3_json", "<|python_tag|>", "", "parameters", bare_json=True)
-MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "")
-GENERIC = ToolFormat("generic", "<tool_call>", "</tool_call>", native=False)
-
-_JSON_FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC)}
-# mlx-lm's names for the JSON families above.
-_ALIASES = {"json_tools": "hermes", "llama3": "llama3_json"}
-
-
-def _mlx_families() -> set[str]:
-    return {m.name for m in pkgutil.iter_modules(mlx_lm.tool_parsers.__path__)}
-
-
-def format_named(name: str) -> ToolFormat:
-    """The format of a family by name (a per-model setting); ValueError when unknown."""
-    key = _ALIASES.get(name.strip().lower(), name.strip().lower())
-    if key in _JSON_FORMATS:
-        return _JSON_FORMATS[key]
-    if key in _mlx_families():
-        module = importlib.import_module(f"mlx_lm.tool_parsers.{key}")
-        return ToolFormat(key, module.tool_call_start, module.tool_call_end, json_body=False)
-    known = sorted(set(_JSON_FORMATS) | set(_ALIASES) | _mlx_families())
-    raise ValueError(f"unknown tool-call format {name!r}; known: {', '.join(known)}")
-
-
-def format_for(tokenizer) -> ToolFormat:
-    """The model's own format when its chat template renders tools and the family is known, else GENERIC."""
-    source = _template_source(tokenizer)
-    if "tools" not in source:
-        return GENERIC
-    # mlx-lm's load() records the family it inferred (or the checkpoint named) here.
-    family = (getattr(tokenizer, "init_kwargs", None) or {}).get("tool_parser_type")
-    if family:
-        return format_named(family)
-    if _is_llama3_template(source):
-        return LLAMA3_JSON
-    return GENERIC
-
-
-def _template_source(tokenizer) -> str:
-    # A checkpoint with mlx-lm's `chat_template_type` is rendered by Python code, not Jinja;
-    # mlx-lm keeps that function on the wrapper only.
-    custom = getattr(tokenizer, "_chat_template", None)
-    if callable(custom):
-        try:
-            return inspect.getsource(inspect.getmodule(custom))
-        except (OSError, TypeError):
-            return ""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # several named templates ("default", "tool_use")
-        return "\n".join(str(t) for t in template.values())
-    return template if isinstance(template, str) else ""
-
-
-def _is_llama3_template(source: str) -> bool:
-    # mlx-lm has no llama3 parser; its templates ask for this shape in so many words.
-    return "<|python_tag|>" in source or '"parameters": dictionary of argument name' in source
-
+from tierlm.structured.tool_formats import ToolFormat, mlx_families
 
 _WS = " \t\r\n"
 _ARGS_KEYS = ("arguments", "parameters")
@@ -630,6 +555,6 @@ def _loads_or_none(text: str):
 
 
 def _mlx_parser(family: str):
-    if family not in _mlx_families():
+    if family not in mlx_families():
         raise ValueError(f"no mlx-lm tool parser for format {family!r}")
     return importlib.import_module(f"mlx_lm.tool_parsers.{family}").parse_tool_call

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tierlm.structured.grammar import json_body
-from tierlm.structured.tool_calls import ToolFormat
+from tierlm.structured.tool_formats import ToolFormat
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}

@@ -22,7 +22,8 @@ from tierlm.structured.reasoning import (
     markers_for,
     starts_in_thinking,
 )
-from tierlm.structured.tool_calls import ToolCallParser, format_for, format_named
+from tierlm.structured.tool_calls import ToolCallParser
+from tierlm.structured.tool_formats import format_for, format_named
 from tierlm.structured.tools import (
     Tool,
     ToolChoice,
