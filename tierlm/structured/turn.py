@@ -87,31 +87,37 @@ class ModelTurns:
     def start(self, spec: TurnSpec, prompt_tokens: list[int]) -> TurnRun:
         """Compile what the turn needs for this prompt (can take a while for a
         large schema: call off the event loop). Raises TurnError."""
-        tail = self.tokenizer.decode(prompt_tokens[-PROMPT_TAIL_TOKENS:])
-        thinking = self.markers is not None and starts_in_thinking(tail, self.markers)
-        constraints = []
-        grammar = self._grammar(spec, thinking)
-        if grammar is not None:
-            try:
-                self.grammars.check(grammar)
-                constraints.append(self.grammars.constraint(grammar))
-            except GrammarError as e:
-                param = "grammar" if spec.grammar is not None else "response_format" if spec.json_schema is not None else "tools"
-                raise TurnError(f"the grammar engine cannot compile this: {e}", param) from e
-        budget = spec.max_thinking_tokens if spec.max_thinking_tokens is not None else self.max_thinking_tokens
-        if self.markers is not None and budget is not None:
-            constraints.append(ThinkingBudget(self.markers, budget, thinking, self._start_tokens()))
+        thinking = self.markers is not None and starts_in_thinking(
+            self.tokenizer.decode(prompt_tokens[-PROMPT_TAIL_TOKENS:]), self.markers)
+        constraints = [c for c in (self._grammar_constraint(spec, thinking), self._budget(spec, thinking)) if c]
         constraint = None if not constraints else constraints[0] if len(constraints) == 1 else AllOf(*constraints)
         return TurnRun(constraint, self._parser(spec, thinking))
+
+    def _grammar_constraint(self, spec: TurnSpec, thinking: bool) -> TokenConstraint | None:
+        grammar = self._grammar(spec, thinking)
+        if grammar is None:
+            return None
+        try:
+            self.grammars.check(grammar)
+            return self.grammars.constraint(grammar)
+        except GrammarError as e:
+            param = "grammar" if spec.grammar is not None else "tools"
+            param = "response_format" if spec.json_schema is not None and not spec.calls_tools else param
+            raise TurnError(f"the grammar engine cannot compile this: {e}", param) from e
+
+    def _budget(self, spec: TurnSpec, thinking: bool) -> ThinkingBudget | None:
+        budget = spec.max_thinking_tokens if spec.max_thinking_tokens is not None else self.max_thinking_tokens
+        if self.markers is None or budget is None:
+            return None
+        start = tuple(self.tokenizer.encode(self.markers.start, add_special_tokens=False))
+        return ThinkingBudget(self.markers, budget, thinking, start)
 
     def _parser(self, spec: TurnSpec, thinking: bool) -> TurnParser:
         splitter = ReasoningSplitter(self.markers, thinking) if self.markers is not None else None
         names = {t.name for t in spec.tools}
-        calls = ToolCallParser(self.format, names) if spec.calls_tools else None
+        tools = [{"type": "function", "function": t.as_json()} for t in spec.tools]  # mlx-lm's parsers type values
+        calls = ToolCallParser(self.format, names, tools=tools) if spec.calls_tools else None
         return TurnParser(splitter, calls)
-
-    def _start_tokens(self) -> tuple[int, ...]:
-        return tuple(self.tokenizer.encode(self.markers.start, add_special_tokens=False))
 
     def _grammar(self, spec: TurnSpec, thinking: bool) -> str | None:
         """The whole answer's grammar, or None when it is free."""
