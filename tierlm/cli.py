@@ -1,8 +1,9 @@
-"""Command line: `tierlm serve`, `tierlm pull`, `tierlm bench`."""
+"""Command line: `tierlm serve`, `tierlm pull`, `tierlm import`, `tierlm list`, `tierlm bench`."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -72,14 +73,81 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _progress_bar():
+    """A rich progress bar fed by import/pull's (stage, done, total) reports."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TimeElapsedColumn(), transient=False) as bar:
+        tasks: dict[str, int] = {}
+
+        def report(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total or None)
+            bar.update(tasks[stage], completed=done if total else 0, total=total or None)
+            for other in tasks.values():  # a new stage finishes the earlier ones
+                if other != tasks[stage] and not bar.tasks[other].finished:
+                    bar.update(other, total=bar.tasks[other].total or 1, completed=bar.tasks[other].total or 1)
+
+        yield report
+        for task in tasks.values():
+            bar.update(task, total=bar.tasks[task].total or 1, completed=bar.tasks[task].total or 1)
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
+    from tierlm.models import catalog
+
     settings = _settings(args)
     _setup_logging(settings.log_level)
-    if args.name != "default":
-        print(f"unknown model {args.name!r}: only 'default' can be pulled", file=sys.stderr)
+    if args.name not in catalog.CATALOG:
+        print(f"unknown model {args.name!r}: known are {', '.join(catalog.CATALOG)}", file=sys.stderr)
         return 2
-    path = ensure_default_model(Path(settings.model_dir).expanduser())
+    with _progress_bar() as report:
+        path = catalog.pull(args.name, Path(settings.model_dir).expanduser(), bits=args.bits, progress=report)
     print(path)
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from tierlm.models.default_model import _publish
+    from tierlm.models.gguf_import import import_gguf
+    from tierlm.models.model_folder import is_model_folder
+
+    settings = _settings(args)
+    _setup_logging(settings.log_level)
+    source = Path(args.file).expanduser()
+    if not source.is_file():
+        print(f"no such file: {source}", file=sys.stderr)
+        return 2
+    model_dir = Path(settings.model_dir).expanduser()
+    target = model_dir / (args.name or source.stem)
+    if is_model_folder(target):
+        print(f"{target} already exists: remove it or choose another --name", file=sys.stderr)
+        return 2
+    model_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=model_dir, prefix=".import-") as tmp, _progress_bar() as report:
+        built = import_gguf(source, Path(tmp) / target.name, report, bits=args.bits)
+        _publish(built, target)
+    print(target)
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tierlm.models import catalog
+
+    settings = _settings(args)
+    model_dir = Path(settings.model_dir).expanduser()
+    table = Table("name", "size", "context", "quantization", "type", title=str(model_dir))
+    for m in catalog.installed(model_dir):
+        table.add_row(m.name, f"{m.size_bytes / 2**20:.0f} MiB", str(m.context_length), m.quantization,
+                      m.model_type)
+    Console(width=max(100, Console().width)).print(table)
     return 0
 
 
@@ -90,9 +158,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings_flags(serve)
     serve.set_defaults(func=cmd_serve)
     pull = sub.add_parser("pull", help="fetch and import a model without serving it")
-    pull.add_argument("name", nargs="?", default="default")
+    pull.add_argument("name", nargs="?", default="default", help="default, gemma-3-270m")
+    pull.add_argument("--bits", type=int, choices=(4, 8, 16), default=None,
+                      help="MLX bits for re-quantized weights (default: the model's own choice)")
     _add_settings_flags(pull)
     pull.set_defaults(func=cmd_pull)
+    imp = sub.add_parser("import", help="convert a GGUF file into a model folder")
+    imp.add_argument("file", help="the .gguf file")
+    imp.add_argument("--name", help="folder name in the models dir (default: the file's stem)")
+    imp.add_argument("--bits", type=int, choices=(4, 8, 16), default=None,
+                     help="4 or 8: MLX affine quantization; 16: bfloat16 (default: Q4_0/Q4_1/Q8_0 files "
+                          "kept as they are, others 8)")
+    _add_settings_flags(imp)
+    imp.set_defaults(func=cmd_import)
+    lst = sub.add_parser("list", help="the models in the models dir")
+    _add_settings_flags(lst)
+    lst.set_defaults(func=cmd_list)
     from tierlm.bench.cli import add_bench_parser  # the harness; the server never imports it
 
     add_bench_parser(sub)

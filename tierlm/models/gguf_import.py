@@ -1,28 +1,47 @@
-"""Turn a llama-architecture GGUF file into an MLX model folder that mlx-lm loads.
+"""Turn a GGUF file into an MLX model folder that mlx-lm loads.
 
-`mx.load` reads GGUF natively: Q4_0/Q4_1/Q8_0 tensors arrive as MLX affine
-quantized triples (weight / scales / biases, group size 32), everything else as
-plain arrays. We rename the tensors to mlx-lm's llama names, keep them quantized,
-and rebuild the tokenizer from the GGUF vocabulary with the `tokenizers` library.
+Two architectures: `llama` (-> mlx-lm `llama`) and `gemma3` (-> `gemma3_text`).
+
+Tensors: when every tensor is in a block format `mx.load` reads (Q4_0, Q4_1,
+Q8_0, F16, F32) and no `bits` are asked for, they are kept as they are (MLX
+affine, group size 32). Otherwise (K-quants, Q5_0, ...) each tensor is
+dequantized with the `gguf` package and quantized again to MLX 4 or 8 bits, or
+kept in bfloat16 (see gguf_dequant).
+
+What llama.cpp's converter changed is undone here: Gemma's RMSNorm weights are
+stored with the +1 already added (mlx-lm adds it itself, so it is subtracted);
+llama's Q/K rows are permuted for interleaved RoPE, which is mlx-lm's
+`rope_traditional`, so they stay as they are (Gemma's are not permuted).
+
+The tokenizer is rebuilt with `tokenizers` from the GGUF vocabulary: byte-level
+BPE for `gpt2` vocabularies, SentencePiece-style BPE with byte fallback for
+`llama` ones.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+import numpy as np
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from tierlm.models.gguf_dequant import GGUFTensor, quantization_config, read_gguf, to_mlx, type_counts
 from tierlm.models.model_folder import write_json_atomic
 
 GROUP_SIZE = 32  # every GGUF block format mx.load reads uses 32-value groups
-_CONTROL_TOKEN = 3  # llama.cpp token_type for special / control tokens
+_NORMAL, _CONTROL_TOKEN, _USER_DEFINED, _BYTE = 1, 3, 4, 6  # llama.cpp token_type values
 
-# GGUF tensor name -> mlx-lm llama module path
-_LAYER_NAMES = {
+# (description, done, total): a stage when total is 0, else a step of it
+Progress = Callable[[str, int, int], None]
+
+_LLAMA_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -32,6 +51,14 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+}
+_GEMMA3_LAYER_NAMES = {
+    **_LLAMA_LAYER_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -43,14 +70,18 @@ def _scalar(meta: dict, key: str, default: Any = None) -> Any:
     return value
 
 
-def mlx_tensor_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.scales` -> `model.layers.3.self_attn.q_proj.scales`."""
+def _rename(gguf_name: str, layer_names: dict[str, str]) -> str:
     module, _, suffix = gguf_name.rpartition(".")
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", module)
     if match:
         layer, part = match.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
+        return f"model.layers.{layer}.{layer_names[part]}.{suffix}"
     return f"{_TOP_NAMES[module]}.{suffix}"
+
+
+def mlx_tensor_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.scales` -> `model.layers.3.self_attn.q_proj.scales` (llama)."""
+    return _rename(gguf_name, _LLAMA_LAYER_NAMES)
 
 
 def _bits_of(weights: dict[str, mx.array], module: str) -> int:
@@ -60,16 +91,24 @@ def _bits_of(weights: dict[str, mx.array], module: str) -> int:
     return packed * 32 // in_features
 
 
-def build_config(meta: dict, weights: dict[str, mx.array]) -> dict:
-    arch = _scalar(meta, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"only llama-architecture GGUF files are supported, got {arch!r}")
+def _native_quantization(weights: dict[str, mx.array]) -> dict | None:
+    quantized = sorted(k[: -len(".scales")] for k in weights if k.endswith(".scales"))
+    if not quantized:
+        return None
+    bits = {m: _bits_of(weights, m) for m in quantized}
+    common = max(set(bits.values()), key=list(bits.values()).count)
+    quant: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common, "mode": "affine"}
+    # mlx-lm reads per-module overrides from the same dict
+    quant.update({m: {"group_size": GROUP_SIZE, "bits": b} for m, b in bits.items() if b != common})
+    return quant
+
+
+def _llama_config(meta: dict) -> dict:
     p = "llama."
     heads = _scalar(meta, p + "attention.head_count")
-    hidden = _scalar(meta, p + "embedding_length")
-    config = {
+    return {
         "model_type": "llama",
-        "hidden_size": hidden,
+        "hidden_size": _scalar(meta, p + "embedding_length"),
         "intermediate_size": _scalar(meta, p + "feed_forward_length"),
         "num_hidden_layers": _scalar(meta, p + "block_count"),
         "num_attention_heads": heads,
@@ -78,29 +117,136 @@ def build_config(meta: dict, weights: dict[str, mx.array]) -> dict:
         "rope_theta": _scalar(meta, p + "rope.freq_base", 10000.0),
         "max_position_embeddings": _scalar(meta, p + "context_length", 4096),
         "vocab_size": _scalar(meta, p + "vocab_size", len(meta["tokenizer.ggml.tokens"])),
-        "tie_word_embeddings": "lm_head.weight" not in weights,
         # llama.cpp permutes Q/K rows for its interleaved RoPE; mlx-lm's
         # traditional RoPE is the same layout, so no un-permuting is needed.
         "rope_traditional": True,
     }
-    quantized = sorted(k[: -len(".scales")] for k in weights if k.endswith(".scales"))
-    if quantized:
-        bits = {m: _bits_of(weights, m) for m in quantized}
-        common = max(set(bits.values()), key=list(bits.values()).count)
-        quant: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common, "mode": "affine"}
-        # mlx-lm reads per-module overrides from the same dict
-        quant.update({m: {"group_size": GROUP_SIZE, "bits": b} for m, b in bits.items() if b != common})
-        config["quantization"] = quant
+
+
+def _gemma3_config(meta: dict) -> dict:
+    """llama.cpp's converter writes only part of Gemma 3's hyper-parameters; the
+    rest (local RoPE base, sliding window pattern, attention scale) is fixed in
+    llama.cpp's model code for the architecture, and so taken from there."""
+    p = "gemma3."
+    heads = _scalar(meta, p + "attention.head_count")
+    hidden = _scalar(meta, p + "embedding_length")
+    head_dim = _scalar(meta, p + "attention.key_length", 256)
+    layers = _scalar(meta, p + "block_count")
+    pattern = meta.get(p + "attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # per layer: True where sliding; mlx-lm wants the period
+        pattern = next((i + 1 for i, sliding in enumerate(pattern) if not sliding), len(pattern))
+    config = {
+        "model_type": "gemma3_text",
+        "hidden_size": hidden,
+        "intermediate_size": _scalar(meta, p + "feed_forward_length"),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": _scalar(meta, p + "attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": _scalar(meta, p + "attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": _scalar(meta, p + "rope.freq_base", 1_000_000.0),
+        "rope_local_base_freq": _scalar(meta, p + "rope.freq_base_swa", 10_000.0),
+        # llama.cpp: 1/sqrt(hidden/heads) for the 27B model (62 layers), 1/sqrt(head_dim) otherwise
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "sliding_window": _scalar(meta, p + "attention.sliding_window", 512),
+        "sliding_window_pattern": int(pattern),
+        "max_position_embeddings": _scalar(meta, p + "context_length", 32768),
+        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+        "final_logit_softcapping": _scalar(meta, p + "final_logit_softcapping"),
+        "attn_logit_softcapping": _scalar(meta, p + "attn_logit_softcapping"),
+    }
+    if _scalar(meta, p + "rope.scaling.type") == "linear":  # global layers only (4B and up)
+        config["rope_scaling"] = {"rope_type": "linear", "factor": _scalar(meta, p + "rope.scaling.factor")}
     return config
 
 
-def build_tokenizer(meta: dict) -> tuple[Tokenizer, dict]:
-    """A byte-level BPE tokenizer (gpt2-style GGUF vocab) and its tokenizer_config."""
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ValueError("only byte-level BPE (gpt2) GGUF tokenizers are supported")
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+@dataclass(frozen=True)
+class _Arch:
+    layer_names: dict[str, str]
+    config: Callable[[dict], dict]
+    norm_shift: float = 0.0  # what llama.cpp added to every `*norm.weight`
+    # control tokens that end a turn besides the GGUF's eos token
+    end_of_turn: tuple[str, ...] = field(default_factory=tuple)
+    chat_template: str | None = None  # when the GGUF carries none
+
+
+# Gemma 3's own template (as in its tokenizer_config.json): system text goes in
+# front of the first user turn; the assistant's role is `model`.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
+    "{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}"
+    "{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{%- if message['content'] is string -%}"
+    "{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- else -%}{{ raise_exception(\"Invalid content type\") }}"
+    "{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}"
+)
+
+ARCHITECTURES = {
+    "llama": _Arch(_LLAMA_LAYER_NAMES, _llama_config),
+    "gemma3": _Arch(_GEMMA3_LAYER_NAMES, _gemma3_config, norm_shift=1.0,
+                    end_of_turn=("<end_of_turn>",), chat_template=GEMMA3_CHAT_TEMPLATE),
+}
+
+
+def _architecture(meta: dict) -> _Arch:
+    arch = _scalar(meta, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(ARCHITECTURES)})")
+    return ARCHITECTURES[arch]
+
+
+def build_config(meta: dict, weights: dict[str, mx.array], quantization: dict | None = None) -> dict:
+    spec = _architecture(meta)
+    config = spec.config(meta)
+    config["tie_word_embeddings"] = "lm_head.weight" not in weights
+    if quantization:
+        config["quantization"] = quantization
+    tokens = meta["tokenizer.ggml.tokens"]
+    bos, eos = _scalar(meta, "tokenizer.ggml.bos_token_id"), _scalar(meta, "tokenizer.ggml.eos_token_id")
+    if spec.end_of_turn:
+        # mlx-lm stops on every id in config.json's eos_token_id
+        ends = [eos] if eos is not None else []
+        ends += [tokens.index(t) for t in spec.end_of_turn if t in tokens]
+        config["eos_token_id"] = ends
+        if bos is not None:
+            config["bos_token_id"] = bos
+    return config
+
+
+# ---- tokenizer ----------------------------------------------------------
+
+
+def _token_types(meta: dict) -> list[int]:
     types = meta["tokenizer.ggml.token_type"]
-    types = types.tolist() if isinstance(types, mx.array) else list(types)
+    return types.tolist() if isinstance(types, mx.array) else list(types)
+
+
+def _byte_level_bpe(meta: dict, tokens: list[str], types: list[int]) -> Tokenizer:
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
@@ -114,40 +260,170 @@ def build_tokenizer(meta: dict) -> tuple[Tokenizer, dict]:
     )
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.add_special_tokens([tok for tok, t in zip(tokens, types) if t == _CONTROL_TOKEN])
+    return tokenizer
+
+
+def _sentencepiece_bpe(meta: dict, tokens: list[str], types: list[int]) -> Tokenizer:
+    """SentencePiece BPE as llama.cpp runs it: spaces become `▁`, pieces merge
+    best-first, bytes not in the vocabulary fall back to `<0xNN>` tokens.
+    The GGUF holds no merges, so they are rebuilt from the vocabulary: every
+    split of a piece into two known pieces, the piece's rank deciding. Gemma's
+    rank is its position in the vocabulary (its scores do not follow the merge
+    order); for others, the score."""
+    arch = _scalar(meta, "general.architecture", "")
+    gemma = str(arch).startswith("gemma")
+    # Gemma files spell the tokens made of spaces with real spaces; the
+    # normalizer turns spaces into `▁`, so they are looked up that way
+    spelled = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(spelled):
+        vocab.setdefault(tok, i)
+    mergeable = {i for i, t in enumerate(types) if t == _NORMAL or spelled[i] != tokens[i]}
+    if gemma:
+        order = sorted(mergeable)
+    else:
+        scores = list(meta["tokenizer.ggml.scores"])
+        order = sorted(mergeable, key=lambda i: (-scores[i], i))
+    parts_ok = {tok for tok, i in vocab.items() if types[i] not in (_CONTROL_TOKEN, _BYTE)}
+    merges: list[tuple[str, str]] = []
+    for i in order:
+        piece = spelled[i]
+        local = [(piece[:k], piece[k:]) for k in range(1, len(piece))
+                 if piece[:k] in parts_ok and piece[k:] in parts_ok]
+        merges += sorted(local, key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+    unk_id = _scalar(meta, "tokenizer.ggml.unknown_token_id")
+    tokenizer = Tokenizer(models.BPE(
+        vocab=vocab, merges=merges, unk_token=tokens[unk_id] if unk_id is not None else None,
+        fuse_unk=True, byte_fallback=True,
+    ))
+    add_prefix = bool(_scalar(meta, "tokenizer.ggml.add_space_prefix", not gemma))
+    replace = normalizers.Replace(" ", "▁")
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), replace]) if add_prefix else replace
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if add_prefix else steps)
+    tokenizer.add_special_tokens([
+        AddedToken(tok, special=True, normalized=False) for tok, t in zip(tokens, types) if t == _CONTROL_TOKEN
+    ])
+    # user-defined pieces (newline runs, HTML tags, ...) are matched whole, as llama.cpp does
+    tokenizer.add_tokens([
+        AddedToken(tok, special=False, normalized=False)
+        for tok, sp, t in zip(tokens, spelled, types) if t == _USER_DEFINED and tok == sp
+    ])
+    bos_id = _scalar(meta, "tokenizer.ggml.bos_token_id")
+    if bos_id is not None and _scalar(meta, "tokenizer.ggml.add_bos_token", True):
+        bos = tokens[bos_id]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+    return tokenizer
+
+
+def build_tokenizer(meta: dict) -> tuple[Tokenizer, dict]:
+    """A `tokenizers` Tokenizer for the GGUF vocabulary, and its tokenizer_config."""
+    kind = meta.get("tokenizer.ggml.model")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types = _token_types(meta)
+    if kind == "gpt2":
+        tokenizer = _byte_level_bpe(meta, tokens, types)
+        add_bos_default = False
+    elif kind == "llama":
+        tokenizer = _sentencepiece_bpe(meta, tokens, types)
+        add_bos_default = True
+    else:
+        raise ValueError(f"GGUF tokenizer {kind!r} is not supported (supported: gpt2, llama)")
     specials = [tok for tok, t in zip(tokens, types) if t == _CONTROL_TOKEN]
-    tokenizer.add_special_tokens(specials)
 
     def token_at(key: str) -> str | None:
         idx = _scalar(meta, key)
         return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
+    arch = _scalar(meta, "general.architecture")
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": _scalar(meta, "llama.context_length", 4096),
+        "model_max_length": _scalar(meta, f"{arch}.context_length", 4096),
         "bos_token": token_at("tokenizer.ggml.bos_token_id"),
         "eos_token": token_at("tokenizer.ggml.eos_token_id"),
         "unk_token": token_at("tokenizer.ggml.unknown_token_id"),
         "pad_token": token_at("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": bool(_scalar(meta, "tokenizer.ggml.add_bos_token", add_bos_default)),
+        "add_eos_token": bool(_scalar(meta, "tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "additional_special_tokens": specials,
     }
-    if template := meta.get("tokenizer.chat_template"):
+    template = meta.get("tokenizer.chat_template") or ARCHITECTURES.get(arch, ARCHITECTURES["llama"]).chat_template
+    if template:
         tokenizer_config["chat_template"] = template
     return tokenizer, tokenizer_config
 
 
-def import_gguf(
-    gguf_path: Path, out_dir: Path, progress: Callable[[str], None] = lambda _: None
-) -> Path:
-    """Write an mlx-lm model folder for `gguf_path` into `out_dir` (created)."""
-    progress(f"reading {gguf_path.name}")
-    raw, meta = mx.load(str(gguf_path), return_metadata=True)
-    weights = {mlx_tensor_name(k): v for k, v in raw.items()}
-    config = build_config(meta, weights)
+# ---- weights ------------------------------------------------------------
+
+
+def _native_weights(gguf_path: Path, spec: _Arch) -> tuple[dict[str, mx.array], dict | None]:
+    raw = mx.load(str(gguf_path))
+    weights = {_rename(k, spec.layer_names): v for k, v in raw.items()}
+    if spec.norm_shift:
+        for k in [k for k in weights if k.endswith("norm.weight")]:
+            weights[k] = weights[k].astype(mx.float32) - spec.norm_shift
+    return weights, _native_quantization(weights)
+
+
+def dequantized_weights(tensors: list[GGUFTensor], spec: _Arch, bits: int,
+                        progress: Progress) -> tuple[dict[str, mx.array], dict | None]:
+    weights: dict[str, mx.array] = {}
+    overrides: dict[str, int] = {}
+    total = sum(int(np.prod(t.shape)) for t in tensors)
+    done = 0
+    for t in tensors:
+        name = _rename(t.name, spec.layer_names)
+        values = t.to_float32()
+        if spec.norm_shift and name.endswith("norm.weight"):
+            values = values - np.float32(spec.norm_shift)
+        converted = to_mlx(name, values, t.bits_for(bits))
+        if name.removesuffix(".weight") + ".scales" in converted:
+            overrides[name.removesuffix(".weight")] = t.bits_for(bits)
+        mx.eval(list(converted.values()))
+        weights.update(converted)
+        done += values.size
+        progress(f"converting to {'bfloat16' if bits == 16 else f'{bits}-bit'}", done, total)
+    return weights, quantization_config(bits, overrides)
+
+
+def logging_progress(logger: logging.Logger) -> Progress:
+    """Progress as log lines: one per stage, and one per quarter of a long step."""
+    state: dict[str, Any] = {"stage": None, "quarter": -1}
+
+    def report(stage: str, done: int, total: int) -> None:
+        quarter = 4 * done // total if total else -1
+        if stage != state["stage"] or (quarter != state["quarter"] and quarter in (1, 2, 3)):
+            logger.info("%s%s", stage, f": {25 * quarter}%" if total else "")
+        state.update(stage=stage, quarter=quarter)
+
+    return report
+
+
+def import_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None,
+                bits: int | None = None) -> Path:
+    """Write an mlx-lm model folder for `gguf_path` into `out_dir` (created).
+
+    `bits` None keeps Q4_0/Q4_1/Q8_0/F16 files as they are and converts any
+    other to 8 bits; 4 or 8 re-quantize every matrix; 16 writes bfloat16."""
+    report: Progress = progress or (lambda *_: None)
+    report(f"reading {gguf_path.name}", 0, 0)
+    meta, tensors = read_gguf(gguf_path)
+    spec = _architecture(meta)
+    if bits is None and all(t.native for t in tensors):
+        weights, quantization = _native_weights(gguf_path, spec)
+    else:
+        bits = bits or 8
+        weights, quantization = dequantized_weights(tensors, spec, bits, report)
+    config = build_config(meta, weights, quantization)
+    config["gguf"] = {"file": gguf_path.name, "tensor_types": type_counts(tensors),
+                      "file_type": _scalar(meta, "general.file_type")}
+    report("building the tokenizer", 0, 0)
     tokenizer, tokenizer_config = build_tokenizer(meta)
     out_dir.mkdir(parents=True, exist_ok=True)
-    progress(f"writing {len(weights)} tensors")
+    report(f"writing {len(weights)} tensors", 0, 0)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     tokenizer.save(str(out_dir / "tokenizer.json"))
     write_json_atomic(out_dir / "tokenizer_config.json", tokenizer_config)
