@@ -1,0 +1,1 @@
+"""Which models exist, which are loaded: the pool between the API and the engines."""
