@@ -11,10 +11,13 @@ engine takes a `Settings` itself, resolved for its model (`for_model`).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import json
 import os
 import re
 import shutil
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
@@ -28,10 +31,29 @@ HOME = Path(os.environ.get("TIERLM_HOME", Path.home() / ".tierlm"))
 ENV_PREFIX = "TIERLM_"
 
 
-def setting(default, help: str, *, per_model: bool = False):
+def setting(default, help: str, *, per_model: bool = False, check=None):
     """One setting. `per_model`: a [models."NAME"] section of the settings file may
-    set it for one model."""
-    return field(default=default, metadata={"help": help, "per_model": per_model})
+    set it for one model. `check(value)` raises ValueError for a value of the right
+    type that still makes no sense (a malformed size, a negative temperature)."""
+    return field(default=default, metadata={"help": help, "per_model": per_model, "check": check})
+
+
+def _at_least(low: float, high: float | None = None):
+    def check(value) -> None:
+        if value < low or (high is not None and value > high):
+            raise ValueError(f"expected {low}..{high}" if high is not None else f"expected at least {low}")
+
+    return check
+
+
+def _size_check(value: str) -> None:
+    if parse_size(value, total_memory()) <= 0:
+        raise ValueError("expected more than 0 bytes")
+
+
+def _names_check(values: tuple) -> None:
+    if not all(v.strip() for v in values):
+        raise ValueError("an empty name")
 
 
 @dataclass
@@ -68,6 +90,38 @@ class Settings:
                                             "is stuck)", per_model=True)
     degrade_after_failures: int = setting(3, "failed engine steps in a row after which /health says "
                                              "degraded, until a step works", per_model=True)
+    # ---- many models, one memory budget (the pool)
+    extra_model_dirs: tuple[str, ...] = setting((), "more folders to look for models in (comma-separated "
+                                                    "on the command line)", check=_names_check)
+    hf_cache: bool = setting(True, "also list mlx-lm models in the Hugging Face cache")
+    max_model_memory: str | None = setting(None, "weights + KV of all loaded models at most (bytes, 8GB, or "
+                                                 "60%; default: memory less max(2GiB, 15%))",
+                                           check=_size_check)
+    memory_soft_mark: str = setting("85%", "process memory above which new requests wait and idle models "
+                                           "are unloaded (bytes, 8GB, or % of memory)", check=_size_check)
+    memory_hard_mark: str = setting("95%", "process memory above which the largest model's requests are "
+                                           "aborted (bytes, 8GB, or % of memory)", check=_size_check)
+    keep_alive: str = setting("5m", "idle time before an unused model is unloaded: seconds, 5m, 1h, -1 "
+                                    "(never) or 0 (after each request)", per_model=True,
+                              check=lambda v: parse_duration(v))  # parse_duration comes later
+    pinned: bool = setting(False, "load the model at start and never unload it", per_model=True)
+    aliases: tuple[str, ...] = setting((), "other names, or patterns like 'claude-*haiku*', that mean this "
+                                           "model (comma-separated on the command line)", per_model=True,
+                                       check=_names_check)
+    context_limit: int | None = setting(None, "tokens of context at most, below the model's own",
+                                        per_model=True, check=_at_least(1))
+    default_temperature: float | None = setting(None, "temperature when a request sends none",
+                                                per_model=True, check=_at_least(0))
+    default_top_p: float | None = setting(None, "top_p when a request sends none", per_model=True,
+                                          check=_at_least(0, 1))
+    default_top_k: int | None = setting(None, "top_k when a request sends none (0: off)", per_model=True,
+                                        check=_at_least(0))
+    default_max_tokens: int | None = setting(None, "max_tokens when a request sends none", per_model=True,
+                                             check=_at_least(1))
+    chat_template_kwargs: Mapping[str, object] | None = setting(None, "chat template variables for every "
+                                                                      "request (a table, JSON on the command "
+                                                                      "line; a request's own values win)",
+                                                                per_model=True)
     # ---- the prefix cache
     tool_format: str = setting("auto", "how the model writes tool calls: auto (its chat template's family, "
                                "else generic), generic, or a family (hermes, llama3_json, mistral, ...)",
@@ -102,6 +156,49 @@ class Settings:
     def hot_cache_bytes(self) -> int:
         return parse_size(self.hot_cache_size, total_memory())
 
+    def max_model_memory_bytes(self) -> int:
+        """The pool's budget: what was set, else physical memory less a margin for
+        the OS and other programs."""
+        total = total_memory()
+        if self.max_model_memory:
+            return parse_size(self.max_model_memory, total)
+        return total - max(2 * 2**30, int(total * 0.15))
+
+    def memory_marks_bytes(self) -> tuple[int, int]:
+        """(soft, hard) marks of the process's memory, in bytes."""
+        total = total_memory()
+        return parse_size(self.memory_soft_mark, total), parse_size(self.memory_hard_mark, total)
+
+    def keep_alive_s(self) -> float | None:
+        """Seconds an idle model stays loaded; None: forever."""
+        return parse_duration(self.keep_alive)
+
+    def sampling_defaults(self) -> dict:
+        """The request fields (temperature, top_p, top_k, max_tokens) this model
+        fills in when a request leaves them out."""
+        values = {"temperature": self.default_temperature, "top_p": self.default_top_p,
+                  "top_k": self.default_top_k, "max_tokens": self.default_max_tokens}
+        return {k: v for k, v in values.items() if v is not None}
+
+    def template_kwargs(self, requested: dict | None = None) -> dict:
+        """Chat template variables: this model's, then the request's on top."""
+        return {**(self.chat_template_kwargs or {}), **(requested or {})}
+
+    def model_for_alias(self, requested: str, names: list[str]) -> str | None:
+        """Which of `names` a client's model id means: a name itself, then an exact
+        alias, then the first matching pattern (case-insensitive), models in the
+        settings file's order."""
+        if requested in names:
+            return requested
+        ordered = [n for n in self._model_sections if n in names] + \
+            [n for n in names if n not in self._model_sections]
+        aliases = [(name, alias) for name in ordered for alias in self.for_model(name).aliases]
+        exact = next((name for name, alias in aliases if alias == requested and not _is_pattern(alias)), None)
+        if exact is not None:
+            return exact
+        return next((name for name, alias in aliases
+                     if _is_pattern(alias) and fnmatch.fnmatchcase(requested.lower(), alias.lower())), None)
+
     def ssd_tier(self) -> tuple[str | None, int]:
         """(folder, bytes) of the SSD tier; (None, 0) when it is off."""
         if not self.ssd_cache:
@@ -120,6 +217,14 @@ class Settings:
     _overridden: ClassVar[frozenset] = frozenset()  # set by the environment or the command line
 
 
+def _is_pattern(alias: str) -> bool:
+    return any(c in alias for c in "*?[")
+
+
+def resolve_alias(settings: Settings, requested: str, names: list[str]) -> str | None:
+    return settings.model_for_alias(requested, names)
+
+
 def setting_fields() -> tuple[dataclasses.Field, ...]:
     return fields(Settings)
 
@@ -135,7 +240,7 @@ def settings_file_path() -> Path:
 def load_settings(cli: dict | None = None, config_file: str | None = None) -> Settings:
     """Merge the layers; `cli` holds only the options given on the command line."""
     path = Path(config_file) if config_file else settings_file_path()
-    file_values = tomllib.loads(path.read_text()) if path.is_file() else {}
+    file_values = read_settings_file(path)
     sections = file_values.pop("models", {})
     env = {f.name: os.environ[env_var(f.name)] for f in setting_fields() if env_var(f.name) in os.environ}
     given = {k: v for k, v in (cli or {}).items() if v is not None}
@@ -145,7 +250,26 @@ def load_settings(cli: dict | None = None, config_file: str | None = None) -> Se
     settings._model_sections = {name: _checked(section, f'{path} [models."{name}"]', per_model=True)
                                 for name, section in _sections(sections, path).items()}
     settings._overridden = frozenset(env) | frozenset(given)
+    _check_marks(settings)
     return settings
+
+
+def read_settings_file(path: Path) -> dict:
+    """The file's TOML ({} when there is none); a syntax error names the file, line
+    and column."""
+    if not path.is_file():
+        return {}
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: {e}") from e
+
+
+def _check_marks(settings: Settings) -> None:
+    soft, hard = settings.memory_marks_bytes()
+    if soft > hard:
+        raise ValueError(f"memory_soft_mark ({settings.memory_soft_mark}) is above memory_hard_mark "
+                         f"({settings.memory_hard_mark})")
 
 
 def _sections(sections, path: Path) -> dict:
@@ -166,7 +290,9 @@ def _checked(values: dict, where: str, per_model: bool = False) -> dict:
         if per_model and not f.metadata["per_model"]:
             raise ValueError(f"{where}: {name!r} cannot be set per model")
         try:
-            out[name] = _coerce(f.type, value)
+            out[name] = _coerce(f.type, value, numbers_as_text=f.metadata["check"] is not None)
+            if out[name] is not None and f.metadata["check"]:
+                f.metadata["check"](out[name])
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: {name} = {value!r}: {e}") from e
     return out
@@ -175,12 +301,17 @@ def _checked(values: dict, where: str, per_model: bool = False) -> dict:
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _coerce(kind: str, value):
+def _coerce(kind: str, value, numbers_as_text: bool = False):
     """A value from any layer as the setting's type: strings (environment, CLI) are
-    parsed; TOML's own types must already match."""
+    parsed; TOML's own types must already match. `numbers_as_text`: a text setting
+    that is a size or a duration takes a TOML number too (keep_alive = 300)."""
     base = kind.split("|")[0].strip()
     if value is None:
         return None
+    if base.startswith(("tuple", "Mapping")):
+        return _coerce_list(value) if base.startswith("tuple") else _coerce_table(value)
+    if numbers_as_text and base == "str" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
     if isinstance(value, str) and base != "str":
         text = value.strip().lower()
         if base == "bool":
@@ -192,6 +323,26 @@ def _coerce(kind: str, value):
     if not isinstance(value, expected) or (base in ("int", "float") and isinstance(value, bool)):
         raise TypeError(f"expected {base}")
     return float(value) if base == "float" else value
+
+
+def _coerce_list(value) -> tuple[str, ...]:
+    """A TOML array of strings; from the environment or the command line, a JSON
+    array or comma-separated text."""
+    if isinstance(value, str):
+        text = value.strip()
+        value = json.loads(text) if text.startswith("[") else [v.strip() for v in text.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise TypeError("expected a list of strings")
+    return tuple(value)
+
+
+def _coerce_table(value) -> dict:
+    """A TOML table; from the environment or the command line, a JSON object."""
+    if isinstance(value, str):
+        value = json.loads(value)
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise TypeError("expected a table (a JSON object on the command line)")
+    return dict(value)
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
@@ -213,6 +364,26 @@ def parse_size(text: str | int, total: int | None = None) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
+_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str | float) -> float | None:
+    """Seconds from 300, '300', '5m', '1h30m', '500ms'; None (forever) for any
+    negative value, as Ollama's keep_alive: '-1'."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return None if text < 0 else float(text)
+    text = str(text).strip().lower()
+    sign, body = (-1, text[1:]) if text.startswith("-") else (1, text)
+    if re.fullmatch(r"[\d.]+", body):
+        seconds = float(body)
+    else:
+        parts = re.findall(r"([\d.]+)\s*(ms|s|m|h|d)", body)
+        if not parts or re.sub(r"[\d.]+\s*(ms|s|m|h|d)", "", body).strip():
+            raise ValueError(f"not a duration: {text!r} (try 300, 5m, 1h or -1)")
+        seconds = sum(float(n) * _SECONDS[unit] for n, unit in parts)
+    return None if sign < 0 and seconds > 0 else seconds
+
+
 def total_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -230,9 +401,14 @@ def settings_markdown() -> str:
         flag = "--" + f.name.replace("_", "-")
         if f.type.startswith("bool"):
             flag = f"{flag} / --no-{flag[2:]}"
-        default = {True: "on", False: "off", None: "—"}.get(f.default, f.default) \
-            if isinstance(f.default, (bool, type(None))) else f.default
-        default = str(default).replace(str(Path.home()), "~")
+        default = _default_cell(f.default)
         rows.append(f"| `{flag}` | `{env_var(f.name)}` | {default} | {'yes' if f.metadata['per_model'] else ''} "
                     f"| {f.metadata['help']} |")
     return "\n".join(rows)
+
+
+
+def _default_cell(default) -> str:
+    if isinstance(default, bool) or default is None or default == ():
+        return {True: "on", False: "off"}.get(default, "—")
+    return str(default).replace(str(Path.home()), "~")
