@@ -42,11 +42,16 @@ class Server(RunningServer):
 def start_server(model_path: Path, log_path: Path, *extra: str, timeout: float = 180,
                  env: dict | None = None) -> Server:
     """A server process, started and healthy; unless told otherwise its SSD cache
-    lives beside its log. `env`: more environment variables for it."""
+    lives beside its log, and it sees no model folder but its own (an empty
+    --model-dir and Hugging Face cache). `env`: more environment variables for it."""
     if "--ssd-cache-dir" not in extra and "--no-ssd-cache" not in extra:
         extra = (*extra, "--ssd-cache-dir", str(log_path.parent / "ssd-cache"))
+    if "--model-dir" not in extra:  # only the model it is given, unless told otherwise
+        (log_path.parent / "models").mkdir(parents=True, exist_ok=True)
+        extra = (*extra, "--model-dir", str(log_path.parent / "models"))
+    env = {"HF_HUB_CACHE": str(log_path.parent / "hf-cache"), **(env or {})}
     cmd = [sys.executable, "-m", "tierlm.cli", "serve", "--model", str(model_path), "--port", "{port}", *extra]
-    spec = ServerSpec("tierlm", cmd, env=env or {}, ready_path="/health")
+    spec = ServerSpec("tierlm", cmd, env=env, ready_path="/health")
     return Server(spec, log_path=log_path).start(timeout)
 
 

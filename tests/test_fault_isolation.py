@@ -18,6 +18,10 @@ from tierlm.engine import sampling as sampling_module
 from tierlm.engine import scheduler as scheduler_module
 from tierlm.engine.request import FinishReason
 
+# the watchdog's timeout where a test waits for it: long enough that no honest
+# step (a prefill of 20 requests on a busy 2-core machine) is taken for a stall
+STALL_S = 5.0
+
 
 async def next_twenty_succeed(loaded, engine) -> None:
     """Twenty requests at once, greedy and sampled: all finish without an error, and
@@ -200,7 +204,7 @@ def test_a_request_that_stops_progressing_is_ended_by_the_watchdog(loaded, monke
     monkeypatch.setattr(scheduler_module.BatchGenerator, "next", next_)
 
     async def go():
-        engine = await started(loaded, stall_timeout_s=1.0)
+        engine = await started(loaded, stall_timeout_s=STALL_S)
         victim = request(loaded, engine, max_tokens=100_000, ignore_eos=True)
         collector = engine.add_request(victim)
         await collector.get()  # its first token: it is running
@@ -253,7 +257,7 @@ def test_a_stuck_worker_degrades_the_engine_and_answers_its_readers(loaded, monk
     monkeypatch.setattr(scheduler_module.BatchGenerator, "next", next_)
 
     async def go():
-        engine = await started(loaded, stall_timeout_s=1.0)
+        engine = await started(loaded, stall_timeout_s=STALL_S)
         waiting = await asyncio.wait_for(engine.generate(request(loaded, engine)), timeout=60)
         degraded = engine.degraded
         release.set()

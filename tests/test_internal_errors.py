@@ -24,7 +24,7 @@ MSG = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def app_url(model_path):
-    settings = Settings(ssd_cache=False)
+    settings = Settings(ssd_cache=False, model_dir=str(model_path.parent / ".none"), hf_cache=False)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(settings, model_path), host="127.0.0.1", port=port,
                                            log_level="warning"))
@@ -48,10 +48,10 @@ def app_url(model_path):
 def buggy_template(monkeypatch):
     real = openai_routes._render_chat
 
-    def render(model, body, allow_template):
+    def render(model, body, *args):
         if body.messages[-1].content == "boom":
             raise RuntimeError("injected bug")
-        return real(model, body, allow_template)
+        return real(model, body, *args)
 
     monkeypatch.setattr(openai_routes, "_render_chat", render)
 

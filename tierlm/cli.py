@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from tierlm.config import Settings, load_settings, setting_fields
+from tierlm.config import Settings, load_settings, setting_fields, settings_file_path
 from tierlm.models.default_model import ensure_default_model
 
 log = logging.getLogger("tierlm")
@@ -33,9 +33,12 @@ def _default_text(default) -> str:
     return "" if default is None else f" (default {default})"
 
 
+def _cli_values(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name, None) for f in setting_fields()}
+
+
 def _settings(args: argparse.Namespace) -> Settings:
-    cli = {f.name: getattr(args, f.name, None) for f in setting_fields()}
-    return load_settings(cli, args.config)
+    return load_settings(_cli_values(args), args.config)
 
 
 def _setup_logging(level: str) -> None:
@@ -63,11 +66,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tierlm.api.app import create_app
     from tierlm.engine.allocator import configure_allocator
+    from tierlm.settings_watch import SettingsWatcher
 
     configure_allocator()  # the C heap's free pages go back when idle; started before the model loads
 
     model_path = resolve_model(settings)
-    app = create_app(settings, model_path)
+    # the settings file's changes apply while the server runs (the command line still wins)
+    watch = SettingsWatcher(args.config or settings_file_path(), lambda new: None, cli=_cli_values(args))
+    app = create_app(settings, model_path, watch)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 timeout_graceful_shutdown=5)
     return 0

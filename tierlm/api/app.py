@@ -12,44 +12,35 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from tierlm.api.errors import APIError, error_response, install_error_handlers
+from tierlm.api.model_pool import apply_settings, make_pool
+from tierlm.api.model_routes import router as model_router
 from tierlm.api.openai_routes import router as openai_router
 from tierlm.api.served_model import ServedModel
-from tierlm.cache.block_hash import model_fingerprint
-from tierlm.config import Settings, total_memory
-from tierlm.engine.core import EngineCore
-from tierlm.models.loader import load_model, read_model_info
-from tierlm.structured.turn import ModelTurns
+from tierlm.config import Settings
+from tierlm.pool.pool import ModelPool
+from tierlm.settings_watch import SettingsWatcher
 
 log = logging.getLogger(__name__)
 
 
-async def _load_served_model(app: FastAPI, model_path: Path) -> None:
-    settings: Settings = app.state.settings
+async def _load_default(app: FastAPI) -> None:
+    """Load the default model (`--model`) at start; /health says loading until then."""
+    pool: ModelPool = app.state.pool
+    if pool.default is None:
+        return
     try:
-        settings = settings.for_model(model_path.name)  # its [models."NAME"] section, by folder name
-        info = read_model_info(model_path, settings.served_model_name)
-        memory = settings.memory_limit_bytes() or total_memory()
-        engine = EngineCore(info.name, lambda: load_model(
-            model_path, settings.cpu_weights_dtype, memory, use_cpu_kernels=settings.cpu_kernels,
-            use_amx=settings.cpu_amx), settings, model_fingerprint(model_path, {}))
-        await engine.start()
-        turns = await asyncio.to_thread(_model_turns, engine.tokenizer, settings)
-        app.state.served = ServedModel(info, engine, aliases=("default",), turns=turns)
-        log.info("serving %s (context %d) at http://%s:%d/v1", info.name, info.context_length,
+        slot = await pool.load(pool.default)
+        settings: Settings = app.state.settings
+        log.info("serving %s (context %d) at http://%s:%d/v1", slot.entry.name, slot.entry.context_length,
                  settings.host, settings.port)
     except Exception as e:
-        log.exception("could not load %s", model_path)
+        log.exception("could not load %s", pool.default)
         app.state.load_error = f"{type(e).__name__}: {e}"
 
 
-def _model_turns(tokenizer, settings: Settings) -> ModelTurns:
-    """How the model takes turns (tools, reasoning), its grammars made ready:
-    llguidance's view of the tokenizer takes a moment, better at start than on
-    the first request that needs it."""
-    turns = ModelTurns(tokenizer, None if settings.tool_format == "auto" else settings.tool_format,
-                       settings.reasoning, settings.max_thinking_tokens)
-    _ = turns.grammars.ll_tokenizer
-    return turns
+def _default_served(app: FastAPI) -> ServedModel | None:
+    pool: ModelPool = app.state.pool
+    return None if pool.default is None else pool.slots[pool.default].served
 
 
 class QuietHealthProbes(logging.Filter):
@@ -61,34 +52,44 @@ class QuietHealthProbes(logging.Filter):
         return not (isinstance(args, tuple) and len(args) > 2 and str(args[2]).startswith("/health"))
 
 
-def create_app(settings: Settings, model_path: Path) -> FastAPI:
+def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatcher | None = None) -> FastAPI:
+    """The app serving `model_path` by default and every model the pool finds;
+    `watch`: the settings file, whose changes apply while it runs."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # here, not at import: uvicorn configures its loggers before it starts the app
         access = logging.getLogger("uvicorn.access")
         if not any(isinstance(f, QuietHealthProbes) for f in access.filters):
             access.addFilter(QuietHealthProbes())
-        loading = asyncio.create_task(_load_served_model(app, model_path))
+        app.state.pool.start()
+        loading = asyncio.create_task(_load_default(app))
+        if watch is not None:
+            watch.on_change = lambda new: apply_settings(app.state.pool, new)
+            watch.start()
         yield
+        if watch is not None:
+            await watch.stop()
         await loading
-        if app.state.served is not None:
-            await app.state.served.engine.close()
+        await app.state.pool.close()
 
     app = FastAPI(title="tierlm", lifespan=lifespan)
     app.state.settings = settings
-    app.state.served = None
+    app.state.pool = make_pool(settings, model_path)
     app.state.load_error = None
     install_error_handlers(app)
     app.include_router(openai_router)
+    app.include_router(model_router)
 
     app.add_middleware(RequestGate, settings=settings)
 
     @app.get("/health")
     async def health():
-        served: ServedModel | None = app.state.served
+        served = _default_served(app)
         if app.state.load_error:
             return JSONResponse({"status": "error", "detail": app.state.load_error}, status_code=503)
         if served is None:
+            if app.state.pool.default is None:  # no default model: models load when asked for
+                return {"status": "ok", "model": None}
             return JSONResponse({"status": "loading"}, status_code=503)
         if not served.engine.is_alive:
             return JSONResponse({"status": "error", "detail": "engine loop stopped"}, status_code=503)
@@ -109,14 +110,16 @@ def create_app(settings: Settings, model_path: Path) -> FastAPI:
 
     @app.get("/stats")
     async def stats():
-        served: ServedModel | None = app.state.served
-        return {"engines": [] if served is None else [served.engine.get_stats()]}
+        pool: ModelPool = app.state.pool
+        loaded = [slot.served for slot in pool.slots.values() if slot.served is not None]
+        return {"engines": [s.engine.get_stats() for s in loaded], "models": pool.listing(),
+                "budget_bytes": pool.budget_bytes, "used_bytes": pool.used_bytes()}
 
     return app
 
 
 def _ready(app: FastAPI) -> ServedModel:
-    served: ServedModel | None = app.state.served
+    served = _default_served(app)
     if served is None or not served.engine.is_alive:
         raise APIError(503, "the model is not ready yet", code="model_loading")
     return served

@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
 from tierlm.api.errors import APIError, error_body
+from tierlm.api.model_pool import lease_model
 from tierlm.api.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tierlm.api.openai_turns import delta_of, finish_reason, message_dicts, message_of, turn_error, turn_spec
 from tierlm.api.served_model import ServedModel, raise_for_error, usage
@@ -20,43 +21,13 @@ from tierlm.api.sse import DONE, KEEPALIVE, sse_data
 from tierlm.api.templates import render_chat_template
 from tierlm.api.validation import check_template_args
 from tierlm.engine.request import FinishReason, Request, RequestOutput, TokenLogprobs
+from tierlm.pool.pool import Lease
 from tierlm.structured.events import Gathered
 from tierlm.structured.tools import TurnError
 from tierlm.structured.turn import TurnParser, TurnRun, TurnSpec
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger(__name__)
-
-
-def served(http: HTTPRequest, requested: str | None) -> ServedModel:
-    model: ServedModel | None = http.app.state.served
-    if model is None or not model.engine.is_alive:
-        raise APIError(503, "the model is not ready yet", code="model_loading")
-    if not model.matches(requested):
-        raise APIError(404, f"The model '{requested}' does not exist", "model", "model_not_found")
-    return model
-
-
-@router.get("/models")
-async def list_models(http: HTTPRequest):
-    model: ServedModel | None = http.app.state.served
-    data = [] if model is None else [_model_card(model)]
-    return {"object": "list", "data": data}
-
-
-@router.get("/models/{model_id:path}")
-async def get_model(model_id: str, http: HTTPRequest):
-    return _model_card(served(http, model_id))
-
-
-def _model_card(model: ServedModel) -> dict:
-    return {
-        "id": model.info.name,
-        "object": "model",
-        "created": int(model.info.path.stat().st_mtime),
-        "owned_by": "tierlm",
-        "max_model_len": model.info.context_length,
-    }
 
 
 # ---- chat completions -------------------------------------------------------
@@ -79,7 +50,7 @@ def _render_chat(model: ServedModel, body: ChatCompletionRequest, spec: TurnSpec
         messages, variables = model.turns.prepare(spec, message_dicts(body.messages, _flatten_content))
     except TurnError as e:
         raise turn_error(e) from e
-    kwargs = {**check_template_args(body.chat_template_kwargs), **variables}
+    kwargs = {**model.settings.template_kwargs(check_template_args(body.chat_template_kwargs)), **variables}
     return render_chat_template(model.tokenizer, messages, kwargs, body.chat_template, allow_client_template)
 
 
@@ -90,9 +61,36 @@ def _start_turn(model: ServedModel, spec: TurnSpec, tokens: list[int]) -> TurnRu
         raise turn_error(e) from e
 
 
+async def _with_model(http: HTTPRequest, body: SamplingFields, handle) -> dict | StreamingResponse:
+    """`handle(model, body, http)` with the requested model held: until the
+    answer is made, or for a stream until its last chunk is sent."""
+    lease = await lease_model(http, body.model, body.keep_alive)
+    try:
+        result = await handle(lease.served, body, http)
+    except BaseException:
+        lease.release()
+        raise
+    if isinstance(result, StreamingResponse):
+        result.body_iterator = _released_after(result.body_iterator, lease)
+    else:
+        lease.release()
+    return result
+
+
+async def _released_after(chunks: AsyncIterator, lease: Lease) -> AsyncIterator:
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        lease.release()
+
+
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
-    model = served(http, body.model)
+    return await _with_model(http, body, _chat)
+
+
+async def _chat(model: ServedModel, body: ChatCompletionRequest, http: HTTPRequest):
     spec = turn_spec(body)
     allow_template = http.app.state.settings.allow_client_chat_template
     tokens = await asyncio.to_thread(_render_chat, model, body, spec, allow_template)
@@ -201,10 +199,14 @@ def _prompt_text(model: ServedModel, prompt, tokens: list[int]) -> str:
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, http: HTTPRequest):
-    model = served(http, body.model)
+    return await _with_model(http, body, _completion)
+
+
+async def _completion(model: ServedModel, body: CompletionRequest, http: HTTPRequest):
     tokens = await asyncio.to_thread(_prompt_tokens, model, body.prompt)
     # keep_leading_space: the text continues the prompt as it stands
-    request = model.make_request("cmpl", tokens, body, body.max_tokens or 16, keep_leading_space=True,
+    max_tokens = body.max_tokens or model.settings.default_max_tokens or 16
+    request = model.make_request("cmpl", tokens, body, max_tokens, keep_leading_space=True,
                                  logprobs=body.logprobs_count)
     echo = _prompt_text(model, body.prompt, tokens) if body.echo else ""
     if body.stream:

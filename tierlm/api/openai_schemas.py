@@ -50,6 +50,9 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # how long the model stays loaded after this request (seconds, or "5m"; -1
+    # forever, 0 unloaded after it), as Ollama's keep_alive
+    keep_alive: float | str | None = None
 
     @field_validator("n")
     @classmethod

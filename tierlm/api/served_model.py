@@ -11,6 +11,7 @@ from fastapi import Request as HTTPRequest
 from tierlm.api.errors import APIError
 from tierlm.api.openai_schemas import SamplingFields
 from tierlm.api.validation import check_request, parse_logit_bias
+from tierlm.config import Settings
 from tierlm.engine.constraint import TokenConstraint
 from tierlm.engine.core import EngineCore
 from tierlm.engine.detokenizer import byte_level_table
@@ -21,8 +22,11 @@ from tierlm.structured.turn import ModelTurns
 
 class ServedModel:
     def __init__(self, info: ModelInfo, engine: EngineCore, aliases: tuple[str, ...] = (),
-                 turns: ModelTurns | None = None):
+                 turns: ModelTurns | None = None, settings: Settings | None = None):
         self.info, self.engine = info, engine
+        # this model's settings: sampling defaults, template variables, context
+        # limit (replaced when the settings file changes)
+        self.settings = settings or Settings()
         self.turns = turns or ModelTurns(engine.tokenizer)  # tools, output formats, reasoning
         self.names = {info.name, str(info.path), *aliases}
         self.vocab_size = usable_vocab_size(engine.tokenizer, engine.model, info.name)
@@ -36,7 +40,7 @@ class ServedModel:
 
     def check_prompt(self, prompt_tokens: int, max_tokens: int | None) -> int:
         """Validate the prompt's length; returns the max_tokens to use."""
-        context = self.info.context_length
+        context = min(self.info.context_length, self.settings.context_limit or self.info.context_length)
         if prompt_tokens == 0:
             raise APIError(400, "the prompt is empty", "messages", "empty_prompt")
         if prompt_tokens >= context:
@@ -64,12 +68,14 @@ class ServedModel:
     def sampling_params(self, body: SamplingFields, max_tokens: int, keep_leading_space: bool = False,
                         logprobs: int | None = None) -> SamplingParams:
         """The OpenAI fields as the engine's params, before `check_request` holds
-        them against the model."""
+        them against the model. Fields the request leaves out take the model's
+        defaults from the settings, then OpenAI's."""
+        default = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **self.settings.sampling_defaults()}
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
+            temperature=default["temperature"] if body.temperature is None else body.temperature,
+            top_p=default["top_p"] if body.top_p is None else body.top_p,
+            top_k=default["top_k"] if body.top_k is None else body.top_k,
             min_p=body.min_p or 0.0,
             repetition_penalty=body.repetition_penalty or 1.0,
             presence_penalty=body.presence_penalty or 0.0,
@@ -88,7 +94,7 @@ class ServedModel:
                      constraint: TokenConstraint | None = None) -> Request:
         """`logprobs`: alternatives per token (SamplingParams.logprobs), None for none.
         `constraint`: the tokens the answer may be made of (a grammar, a thinking budget)."""
-        limit = self.check_prompt(len(tokens), max_tokens)
+        limit = self.check_prompt(len(tokens), max_tokens or self.settings.default_max_tokens)
         params = check_request(self.sampling_params(body, limit, keep_leading_space, logprobs), tokens,
                                self.vocab_size, {"prompt": "prompt" if prefix == "cmpl" else "messages"})
         params.constraint = constraint

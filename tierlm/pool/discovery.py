@@ -47,14 +47,15 @@ def default_hf_cache() -> Path:
     return cache / "huggingface" / "hub"
 
 
-def discover(model_dirs: list[Path], hf_cache: Path | None = None) -> dict[str, ModelEntry]:
+def discover(model_dirs: list[Path], hf_cache: Path | None | bool = None) -> dict[str, ModelEntry]:
     """Every model the server can serve, by name; the first of `model_dirs` wins a
     clash, and any of them wins over the Hugging Face cache (`default_hf_cache()`
     when None). A folder that does not exist holds nothing."""
     found: dict[str, ModelEntry] = {}
     clashes: set[str] = set()
     candidates = [c for d in model_dirs for c in _in_model_dir(Path(d).expanduser())]
-    candidates += _in_hf_cache(hf_cache if hf_cache is not None else default_hf_cache())
+    if hf_cache is not False:  # False: the Hugging Face cache is not looked in
+        candidates += _in_hf_cache(hf_cache if hf_cache is not None else default_hf_cache())
     for entry in candidates:
         if entry.name not in found:
             found[entry.name] = entry

@@ -1,0 +1,185 @@
+"""Many models in one server: a real server over a folder of tiny random-weight
+models (and the default model), through the official `openai` client and HTTP."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import start_server, stop_server, wait_until
+
+from tierlm.models.random_model import make_random_model
+
+ASK = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory, model_path):
+    """tiny0 (the server's default), tiny1, tiny2: the same small random llama,
+    each in a folder of its own; `huge`: a folder whose weights on disk are far
+    beyond any budget here."""
+    root = tmp_path_factory.mktemp("pool")
+    for name in ("tiny0", "tiny1", "tiny2"):
+        make_random_model("tiny", root / "models" / name, model_path, "float32")
+    huge = make_random_model("tiny", root / "models" / "huge", model_path, "float32")
+    with open(huge / "model-00002.safetensors", "wb") as f:  # sparse: on disk, it claims its size
+        f.truncate(64 * 2**30)
+    (root / "models" / "notes").mkdir()  # not a model: skipped
+    return root
+
+
+@pytest.fixture(scope="module")
+def pool_server(models_dir):
+    config = models_dir / "settings.toml"
+    config.write_text("")
+    srv = start_server(models_dir / "models" / "tiny0", models_dir / "server.log",
+                       "--model-dir", str(models_dir / "models"), "--config", str(config), "--no-ssd-cache",
+                       "--keep-alive=-1")
+    srv.config = config
+    yield srv
+    stop_server(srv)
+
+
+def models(srv) -> dict[str, dict]:
+    return {m["id"]: m for m in httpx.get(srv.v1 + "/models").json()["data"]}
+
+
+def ask(srv, model: str, **kw):
+    kw.setdefault("max_tokens", 8)
+    return srv.client().chat.completions.create(model=model, messages=ASK, temperature=0, **kw)
+
+
+def reload_settings(srv, text: str, check) -> None:
+    srv.config.write_text(text)
+    wait_until(check, timeout=15)
+
+
+def test_every_model_is_listed_with_its_state(pool_server):
+    listed = models(pool_server)
+    assert set(listed) == {"tiny0", "tiny1", "tiny2", "huge"}
+    assert listed["tiny0"]["state"] == "pinned"  # the default: loaded at start, kept
+    assert listed["tiny1"]["state"] in ("available", "loaded")
+    assert listed["tiny1"]["max_model_len"] == 131072 and listed["tiny1"]["size_bytes"] > 0
+    assert "notes: skipped, not a model folder" in pool_server.log()
+
+
+def test_a_request_loads_its_model(pool_server):
+    unload(pool_server, "tiny1")
+    assert models(pool_server)["tiny1"]["state"] == "available"
+    reply = ask(pool_server, "tiny1")
+    assert reply.model == "tiny1" and reply.usage.completion_tokens > 0
+    assert models(pool_server)["tiny1"]["state"] == "loaded"
+
+
+def test_unknown_model_is_a_404_naming_the_models(pool_server):
+    with pytest.raises(openai.NotFoundError) as e:
+        ask(pool_server, "gpt-5")
+    assert "tiny0" in e.value.body["message"] and e.value.body["param"] == "model"
+
+
+def test_too_large_is_a_507_and_the_server_goes_on(pool_server):
+    with pytest.raises(openai.APIStatusError) as e:
+        ask(pool_server, "huge")
+    assert e.value.status_code == 507 and "huge" in e.value.body["message"]
+    assert ask(pool_server, "tiny0").usage.completion_tokens > 0
+
+
+def test_concurrent_first_requests_load_once(pool_server):
+    unload(pool_server, "tiny2")
+    before = pool_server.log().count("loading tiny2")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda _: ask(pool_server, "tiny2"), range(4)))
+    assert all(r.model == "tiny2" for r in replies)
+    assert pool_server.log().count("loading tiny2") == before + 1
+
+
+def test_each_model_answers_as_it_does_alone(pool_server, model_path, tmp_path):
+    """Alternating between the default model and another, each answer equals that
+    model's when it is the only one served."""
+    alone = start_server(model_path, tmp_path / "alone.log", "--no-ssd-cache")
+    try:
+        expected = ask(alone, "SmolLM2-135M-Instruct", max_tokens=12).choices[0].message.content
+    finally:
+        stop_server(alone)
+    link = pool_server.config.parent / "models" / "smol"
+    if not link.exists():
+        link.symlink_to(model_path)
+        # a model added to the folder is found when asked for
+    got = []
+    for _ in range(2):
+        got.append(ask(pool_server, "smol", max_tokens=12).choices[0].message.content)
+        ask(pool_server, "tiny0")
+    assert got == [expected, expected]
+
+
+def test_keep_alive_zero_unloads_after_the_request(pool_server):
+    ask(pool_server, "tiny1", extra_body={"keep_alive": 0})
+    wait_until(lambda: models(pool_server)["tiny1"]["state"] == "available", timeout=10)
+    ask(pool_server, "tiny1", extra_body={"keep_alive": "2s"})
+    assert 0 < models(pool_server)["tiny1"]["expires_in_s"] <= 2
+    wait_until(lambda: models(pool_server)["tiny1"]["state"] == "available", timeout=10)
+
+
+def test_aliases_and_patterns_from_the_settings_file_apply_without_a_restart(pool_server):
+    reload_settings(pool_server, '[models."tiny2"]\naliases = ["claude-*haiku*", "side"]\n',
+                    lambda: "settings reloaded" in pool_server.log())
+    assert ask(pool_server, "claude-3-5-haiku-20241022").model == "tiny2"
+    assert ask(pool_server, "side").model == "tiny2"
+    seen, errors = pool_server.log().count("settings reloaded"), pool_server.log().count("ERROR")
+    reload_settings(pool_server, "this is not toml [", lambda: pool_server.log().count("ERROR") > errors)
+    assert ask(pool_server, "side").model == "tiny2", "the last good settings stay"
+    reload_settings(pool_server, "", lambda: pool_server.log().count("settings reloaded") > seen)
+    with pytest.raises(openai.NotFoundError):
+        ask(pool_server, "side")
+
+
+def test_eviction_under_a_budget_that_fits_one_more_model(pool_server):
+    """The budget holds the pinned default and one other: asking for a second
+    evicts the least recently used idle one; the pinned one stays."""
+    for name in ("tiny1", "tiny2", "smol"):
+        unload(pool_server, name)
+    ask(pool_server, "tiny0")
+    per_model = models(pool_server)["tiny0"]["memory_bytes"]
+    budget = int(per_model * 2.5)
+    reload_settings(pool_server, f"max_model_memory = {budget}\n", lambda: _reloaded_budget(pool_server, budget))
+    ask(pool_server, "tiny1")
+    ask(pool_server, "tiny2")
+    states = {n: m["state"] for n, m in models(pool_server).items()}
+    assert states["tiny0"] == "pinned" and states["tiny2"] == "loaded" and states["tiny1"] == "available"
+    assert "unloading tiny1 to make room for tiny2" in pool_server.log()
+    reload_settings(pool_server, "", lambda: _reloaded_budget(pool_server, None))  # the default budget again
+
+
+def test_unload_waits_for_requests_in_flight_or_aborts_them(pool_server):
+    client = pool_server.client()
+    ask(pool_server, "tiny1")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        stream = pool.submit(lambda: list(client.chat.completions.create(
+            model="tiny1", messages=ASK, max_tokens=400, stream=True, extra_body={"ignore_eos": True})))
+        wait_until(lambda: models(pool_server)["tiny1"]["in_flight"] == 1, timeout=10)
+        time.sleep(0.3)  # a few tokens streamed
+        unloaded = httpx.post(pool_server.v1 + "/models/tiny1/unload", params={"force": True}, timeout=60)
+        chunks = stream.result(timeout=60)
+    assert unloaded.status_code == 200 and unloaded.json()["state"] == "available"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes and finishes[-1] != "length", "the stream ended early, with a reason, not silence"
+
+
+def test_load_and_unload_by_name(pool_server):
+    assert httpx.post(pool_server.v1 + "/models/tiny2/load", timeout=60).json()["state"] == "loaded"
+    assert httpx.post(pool_server.v1 + "/models/tiny2/unload", timeout=60).json()["state"] == "available"
+    pinned = httpx.post(pool_server.v1 + "/models/tiny0/unload", timeout=60)
+    assert pinned.status_code == 409
+
+
+def unload(srv, name: str) -> None:
+    response = httpx.post(srv.v1 + f"/models/{name}/unload", timeout=60)
+    assert response.status_code in (200, 404), response.text
+
+
+def _reloaded_budget(srv, budget) -> bool:
+    stats = httpx.get(srv.base_url + "/stats").json()
+    return stats["budget_bytes"] == budget if budget is not None else stats["budget_bytes"] > 2**30

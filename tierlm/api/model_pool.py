@@ -1,0 +1,134 @@
+"""The API's model pool: the models the settings name or the model folders
+hold, each served (engine, turns) when a request asks for it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from fastapi import Request as HTTPRequest
+
+from tierlm.api.errors import APIError
+from tierlm.api.served_model import ServedModel
+from tierlm.cache.block_hash import model_fingerprint
+from tierlm.config import Settings, parse_duration, resolve_alias, total_memory
+from tierlm.engine.core import EngineCore
+from tierlm.models.loader import load_model, read_model_info
+from tierlm.pool.discovery import ModelEntry, default_hf_cache, discover, read_entry
+from tierlm.pool.pool import Lease, ModelPool, PoolError
+from tierlm.structured.turn import ModelTurns
+
+log = logging.getLogger(__name__)
+
+
+class CurrentSettings:
+    """The settings in force: replaced when the settings file changes."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+
+
+def make_pool(settings: Settings, model_path: Path | None) -> ModelPool:
+    """Every model in the model folders, and the one `--model` names (the
+    default: loaded at start, never unloaded for being idle)."""
+    entries = discover(_model_dirs(settings), _hf_cache(settings))
+    default = None
+    if model_path is not None:
+        named = settings.for_model(model_path.name).served_model_name
+        entry = read_entry(model_path, named or model_path.name)
+        entries = {entry.name: entry, **{n: e for n, e in entries.items() if e.path != entry.path}}
+        default = entry.name
+    current = CurrentSettings(settings)
+    pool = ModelPool(
+        entries,
+        lambda entry: serve(entry, current.settings.for_model(entry.name), entry.name == default),
+        budget_bytes=settings.max_model_memory_bytes(),
+        keep_alive_s=lambda name: current.settings.for_model(name).keep_alive_s(),
+        resolve_alias=lambda requested: resolve_alias(current.settings, requested, list(pool.slots)),
+        pinned=_pinned(settings, entries, default),
+        default=default,
+        rediscover=lambda: discover(_model_dirs(current.settings), _hf_cache(current.settings)),
+    )
+    pool.current = current
+    return pool
+
+
+def apply_settings(pool: ModelPool, new: Settings) -> None:
+    """The settings file changed: aliases, pins, keep-alive, the budget and each
+    loaded model's request defaults take effect now; what an engine was built
+    with (cache sizes, batch limits) at its next load."""
+    pool.current.settings = new
+    pool.budget_bytes = new.max_model_memory_bytes()
+    pinned = _pinned(new, pool.slots, pool.default)
+    for name, slot in pool.slots.items():
+        slot.pinned = name in pinned
+        if slot.served is not None:
+            slot.served.settings = new.for_model(name)
+    log.info("settings reloaded: %d models, %d pinned", len(pool.slots), len(pinned))
+
+
+def _pinned(settings: Settings, names, default: str | None) -> frozenset[str]:
+    return frozenset(n for n in names if n == default or settings.for_model(n).pinned)
+
+
+async def serve(entry: ModelEntry, settings: Settings, is_default: bool = False) -> ServedModel:
+    """Load a model and start its engine; what the pool keeps for it."""
+    info = read_model_info(entry.path, entry.name)
+    memory = settings.memory_limit_bytes() or total_memory()
+    engine = EngineCore(info.name, lambda: load_model(
+        entry.path, settings.cpu_weights_dtype, memory, use_cpu_kernels=settings.cpu_kernels,
+        use_amx=settings.cpu_amx), settings, model_fingerprint(entry.path, {}))
+    await engine.start()
+    try:
+        turns = await asyncio.to_thread(_model_turns, engine.tokenizer, settings)
+    except Exception:
+        await engine.close()
+        raise
+    return ServedModel(info, engine, aliases=("default",) if is_default else (), turns=turns, settings=settings)
+
+
+def _model_turns(tokenizer, settings: Settings) -> ModelTurns:
+    """How the model takes turns (tools, reasoning), its grammars made ready:
+    llguidance's view of the tokenizer takes a moment, better at load than on
+    the first request that needs it."""
+    turns = ModelTurns(tokenizer, None if settings.tool_format == "auto" else settings.tool_format,
+                       settings.reasoning, settings.max_thinking_tokens)
+    _ = turns.grammars.ll_tokenizer
+    return turns
+
+
+async def lease_model(http: HTTPRequest, requested: str | None, keep_alive=None) -> Lease:
+    """The requested model, loaded and held for this request (release the lease
+    when the request is done). Pool errors become API errors naming `model`."""
+    pool: ModelPool = http.app.state.pool
+    try:
+        if keep_alive is None:
+            lease = await pool.acquire(requested)
+        else:
+            lease = await pool.acquire(requested, _keep_alive_value(keep_alive))
+    except PoolError as e:
+        raise APIError(e.status, str(e), "model", e.code) from e
+    if not lease.served.engine.is_alive:
+        lease.release()
+        raise APIError(503, f"the model {lease.slot.entry.name} is not running", "model", "model_loading")
+    return lease
+
+
+def _keep_alive_value(value) -> float | None:
+    """A request's keep_alive in seconds (None: forever)."""
+    try:
+        return parse_duration(value)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, f"keep_alive: {e}", "keep_alive", "invalid_value") from e
+
+
+# ---- what the settings say ----------------------------------------------------
+
+
+def _model_dirs(settings: Settings) -> list[Path]:
+    return [Path(d).expanduser() for d in (settings.model_dir, *settings.extra_model_dirs)]
+
+
+def _hf_cache(settings: Settings) -> Path | bool:
+    return default_hf_cache() if settings.hf_cache else False

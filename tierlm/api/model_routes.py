@@ -1,0 +1,73 @@
+"""The models: /v1/models lists every model here, loaded or not; load and
+unload one by name or alias."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+
+from tierlm.api.errors import APIError
+from tierlm.pool.pool import ModelPool, PoolError, Slot
+
+router = APIRouter(prefix="/v1")
+
+
+def _pool(http: HTTPRequest) -> ModelPool:
+    return http.app.state.pool
+
+
+def _slot(http: HTTPRequest, model_id: str) -> Slot:
+    try:
+        return _pool(http).resolve(model_id)
+    except PoolError as e:
+        raise APIError(e.status, str(e), "model", e.code) from e
+
+
+@router.get("/models")
+async def list_models(http: HTTPRequest):
+    pool = _pool(http)
+    return {"object": "list", "data": [_card(pool, slot) for _, slot in sorted(pool.slots.items())]}
+
+
+@router.post("/models/{model_id:path}/load")
+async def load_model(model_id: str, http: HTTPRequest):
+    slot = _slot(http, model_id)
+    try:
+        await _pool(http).load(slot.entry.name)
+    except PoolError as e:
+        raise APIError(e.status, str(e), "model", e.code) from e
+    return _card(_pool(http), slot)
+
+
+@router.post("/models/{model_id:path}/unload")
+async def unload_model(model_id: str, http: HTTPRequest, force: bool = False):
+    """Unload after the model's requests in flight, or (`?force=true`) aborting them."""
+    slot = _slot(http, model_id)
+    if slot.pinned:
+        raise APIError(409, f"{slot.entry.name} is pinned: it stays loaded", "model", "model_pinned")
+    await _pool(http).unload(slot.entry.name, force=force)
+    return _card(_pool(http), slot)
+
+
+@router.get("/models/{model_id:path}")
+async def get_model(model_id: str, http: HTTPRequest):
+    return _card(_pool(http), _slot(http, model_id))
+
+
+def _card(pool: ModelPool, slot: Slot) -> dict:
+    """OpenAI's model object, and what the pool knows of it."""
+    entry = slot.entry
+    listed = next(m for m in pool.listing() if m["name"] == entry.name)
+    return {
+        "id": entry.name,
+        "object": "model",
+        "created": int(entry.path.stat().st_mtime),
+        "owned_by": "tierlm",
+        "max_model_len": entry.context_length,
+        "state": listed["state"],
+        "size_bytes": entry.size_bytes,
+        "quantization": entry.quantization,
+        "memory_bytes": listed["memory_bytes"],
+        "in_flight": listed["in_flight"],
+        "expires_in_s": listed["expires_in_s"],
+    }

@@ -1,0 +1,291 @@
+"""The model pool: which models are loaded, loading one when a request asks
+for it, and unloading idle ones to stay under the memory budget.
+
+The pool holds what a factory builds for a model (the API's served model: an
+engine and what the adapters need of it) and knows of it only `.engine`. A
+request holds a `Lease` while it runs: a leased model is never evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from tierlm.pool.discovery import ModelEntry
+
+log = logging.getLogger(__name__)
+
+FOREVER = None  # a keep-alive of None: never unloaded for being idle
+BUSY_WAIT_S = 120.0  # how long a load waits for busy models to free memory before a 503
+
+
+class PoolError(Exception):
+    """A request the pool cannot serve: `status` is the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str, code: str):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+@dataclass
+class Slot:
+    """One model the pool knows of, loaded or not."""
+
+    entry: ModelEntry
+    served: Any = None  # what the factory built; None while not loaded
+    loading: asyncio.Task | None = None
+    memory_bytes: int = 0  # what loading it took, measured
+    in_flight: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    unload_at: float | None = None  # when it goes if still idle (keep-alive); None: never
+    pinned: bool = False
+
+    @property
+    def state(self) -> str:
+        if self.served is not None:
+            return "pinned" if self.pinned else "loaded"
+        return "loading" if self.loading is not None else "available"
+
+
+class Lease:
+    """A request's hold on a loaded model; `release` once it is done (a lease
+    dropped unreleased is released when collected, so none is leaked)."""
+
+    def __init__(self, pool: ModelPool, slot: Slot, keep_alive: float | None | str):
+        self.pool, self.slot, self.keep_alive = pool, slot, keep_alive
+        self.released = False
+
+    @property
+    def served(self):
+        return self.slot.served
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pool._release(self.slot, self.keep_alive)
+
+    def __del__(self):
+        self.release()
+
+
+DEFAULT_KEEP_ALIVE = "default"  # a lease's keep-alive when the request sent none
+
+
+class ModelPool:
+    def __init__(
+        self,
+        entries: dict[str, ModelEntry],
+        factory: Callable[[ModelEntry], Awaitable[Any]],
+        budget_bytes: int,
+        keep_alive_s: Callable[[str], float | None],
+        resolve_alias: Callable[[str], str | None] = lambda name: None,
+        pinned: frozenset[str] = frozenset(),
+        default: str | None = None,
+        rediscover: Callable[[], dict[str, ModelEntry]] | None = None,
+    ):
+        self.slots = {name: Slot(entry, pinned=name in pinned) for name, entry in entries.items()}
+        self.factory, self.budget_bytes = factory, budget_bytes
+        self.keep_alive_s, self.resolve_alias = keep_alive_s, resolve_alias
+        self.default = default
+        self.rediscover = rediscover  # the models there are now: asked when a name is not known
+        self._load_lock = asyncio.Lock()  # one load at a time: its memory is measured alone
+        self._freed = asyncio.Event()  # set whenever a model is released or unloaded
+        self._reaper: asyncio.Task | None = None
+        self._estimates: dict[str, int] = {}  # model path -> what it took to load last time
+        self.current: Any = None  # what its maker keeps beside it (the API: the settings in force)
+
+    # ---- names --------------------------------------------------------------
+
+    def resolve(self, requested: str | None) -> Slot:
+        """The slot a request's model name means: the default for none (or
+        "default"), a model's name, then the aliases of the settings. An unknown
+        name is a 404 naming what exists, never another model in its place."""
+        if requested in (None, "", "default") and self.default is not None:
+            return self.slots[self.default]
+        if requested in self.slots:
+            return self.slots[requested]
+        for slot in self.slots.values():
+            if requested == str(slot.entry.path):
+                return slot
+        aliased = self.resolve_alias(requested)
+        if aliased in self.slots:
+            return self.slots[aliased]
+        if self._found_new():
+            return self.resolve(requested)
+        names = ", ".join(sorted(self.slots)) or "none"
+        raise PoolError(404, f"The model '{requested}' does not exist. Models here: {names}", "model_not_found")
+
+    def _found_new(self) -> bool:
+        """Look in the model folders again (a model pulled or copied there since);
+        whether that found a model not known before."""
+        if self.rediscover is None:
+            return False
+        new = {name: entry for name, entry in self.rediscover().items() if name not in self.slots}
+        for name, entry in new.items():
+            log.info("found model %s at %s", name, entry.path)
+            self.slots[name] = Slot(entry)
+        return bool(new)
+
+    # ---- leases -------------------------------------------------------------
+
+    async def acquire(self, requested: str | None, keep_alive=DEFAULT_KEEP_ALIVE) -> Lease:
+        """The model, loaded (a load in progress is waited for, never repeated),
+        held until the lease is released."""
+        slot = self.resolve(requested)
+        while slot.served is None:
+            if slot.loading is None:
+                slot.loading = asyncio.create_task(self._load(slot))
+            try:
+                await asyncio.shield(slot.loading)
+            finally:
+                if slot.loading is not None and slot.loading.done():
+                    slot.loading = None
+        slot.in_flight += 1
+        slot.last_used, slot.unload_at = time.monotonic(), None
+        return Lease(self, slot, keep_alive)
+
+    def _release(self, slot: Slot, keep_alive) -> None:
+        slot.in_flight -= 1
+        slot.last_used = time.monotonic()
+        if slot.in_flight == 0:
+            seconds = self.keep_alive_s(slot.entry.name) if keep_alive == DEFAULT_KEEP_ALIVE else keep_alive
+            slot.unload_at = None if seconds is FOREVER or slot.pinned else slot.last_used + seconds
+        self._freed.set()
+
+    # ---- loading and unloading ----------------------------------------------
+
+    async def _load(self, slot: Slot) -> None:
+        async with self._load_lock:
+            if slot.served is not None:
+                return
+            await self._make_room(slot)
+            before = mx.get_active_memory()
+            log.info("loading %s (%s)", slot.entry.name, slot.entry.path)
+            tic = time.monotonic()
+            try:
+                slot.served = await self.factory(slot.entry)
+            except Exception as e:
+                log.exception("could not load %s", slot.entry.name)
+                raise PoolError(503, f"could not load {slot.entry.name}: {type(e).__name__}: {e}",
+                                "model_load_failed") from e
+            # the weights as the engine counts them, or what MLX allocated meanwhile
+            profile = getattr(slot.served.engine, "profile", None)
+            slot.memory_bytes = max(getattr(profile, "weight_bytes", 0), mx.get_active_memory() - before)
+            self._estimates[str(slot.entry.path)] = slot.memory_bytes
+            slot.last_used, slot.unload_at = time.monotonic(), None
+            log.info("loaded %s in %.1f s: %.0f MiB", slot.entry.name, time.monotonic() - tic,
+                     slot.memory_bytes / 2**20)
+
+    def estimate_bytes(self, slot: Slot) -> int:
+        """What loading the model will take: measured the last time it loaded,
+        else its weights on disk."""
+        return self._estimates.get(str(slot.entry.path), slot.entry.size_bytes)
+
+    def used_bytes(self) -> int:
+        return sum(s.memory_bytes for s in self.slots.values() if s.served is not None)
+
+    async def _make_room(self, slot: Slot) -> None:
+        """Unload idle models, least recently used first, until `slot` fits;
+        wait for busy ones to finish when that is what it takes. A model that
+        cannot fit even alone (beside the pinned ones) is a 507."""
+        needed = self.estimate_bytes(slot)
+        fixed = sum(s.memory_bytes for s in self.slots.values() if s.served is not None and s.pinned)
+        if needed + fixed > self.budget_bytes:
+            raise PoolError(507, f"{slot.entry.name} needs about {needed / 2**20:.0f} MiB; the model memory "
+                            f"budget is {self.budget_bytes / 2**20:.0f} MiB, {fixed / 2**20:.0f} MiB of it "
+                            "held by pinned models", "insufficient_memory")
+        deadline = time.monotonic() + BUSY_WAIT_S
+        while self.used_bytes() + needed > self.budget_bytes:
+            idle = [s for s in self.slots.values() if s.served is not None and not s.pinned and s.in_flight == 0]
+            if idle:
+                victim = min(idle, key=lambda s: s.last_used)
+                log.info("unloading %s to make room for %s", victim.entry.name, slot.entry.name)
+                await self._unload(victim)
+                continue
+            self._freed.clear()
+            try:
+                await asyncio.wait_for(self._freed.wait(), timeout=max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise PoolError(503, f"no memory for {slot.entry.name}: the loaded models stayed busy",
+                                "model_busy") from None
+
+    async def load(self, requested: str) -> Slot:
+        """Load a model without a request (POST /v1/models/{id}/load)."""
+        lease = await self.acquire(requested)
+        slot = lease.slot
+        lease.release()
+        return slot
+
+    async def unload(self, requested: str, force: bool = False) -> bool:
+        """Unload a model: after its requests in flight, or aborting them with
+        `force`. Whether it was loaded."""
+        slot = self.resolve(requested)
+        if slot.loading is not None:
+            await asyncio.gather(slot.loading, return_exceptions=True)
+        if slot.served is None:
+            return False
+        if force:
+            slot.served.engine.abort_all_requests()
+        while slot.in_flight and slot.served is not None:
+            self._freed.clear()
+            await self._freed.wait()
+        if slot.served is not None:
+            await self._unload(slot)
+        return True
+
+    async def _unload(self, slot: Slot) -> None:
+        served, slot.served, slot.memory_bytes = slot.served, None, 0
+        tic = time.monotonic()
+        await served.engine.close()
+        log.info("unloaded %s in %.1f s", slot.entry.name, time.monotonic() - tic)
+        self._freed.set()
+
+    # ---- keep-alive ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap())
+
+    async def _reap(self) -> None:
+        """Once a second: unload the models whose keep-alive ran out."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for slot in list(self.slots.values()):
+                due = slot.unload_at is not None and now >= slot.unload_at
+                if due and slot.served is not None and slot.in_flight == 0 and not slot.pinned:
+                    log.info("unloading %s: idle for its keep-alive", slot.entry.name)
+                    slot.unload_at = None
+                    await self._unload(slot)
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for slot in self.slots.values():
+            if slot.loading is not None:
+                await asyncio.gather(slot.loading, return_exceptions=True)
+            if slot.served is not None:
+                await self._unload(slot)
+
+    # ---- what it shows --------------------------------------------------------
+
+    def listing(self) -> list[dict]:
+        now = time.monotonic()
+        return [
+            {
+                "name": name,
+                "state": slot.state,
+                "size_bytes": slot.entry.size_bytes,
+                "context_length": slot.entry.context_length,
+                "memory_bytes": slot.memory_bytes if slot.served is not None else None,
+                "in_flight": slot.in_flight,
+                "idle_s": round(now - slot.last_used, 1) if slot.served is not None else None,
+                "expires_in_s": None if slot.unload_at is None else round(max(0.0, slot.unload_at - now), 1),
+            }
+            for name, slot in sorted(self.slots.items())
+        ]
