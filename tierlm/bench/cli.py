@@ -8,6 +8,7 @@ tierlm bench roofline  decode roofline: weight bytes per step over measured copy
 tierlm bench make-model  a random-weight model folder with real shapes (GPU runs)
 tierlm bench docs      regenerate docs/benchmarks.md from result JSON files
 tierlm bench soak      chaos run against one server: 5xx, hung, wrong answers, memory kept
+tierlm bench models    many models in one server: cold and warm loads, TTFT of a loading request, two models vs one
 
 tierlm/cli.py imports this module for every command, `tierlm serve` included, so
 each subcommand imports what it runs inside its function: the server never loads
@@ -112,6 +113,21 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=_soak)
+
+    p = bsub.add_parser("models", help="model loads cold and warm, TTFT of a loading request, two models vs one")
+    p.add_argument("--models", default=None, help="comma list of model folders (default: SmolLM2-135M-Instruct,"
+                   "gemma-3-270m in tierlm's model folder); the mixed workload uses the first two")
+    p.add_argument("--rounds", type=int, default=3, help="a fresh server each; arms alternate each round")
+    p.add_argument("--repeats", type=int, default=2, help="warm loads and TTFT pairs per model per round")
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--requests-per-stream", type=int, default=2)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--ttft-max-tokens", type=int, default=8)
+    p.add_argument("--max-model-memory", default="8GB")
+    p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
+    p.add_argument("--json", default=None, help="write results here")
+    p.set_defaults(func=cmd_models)
 
 
 def _add_load_args(p: argparse.ArgumentParser, default_concurrency: str = "1") -> None:
@@ -285,6 +301,24 @@ def _soak(args) -> int:
     from tierlm.bench.soak import cmd_soak
 
     return cmd_soak(args, runs.command_line(), runs.default_tokenizer(args))
+
+
+def cmd_models(args) -> int:
+    import shlex
+
+    from tierlm.bench import runs
+    from tierlm.bench.models_bench import ModelsBenchConfig, default_models, print_tables, run_models_bench
+    from tierlm.bench.report import console, write_json
+
+    models = [Path(m).expanduser() for m in args.models.split(",")] if args.models else default_models()
+    cfg = ModelsBenchConfig(models, args.rounds, args.repeats, args.streams, args.requests_per_stream,
+                            args.input_len, args.output_len, args.ttft_max_tokens, args.max_model_memory,
+                            server_args=shlex.split(args.tierlm_args))
+    result = run_models_bench(cfg, on_progress=lambda line: console.print("  " + line))
+    print_tables(result)
+    if args.json:
+        write_json(args.json, "models", result, runs.command_line())
+    return 0
 
 
 def cmd_docs(args) -> int:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierlm.bench import constrained
+from tierlm.bench import constrained, models_bench
 from tierlm.bench.compare import compare_rows
 from tierlm.bench.engine_overhead import pair_ratios, step_ratios
 from tierlm.bench.report import markdown_table, ms, num, pairs_cell, ratio, serve_rows
@@ -325,6 +325,10 @@ def render_constrained(doc: dict, path: Path) -> str:
     return "\n".join([f"### {constrained.title(doc)}\n", _provenance(doc, path), constrained.markdown(doc)])
 
 
+def render_models(doc: dict, path: Path) -> str:
+    return "\n".join([f"### {models_bench.title(doc)}\n", _provenance(doc, path), models_bench.markdown(doc)])
+
+
 def render_serve(doc: dict, path: Path) -> str:
     h, rows = serve_rows(doc["runs"], ("concurrency",))
     params = doc["runs"][0]["workload_params"] if doc["runs"] else {}
@@ -438,6 +442,8 @@ def benchmarks(results: list[Result]) -> tuple[list[Benchmark], list[Path]]:
             found.setdefault((3, serve_title(r.doc)), []).append({r.kind: r})
         elif r.kind == "constrained":
             found.setdefault((4, constrained.title(r.doc)), []).append({r.kind: r})
+        elif r.kind == "models":
+            found.setdefault((5, models_bench.title(r.doc)), []).append({r.kind: r})
     shown = {r.path for files_list in found.values() for files in files_list for r in files.values()}
     others = [r.path for r in results if r.path not in shown]
     return [Benchmark(order, title, _newest_first(found[order, title])) for order, title in sorted(found)], others
@@ -450,7 +456,7 @@ def render_benchmark(bench: Benchmark) -> str:
     else:
         (r,) = files.values()
         render = {"compare": render_compare, "engine": render_engine, "serve": render_serve,
-                  "constrained": render_constrained}[r.kind]
+                  "constrained": render_constrained, "models": render_models}[r.kind]
         text = render(r.doc, r.path)
     if bench.older_files:
         names = ", ".join(f"`{p.name}`" for p in sorted(bench.older_files))
