@@ -78,6 +78,13 @@ class HotTier:
         self.evict_to(0)
         return before - len(self._blocks)
 
+    def drop(self) -> None:
+        """Forget every block, in use or not, without eviction callbacks: the tier's
+        owner is going away (PrefixCache.close)."""
+        self._blocks.clear()
+        self._children.clear()
+        self.nbytes = 0
+
     def _remove(self, block: Block) -> None:
         del self._blocks[block.key]
         siblings = self._children.get(block.parent)

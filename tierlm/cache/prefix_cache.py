@@ -5,6 +5,7 @@ blocks. Runs on the engine's worker thread only."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from tierlm.cache.block_hash import block_keys
@@ -13,6 +14,8 @@ from tierlm.cache.hot_tier import Block, HotTier, materialize, payload_bytes
 from tierlm.cache.ssd_tier import SSDTier
 
 log = logging.getLogger(__name__)
+
+WRITE_BACK_TIMEOUT_S = 30.0  # at close, for writing the hot tier to SSD
 
 
 @dataclass
@@ -190,13 +193,32 @@ class PrefixCache:
         self.hot.on_evict = on_evict
         return dropped + (self.ssd.clear() if ssd and self.ssd else 0)
 
-    def close(self) -> None:
-        """Graceful shutdown: write the hot tier to SSD and wait for the writer."""
-        if self.ssd is None:
-            return
-        for block in list(self.hot.blocks()):
-            self.ssd.enqueue(block, wait=10.0)
-        self.ssd.close()
+    def close(self, timeout_s: float = WRITE_BACK_TIMEOUT_S) -> None:
+        """Graceful shutdown (an unload, a server stop): every hot block not yet on
+        SSD is written there, so a reload starts warm, within `timeout_s` for
+        encoding and writing together (a line in the log says what was left out);
+        then the hot tier is dropped, which frees its arrays."""
+        if self.ssd is not None:
+            self._write_back(time.monotonic() + timeout_s)
+        self.hot.drop()
+
+    def _write_back(self, deadline: float) -> None:
+        tic = time.monotonic()
+        # most recently used first: a parent is fresher than its children (HotTier.touch),
+        # so if time runs out the blocks on SSD are the beginnings of chains, which a lookup needs
+        blocks = [b for b in reversed(self.hot.blocks()) if not self.ssd.contains(b.key)]
+        queued = 0
+        for block in blocks:
+            if not self.ssd.enqueue(block, wait=max(0.0, deadline - time.monotonic())):
+                break
+            queued += 1
+        written = self.ssd.close(timeout=max(0.0, deadline - time.monotonic()))
+        if queued < len(blocks) or not written:
+            log.warning("SSD write-back at close: %d of %d hot blocks queued, writer %s after %.1f s; "
+                        "the rest will be computed again", queued, len(blocks),
+                        "done" if written else "still busy", time.monotonic() - tic)
+        elif blocks:
+            log.info("SSD write-back at close: %d hot blocks written in %.1f s", len(blocks), time.monotonic() - tic)
 
     def snapshot_stats(self) -> dict:
         s = self.stats

@@ -178,16 +178,22 @@ class SSDTier:
         self._queue.put((block.key.hex(), tensors, meta, size, self._epoch))
         return True
 
-    def flush(self, timeout: float = 60.0) -> None:
-        """Wait until every queued block is on disk."""
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every queued block is on disk (or `timeout`); whether they are."""
         deadline = time.monotonic() + timeout
         while self._pending_bytes > 0 and time.monotonic() < deadline:
             time.sleep(0.01)
+        return self._pending_bytes <= 0
 
-    def close(self) -> None:
-        self.flush()
+    def close(self, timeout: float = 60.0) -> bool:
+        """Wait for the queued blocks to land, within `timeout`, then stop the
+        writer; whether everything queued was written and the writer ended. A
+        writer still busy finishes its queue on its own (a daemon thread)."""
+        deadline = time.monotonic() + timeout
+        flushed = self.flush(timeout)
         self._queue.put(_STOP)
-        self._writer.join(timeout=10)
+        self._writer.join(timeout=max(0.0, deadline - time.monotonic()))
+        return flushed and not self._writer.is_alive()
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not _STOP:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import hashlib
 import logging
 import time
@@ -24,7 +25,7 @@ from tierlm import backends
 from tierlm.cache.codecs import codecs_for
 from tierlm.cache.prefix_cache import PrefixCache
 from tierlm.config import Settings
-from tierlm.engine import ownership
+from tierlm.engine import allocator, ownership
 from tierlm.engine.collector import OutputCollector
 from tierlm.engine.memory_guard import MemoryGuard, ModelProfile, default_memory_limit, profile_model
 from tierlm.engine.request import FinishReason, Request, RequestOutput
@@ -64,6 +65,7 @@ class EngineCore:
         self.config = settings or Settings()
         self.profile: ModelProfile | None = None
         self.scheduler: Scheduler | None = None
+        self._stream = None  # the worker's MLX stream
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mlx-{name}")
         self._collectors: dict[str, OutputCollector] = {}
         self._wake: asyncio.Event | None = None
@@ -91,7 +93,7 @@ class EngineCore:
         """Runs on the worker thread, which owns this engine's model and MLX stream."""
         self.model, self.tokenizer = self._load()
         ownership.claim(self.model, self.name)
-        stream = mx.new_stream(mx.default_device())
+        stream = self._stream = mx.new_stream(mx.default_device())
         with mx.stream(stream):
             self.profile = profile_model(self.model)
         limit = self.config.memory_limit_bytes() or default_memory_limit()
@@ -152,9 +154,16 @@ class EngineCore:
         return f"the engine worker has been in one step for {time.monotonic() - started:.0f} s"
 
     async def close(self) -> None:
+        """Stops the engine and gives back everything it holds: the hot tier is
+        written back to the SSD tier (write-back mode: PrefixCache.close); on the
+        worker thread the scheduler, the model and the tokenizer are dropped,
+        their cycles collected and MLX's buffer cache emptied; the worker thread
+        ends and the C heap's free pages go back to the system. Nothing of this
+        engine keeps the model alive after."""
         self._closed = True
         if self._watchdog:
             self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)  # it reads the scheduler
         self.abort_all_requests()
         if self._wake:
             self._wake.set()
@@ -163,11 +172,36 @@ class EngineCore:
                 await asyncio.wait_for(self._task, timeout=30)
             except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 log.warning("engine %s loop did not stop cleanly", self.name)
-        if self.scheduler:
-            await asyncio.get_running_loop().run_in_executor(self._worker, self.scheduler.close)
+                self._task.cancel()  # it must not read the scheduler the teardown drops
+        if self.scheduler is not None or self.model is not None:
+            await asyncio.get_running_loop().run_in_executor(self._worker, self._teardown)
         self._worker.shutdown(wait=True)
-        if self.model is not None:
-            ownership.release(self.model, self.name)
+        self._task = self._watchdog = self._wake = None
+        self._collectors.clear()
+        freed = await asyncio.to_thread(allocator.trim_heap)
+        if freed is not None:
+            log.info("engine %s closed: %d MiB of free heap given back", self.name, freed >> 20)
+
+    def _teardown(self) -> None:
+        """Worker thread, last job: close the scheduler (its prefix cache writes
+        back), then drop every reference to the model and free what it held here,
+        on the thread that owns its arrays. The load function goes too: a caller's
+        closure may hold the model."""
+        scheduler, model, stream = self.scheduler, self.model, self._stream
+        self.scheduler = self.model = self.tokenizer = self._load = self._stream = None
+        try:
+            if scheduler is not None:
+                scheduler.close()
+        except Exception:
+            log.exception("engine %s: closing the scheduler failed", self.name)
+        finally:
+            if model is not None:
+                ownership.release(model, self.name)
+            del scheduler, model
+            if stream is not None:
+                mx.synchronize(stream)  # a step's arrays in flight are freed once it ends
+            gc.collect()  # the tokenizer's and mlx-lm's reference cycles hold arrays too
+            mx.clear_cache()
 
     # ---- requests ---------------------------------------------------------
 
