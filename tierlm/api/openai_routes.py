@@ -136,8 +136,10 @@ def _chat_chunks(model, request, body, http, parser: TurnParser) -> AsyncIterato
         return out
 
     def final(out: RequestOutput, logprobs: list | None) -> list[dict]:
-        return [*chunks(parser.finish(), logprobs),
-                chunk({}, finish_reason(_finish(out), parser.called))]
+        """What the parser held back, then the finish; entries not sent yet go
+        with the first of them."""
+        held = chunks(parser.finish(), logprobs)
+        return [*held, chunk({}, finish_reason(_finish(out), parser.called), None if held else logprobs)]
 
     return _stream(
         model, request, body, http,

@@ -68,11 +68,24 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = ""  # JSON text, as OpenAI sends it (an object is accepted too)
+
+
+class ToolCallRef(_Body):
+    """A call the assistant made earlier in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallRef] | None = None
     tool_call_id: str | None = None
 
 

@@ -81,9 +81,11 @@ def message_dicts(messages, flatten) -> list[dict]:
     out = []
     for m in messages:
         message = {"role": "system" if m.role == "developer" else m.role, "content": flatten(m.content)}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id"):
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
+        if m.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
         out.append(message)
     return out
 
