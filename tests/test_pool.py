@@ -183,3 +183,18 @@ def unload(srv, name: str) -> None:
 def _reloaded_budget(srv, budget) -> bool:
     stats = httpx.get(srv.base_url + "/stats").json()
     return stats["budget_bytes"] == budget if budget is not None else stats["budget_bytes"] > 2**30
+
+
+def test_ps_and_list_show_the_models(pool_server, models_dir):
+    import subprocess
+    import sys
+
+    ask(pool_server, "tiny1")
+    port = pool_server.base_url.rsplit(":", 1)[1]
+    ps = subprocess.run([sys.executable, "-m", "tierlm.cli", "ps", "--port", port], capture_output=True,
+                        text=True, timeout=60)
+    assert ps.returncode == 0 and "tiny0" in ps.stdout and "pinned" in ps.stdout and "tiny1" in ps.stdout
+    listed = subprocess.run([sys.executable, "-m", "tierlm.cli", "list", "--model-dir",
+                             str(models_dir / "models"), "--no-hf-cache"], capture_output=True, text=True,
+                            timeout=60)
+    assert listed.returncode == 0 and all(n in listed.stdout for n in ("tiny0", "tiny1", "tiny2", "huge"))

@@ -142,19 +142,50 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    """Every model a server with these settings can serve, as `ollama list`."""
+    from rich.table import Column, Table
 
-    from tierlm.models import catalog
+    from tierlm.api.model_pool import hf_cache_of, model_dirs_of
+    from tierlm.pool.discovery import discover
 
     settings = _settings(args)
-    model_dir = Path(settings.model_dir).expanduser()
-    table = Table("name", "size", "context", "quantization", "type", title=str(model_dir))
-    for m in catalog.installed(model_dir):
-        table.add_row(m.name, f"{m.size_bytes / 2**20:.0f} MiB", str(m.context_length), m.quantization,
+    dirs = model_dirs_of(settings)
+    table = Table("size", "context", "quantization", "type", title=", ".join(str(d) for d in dirs))
+    table.columns.insert(0, Column("name", no_wrap=True))
+    for m in discover(dirs, hf_cache_of(settings)).values():
+        table.add_row(m.name, f"{m.size_bytes / 2**20:.0f} MiB", str(m.context_length), m.quantization or "float",
                       m.model_type)
-    Console(width=max(100, Console().width)).print(table)
+    _console().print(table)
     return 0
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    """The models a running server has loaded, as `ollama ps`."""
+    import httpx
+    from rich.table import Table
+
+    settings = _settings(args)
+    url = f"http://{settings.host}:{settings.port}/v1/models"
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    try:
+        listed = httpx.get(url, headers=headers, timeout=10).raise_for_status().json()["data"]
+    except httpx.HTTPError as e:
+        print(f"no tierlm server answers at {url}: {e}", file=sys.stderr)
+        return 1
+    table = Table("name", "state", "memory", "requests", "until", title=url)
+    for m in listed:
+        if m["state"] in ("loaded", "pinned", "loading"):
+            memory = f"{m['memory_bytes'] / 2**20:.0f} MiB" if m.get("memory_bytes") else "-"
+            until = "forever" if m.get("expires_in_s") is None else f"{m['expires_in_s']:.0f} s"
+            table.add_row(m["id"], m["state"], memory, str(m.get("in_flight", 0)), until)
+    _console().print(table)
+    return 0
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=max(100, Console().width))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     lst = sub.add_parser("list", help="the models in the models dir")
     _add_settings_flags(lst)
     lst.set_defaults(func=cmd_list)
+    ps = sub.add_parser("ps", help="the models a running server has loaded")
+    _add_settings_flags(ps)
+    ps.set_defaults(func=cmd_ps)
     from tierlm.bench.cli import add_bench_parser  # the harness; the server never imports it
 
     add_bench_parser(sub)

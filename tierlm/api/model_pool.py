@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from pathlib import Path
 
 from fastapi import Request as HTTPRequest
@@ -32,7 +33,7 @@ class CurrentSettings:
 def make_pool(settings: Settings, model_path: Path | None) -> ModelPool:
     """Every model in the model folders, and the one `--model` names (the
     default: loaded at start, never unloaded for being idle)."""
-    entries = discover(_model_dirs(settings), _hf_cache(settings))
+    entries = discover(model_dirs_of(settings), hf_cache_of(settings))
     default = None
     if model_path is not None:
         named = settings.for_model(model_path.name).served_model_name
@@ -48,10 +49,24 @@ def make_pool(settings: Settings, model_path: Path | None) -> ModelPool:
         resolve_alias=lambda requested: resolve_alias(current.settings, requested, list(pool.slots)),
         pinned=_pinned(settings, entries, default),
         default=default,
-        rediscover=lambda: discover(_model_dirs(current.settings), _hf_cache(current.settings)),
+        rediscover=lambda: discover(model_dirs_of(current.settings), hf_cache_of(current.settings)),
+        first_estimate=lambda entry: first_load_estimate(entry, current.settings.for_model(entry.name)),
     )
     pool.current = current
     return pool
+
+
+def first_load_estimate(entry: ModelEntry, settings: Settings) -> int:
+    """The memory a model's weights will take once loaded, before it has been:
+    on MLX's CPU backend tierlm runs them in float32 (quantized ones
+    dequantized) and keeps a bfloat16 copy for AMX beside, several times their
+    size on disk. Erring high only makes the first load evict more."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu or settings.cpu_weights_dtype not in ("auto", "float32"):
+        return entry.size_bytes
+    bits = int(entry.quantization.split("-bit")[0]) if entry.quantization and "-bit" in entry.quantization else 16
+    return int(entry.size_bytes * 32 / bits * (1.5 if settings.cpu_amx else 1.0))
 
 
 def apply_settings(pool: ModelPool, new: Settings) -> None:
@@ -89,12 +104,13 @@ async def serve(entry: ModelEntry, settings: Settings, is_default: bool = False)
 
 
 def _model_turns(tokenizer, settings: Settings) -> ModelTurns:
-    """How the model takes turns (tools, reasoning), its grammars made ready:
-    llguidance's view of the tokenizer takes a moment, better at load than on
-    the first request that needs it."""
+    """How the model takes turns (tools, reasoning). llguidance's view of the
+    tokenizer is built in the background: it takes seconds for a large
+    vocabulary (Gemma's 262k tokens), which the load need not wait for; the
+    first request with a grammar waits for it if it comes sooner."""
     turns = ModelTurns(tokenizer, None if settings.tool_format == "auto" else settings.tool_format,
                        settings.reasoning, settings.max_thinking_tokens)
-    _ = turns.grammars.ll_tokenizer
+    threading.Thread(target=lambda: turns.grammars.ll_tokenizer, name="llguidance-tokenizer", daemon=True).start()
     return turns
 
 
@@ -126,9 +142,9 @@ def _keep_alive_value(value) -> float | None:
 # ---- what the settings say ----------------------------------------------------
 
 
-def _model_dirs(settings: Settings) -> list[Path]:
+def model_dirs_of(settings: Settings) -> list[Path]:
     return [Path(d).expanduser() for d in (settings.model_dir, *settings.extra_model_dirs)]
 
 
-def _hf_cache(settings: Settings) -> Path | bool:
+def hf_cache_of(settings: Settings) -> Path | bool:
     return default_hf_cache() if settings.hf_cache else False

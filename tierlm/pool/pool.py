@@ -88,12 +88,14 @@ class ModelPool:
         pinned: frozenset[str] = frozenset(),
         default: str | None = None,
         rediscover: Callable[[], dict[str, ModelEntry]] | None = None,
+        first_estimate: Callable[[ModelEntry], int] = lambda entry: entry.size_bytes,
     ):
         self.slots = {name: Slot(entry, pinned=name in pinned) for name, entry in entries.items()}
         self.factory, self.budget_bytes = factory, budget_bytes
         self.keep_alive_s, self.resolve_alias = keep_alive_s, resolve_alias
         self.default = default
         self.rediscover = rediscover  # the models there are now: asked when a name is not known
+        self.first_estimate = first_estimate  # what a model never loaded here will take
         self._load_lock = asyncio.Lock()  # one load at a time: its memory is measured alone
         self._freed = asyncio.Event()  # set whenever a model is released or unloaded
         self._reaper: asyncio.Task | None = None
@@ -184,8 +186,9 @@ class ModelPool:
 
     def estimate_bytes(self, slot: Slot) -> int:
         """What loading the model will take: measured the last time it loaded,
-        else its weights on disk."""
-        return self._estimates.get(str(slot.entry.path), slot.entry.size_bytes)
+        else the maker's estimate (its weights on disk, as the device holds them)."""
+        measured = self._estimates.get(str(slot.entry.path))
+        return measured if measured is not None else self.first_estimate(slot.entry)
 
     def used_bytes(self) -> int:
         return sum(s.memory_bytes for s in self.slots.values() if s.served is not None)
