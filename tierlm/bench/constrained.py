@@ -19,11 +19,9 @@ MLX, mlx-lm and the engine are imported inside the functions that run models.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
-from tierlm.bench.engine_overhead import EngineRunner, OverheadResult, _result
+from tierlm.bench.engine_overhead import EngineRunner, OverheadResult
 from tierlm.bench.metrics import median
 
 SCHEMA = {
@@ -64,7 +62,6 @@ class ConstrainedRunner(EngineRunner):
         super().__init__(model, tokenizer, batch, prefill_step_size)
         self.make_constraint = make_constraint
         self.constrained = 0  # how many of the next run's requests carry the grammar
-        self.generated: list[int] = []  # tokens each request of the last run generated
 
     def run_arm(self, prompts: list[list[int]], max_tokens: int, constrained: int) -> OverheadResult:
         self.constrained = constrained
@@ -72,29 +69,11 @@ class ConstrainedRunner(EngineRunner):
         result.runner = ARMS[bool(constrained)]
         return result
 
-    async def _run(self, prompts, max_tokens) -> OverheadResult:
-        from tierlm.engine.request import Request, SamplingParams
-
-        await self.engine.clear_cache()
-        self.runs += 1
-        times: list[list[float]] = [[] for _ in prompts]
-
-        async def consume(i: int, request: Request) -> None:
-            async for out in self.engine.stream_outputs(request):
-                if out is not None and out.token_ids:
-                    times[i].extend([time.perf_counter()] * len(out.token_ids))
-
-        def params(i: int) -> SamplingParams:
-            constraint = self.make_constraint() if i < self.constrained else None
-            return SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, ignore_eos=True, constraint=constraint
-            )
-
-        requests = [Request(f"constrained-{self.runs}-{i}", p, params(i)) for i, p in enumerate(prompts)]
-        start = time.perf_counter()  # the grammars are compiled above, outside the timed part
-        await asyncio.gather(*(consume(i, r) for i, r in enumerate(requests)))
-        self.generated = [len(t) for t in times]
-        return _result(self.batch, "", start, times)
+    def params(self, i: int, max_tokens: int):
+        """The first `constrained` requests of a run carry the grammar, each its own."""
+        params = super().params(i, max_tokens)
+        params.constraint = self.make_constraint() if i < self.constrained else None
+        return params
 
 
 def step_tok_s(result: dict) -> float:

@@ -118,6 +118,7 @@ class EngineRunner:
         from tierlm.engine.core import EngineCore
 
         self.batch, self.runs = batch, 0
+        self.generated: list[int] = []  # tokens each request of the last run generated
         self.loop = server_event_loop()
         config = Settings(max_concurrent_requests=batch, prefill_step_size=prefill_step_size, ssd_cache=False,
                           **config)
@@ -138,7 +139,7 @@ class EngineRunner:
         return result
 
     async def _run(self, prompts, max_tokens) -> OverheadResult:
-        from tierlm.engine.request import Request, SamplingParams
+        from tierlm.engine.request import Request
 
         await self.engine.clear_cache()
         self.runs += 1
@@ -149,11 +150,17 @@ class EngineRunner:
                 if out is not None and out.token_ids:
                     times[i].extend([time.perf_counter()] * len(out.token_ids))
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        requests = [Request(f"bench-{self.runs}-{i}", p, params) for i, p in enumerate(prompts)]
-        start = time.perf_counter()
+        requests = [Request(f"bench-{self.runs}-{i}", p, self.params(i, max_tokens)) for i, p in enumerate(prompts)]
+        start = time.perf_counter()  # what params() builds (a grammar) is made before the timed part
         await asyncio.gather(*(consume(i, r) for i, r in enumerate(requests)))
+        self.generated = [len(t) for t in times]
         return _result(self.batch, "engine" if self.batch >= len(prompts) else "engine-queue", start, times)
+
+    def params(self, i: int, max_tokens: int):
+        """Request i's sampling: greedy, to max_tokens whatever it says."""
+        from tierlm.engine.request import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     def close(self) -> None:
         self.loop.run_until_complete(self.engine.close())
