@@ -12,6 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 from conftest import start_server, stop_server
+from tool_testing import ASK, TIME, WEATHER, schema_of
 
 # Qwen2.5's template, in its own words (tools in the system block, calls as
 # `<tool_call>` JSON blocks, results as `<tool_response>` blocks in a user turn).
@@ -77,43 +78,7 @@ QWEN25_TEMPLATE = (
 )
 
 MODEL = "qwen-template-smol"
-# Keys in the order tierlm's Tool.as_json writes them: the template writes `tool | tojson`
-# unsorted, so the expected rendering below matches the server's only in this order.
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 30},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "The current time in a time zone.",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "maxLength": 30}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
 TOOLS = [WEATHER, TIME]
-ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-
-
-def schema_of(name: str) -> dict:
-    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
 
 
 @pytest.fixture(scope="module")

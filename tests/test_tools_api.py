@@ -9,34 +9,9 @@ import json
 import jsonschema
 import openai
 import pytest
+from tool_testing import ASK, TIME, WEATHER, schema_of
 
 MODEL = "SmolLM2-135M-Instruct"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 30},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "The current time in a time zone.",
-        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
-                       "required": ["zone"], "additionalProperties": False},
-    },
-}
-ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 def chat(client, messages=ASK, **kw):
@@ -49,10 +24,6 @@ def streamed(client, messages=ASK, **kw):
     kw.setdefault("temperature", 0)
     kw.setdefault("max_tokens", 80)
     return list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, **kw))
-
-
-def schema_of(name: str) -> dict:
-    return next(t["function"]["parameters"] for t in (WEATHER, TIME) if t["function"]["name"] == name)
 
 
 def test_parallel_calls_in_one_turn(client):

@@ -11,6 +11,7 @@ import json
 
 import numpy as np
 import pytest
+from tool_testing import WEATHER as TOOL_WEATHER
 
 from tierlm.structured.grammar import GrammarConstraint, ModelGrammars, lark_grammar
 from tierlm.structured.tool_formats import GENERIC, HERMES, format_named
@@ -27,19 +28,7 @@ from tierlm.structured.tools import (
 )
 from tierlm.structured.turn import ModelTurns, TurnSpec
 
-WEATHER = Tool(
-    "get_weather",
-    "The current weather in a city.",
-    {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 30},
-            "unit": {"enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
-)
+WEATHER = Tool(**TOOL_WEATHER["function"])
 TIME = Tool(
     "get_time",
     "The current time in a time zone.",
