@@ -198,3 +198,17 @@ def test_ps_and_list_show_the_models(pool_server, models_dir):
                              str(models_dir / "models"), "--no-hf-cache"], capture_output=True, text=True,
                             timeout=60)
     assert listed.returncode == 0 and all(n in listed.stdout for n in ("tiny0", "tiny1", "tiny2", "huge"))
+
+
+def test_per_model_defaults_apply_without_a_restart(pool_server):
+    seen = pool_server.log().count("settings reloaded")
+    reload_settings(pool_server, '[models."tiny1"]\ndefault_max_tokens = 3\ncontext_limit = 64\n',
+                    lambda: pool_server.log().count("settings reloaded") > seen)
+    client = pool_server.client()
+    reply = client.chat.completions.create(model="tiny1", messages=ASK, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny1", messages=[{"role": "user", "content": "word " * 80}])
+    assert "64" in e.value.body["message"]
+    reload_settings(pool_server, "", lambda: pool_server.log().count("settings reloaded") > seen + 1)
