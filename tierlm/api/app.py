@@ -17,6 +17,7 @@ from tierlm.api.model_routes import router as model_router
 from tierlm.api.openai_routes import router as openai_router
 from tierlm.api.served_model import ServedModel
 from tierlm.config import Settings
+from tierlm.pool.enforcer import MemoryEnforcer
 from tierlm.pool.pool import ModelPool
 from tierlm.settings_watch import SettingsWatcher
 
@@ -62,6 +63,9 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
         if not any(isinstance(f, QuietHealthProbes) for f in access.filters):
             access.addFilter(QuietHealthProbes())
         app.state.pool.start()
+        enforcer = app.state.enforcer = MemoryEnforcer(
+            app.state.pool, lambda: app.state.pool.current.settings.memory_marks_bytes())
+        enforcer.start()
         loading = asyncio.create_task(_load_default(app))
         if watch is not None:
             watch.on_change = lambda new: apply_settings(app.state.pool, new)
@@ -70,6 +74,7 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
         if watch is not None:
             await watch.stop()
         await loading
+        await enforcer.stop()
         await app.state.pool.close()
 
     app = FastAPI(title="tierlm", lifespan=lifespan)

@@ -320,7 +320,7 @@ async def _stream(
                 yield KEEPALIVE
                 continue
             if output.error is not None:
-                status = 400 if output.error_type == "memory" else 500
+                status = {"memory": 400, "overloaded": 503}.get(output.error_type, 500)
                 yield sse_data(error_body(status, output.error, code="generation_failed"))
                 break
             if output.logprobs:

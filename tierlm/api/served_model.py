@@ -155,4 +155,6 @@ def raise_for_error(output: RequestOutput) -> None:
         return
     if output.error_type == "memory":
         raise APIError(400, output.error, "messages", "memory_limit")
+    if output.error_type == "overloaded":  # the memory enforcer ended it (tierlm.pool.enforcer)
+        raise APIError(503, output.error, code="memory_pressure")
     raise APIError(500, output.error, code="generation_failed")

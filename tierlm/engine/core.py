@@ -78,6 +78,12 @@ class EngineCore:
         self.last_failure: str | None = None
         self._burst_started: float | None = None  # when the burst now on the worker began
         self._watchdog: asyncio.Task | None = None
+        # set by a pool serving several models: the memory the others hold, and the
+        # prefill-eviction hook, called on the worker thread with the bytes a request
+        # lacks before it is refused for memory, which unloads idle models and
+        # returns whether any went
+        self.memory_elsewhere: Callable[[], int] | None = None
+        self.on_memory_pressure: Callable[[int], bool] | None = None
 
     # ---- life cycle -------------------------------------------------------
 
@@ -112,7 +118,23 @@ class EngineCore:
             limit / 2**20,
         )
         cache = self._make_prefix_cache()
-        return Scheduler(self.model, self.tokenizer, sched_config, guard, stream, cache)
+        return Scheduler(self.model, self.tokenizer, sched_config, guard, stream, cache, self._elsewhere,
+                         self._relieve)
+
+    def _elsewhere(self) -> int:
+        measure = self.memory_elsewhere
+        return 0 if measure is None else measure()
+
+    def _relieve(self, missing: int) -> bool:
+        """Worker thread: ask `on_memory_pressure` for `missing` bytes."""
+        hook = self.on_memory_pressure
+        if hook is None:
+            return False
+        try:
+            return bool(hook(missing))
+        except Exception:
+            log.exception("engine %s: the memory-pressure hook failed", self.name)
+            return False
 
     def _make_prefix_cache(self) -> PrefixCache | None:
         if not self.config.prefix_cache:
@@ -250,6 +272,20 @@ class EngineCore:
         for request_id in list(self._collectors):
             self.abort_request(request_id)
 
+    def fail_all_requests(self, message: str, error_type: str = "overloaded") -> int:
+        """End every request in flight now with an error (its reader gets it at
+        once; the worker stops generating it at its next step); how many. Its
+        mailbox leaves the engine with the error in it: what a burst still makes
+        for it cannot merge over the error."""
+        failed = 0
+        for request_id, collector in list(self._collectors.items()):
+            if not collector.finished:
+                self.abort_request(request_id)
+                self._put_error(request_id, message, error_type)
+                del self._collectors[request_id]
+                failed += 1
+        return failed
+
     async def on_worker(self, fn, *args):
         """Run `fn` on the worker thread, between two bursts."""
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
@@ -381,11 +417,11 @@ class EngineCore:
                 self.abort_request(rid)  # when the worker comes back, it stops generating
                 self._put_error(rid, reason)
 
-    def _put_error(self, request_id: str, message: str) -> None:
+    def _put_error(self, request_id: str, message: str, error_type: str = "internal") -> None:
         collector = self._collectors.get(request_id)
         if collector is not None:
             collector.put(RequestOutput(request_id, finished=True, finish_reason=FinishReason.ERROR,
-                                        error=message, error_type="internal"))
+                                        error=message, error_type=error_type))
 
     def _on_loop_exit(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:

@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -74,10 +75,15 @@ class SchedulerCounters:
 class Scheduler:
     def __init__(
         self, model, tokenizer, config: SchedulerConfig, guard: MemoryGuard, stream,
-        cache: PrefixCache | None = None,
+        cache: PrefixCache | None = None, elsewhere: Callable[[], int] | None = None,
+        relieve: Callable[[int], bool] | None = None,
     ):
         self.model, self.tokenizer, self.config, self.guard = model, tokenizer, config, guard
         self.cache = cache
+        # the memory other models of the process hold (the pool's measure of them),
+        # and what is asked to unload idle ones with the bytes a request lacks before
+        # it is refused (whether it freed any)
+        self.elsewhere, self.relieve = elsewhere, relieve
         self._inflight: dict[bytes, str] = {}  # block key -> request now prefilling it
         # block keys of the requests waiting for a prefix in flight: a 32k-token
         # prompt takes ~1.5 ms to hash, and they are looked up again every step
@@ -238,6 +244,11 @@ class Scheduler:
             if (self.running or promised) and not self._make_room(needed, promised):
                 self.waiting.appendleft(request)
                 break  # it fits alone: wait until running requests free memory
+            if not (self.running or promised) and (missing := self._beside_others(needed)):
+                self.counters.refused_requests += 1
+                self._error(request, str(MemoryGuardError(self.guard.limit + missing, self.guard.limit, n,
+                                                          max_tokens)), error_type="memory")
+                continue
             lookup = self._lookup(request)
             if lookup and self._prefix_in_flight(lookup):
                 deferred.append(request)  # another request is computing this prefix now
@@ -270,6 +281,20 @@ class Scheduler:
             self.cache.hot.evict_to(max(0, self.cache.hot.nbytes - missing))
             missing = self.guard.shortfall(needed, promised)
         return missing == 0
+
+    def _beside_others(self, needed: int) -> int:
+        """With nothing of this engine's running: the bytes a request of `needed`
+        lacks beside the weights of the other models loaded here (0: it fits),
+        after asking for idle ones to be unloaded (the pool's prefill-eviction
+        hook). Their weights, not MLX's live count: what this engine's last batch
+        leaves behind for a moment is not theirs."""
+        if self.elsewhere is None:
+            return 0
+        own = self.guard.profile.weight_bytes
+        missing = max(0, own + self.elsewhere() + needed - self.guard.limit)
+        if missing and self.relieve is not None and self.relieve(missing):
+            missing = max(0, own + self.elsewhere() + needed - self.guard.limit)
+        return missing
 
     def _prefix_in_flight(self, lookup) -> bool:
         hit = len(lookup.blocks)

@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 FOREVER = None  # a keep-alive of None: never unloaded for being idle
 BUSY_WAIT_S = 120.0  # how long a load waits for busy models to free memory before a 503
+PAUSE_WAIT_S = 30.0  # how long a new request waits out a memory pause before a 503
+RELIEVE_WAIT_S = 60.0  # how long an engine's worker waits for the pool to unload idle models
 
 
 class PoolError(Exception):
@@ -101,6 +103,8 @@ class ModelPool:
         self._reaper: asyncio.Task | None = None
         self._estimates: dict[str, int] = {}  # model path -> what it took to load last time
         self.current: Any = None  # what its maker keeps beside it (the API: the settings in force)
+        self.paused: str | None = None  # why new requests wait (the memory enforcer), or None
+        self._resumed = asyncio.Event()
 
     # ---- names --------------------------------------------------------------
 
@@ -140,6 +144,7 @@ class ModelPool:
         """The model, loaded (a load in progress is waited for, never repeated),
         held until the lease is released."""
         slot = self.resolve(requested)
+        await self._wait_unpaused()
         while slot.served is None:
             if slot.loading is None:
                 slot.loading = asyncio.create_task(self._load(slot))
@@ -151,6 +156,26 @@ class ModelPool:
         slot.in_flight += 1
         slot.last_used, slot.unload_at = time.monotonic(), None
         return Lease(self, slot, keep_alive)
+
+    async def _wait_unpaused(self) -> None:
+        """While admission is paused, wait for it to resume, up to PAUSE_WAIT_S; then a 503."""
+        if self.paused is None:
+            return
+        reason = self.paused
+        try:
+            await asyncio.wait_for(self._resumed.wait(), timeout=PAUSE_WAIT_S)
+        except asyncio.TimeoutError:
+            raise PoolError(503, f"the server is short of memory ({reason}); this request waited "
+                            f"{PAUSE_WAIT_S:.0f} s for it to drop. Try again later", "memory_pressure") from None
+
+    def pause(self, reason: str) -> None:
+        """New requests wait (acquire) until `resume`."""
+        self.paused = reason
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        self.paused = None
+        self._resumed.set()
 
     def _release(self, slot: Slot, keep_alive) -> None:
         slot.in_flight -= 1
@@ -180,6 +205,8 @@ class ModelPool:
             profile = getattr(slot.served.engine, "profile", None)
             slot.memory_bytes = max(getattr(profile, "weight_bytes", 0), mx.get_active_memory() - before)
             self._estimates[str(slot.entry.path)] = slot.memory_bytes
+            slot.served.engine.memory_elsewhere = lambda: self._held_beside(slot)
+            slot.served.engine.on_memory_pressure = self._pressure_hook(slot)
             slot.last_used, slot.unload_at = time.monotonic(), None
             log.info("loaded %s in %.1f s: %.0f MiB", slot.entry.name, time.monotonic() - tic,
                      slot.memory_bytes / 2**20)
@@ -217,6 +244,55 @@ class ModelPool:
             except asyncio.TimeoutError:
                 raise PoolError(503, f"no memory for {slot.entry.name}: the loaded models stayed busy",
                                 "model_busy") from None
+
+    def idle_slots(self, spare: Slot | None = None) -> list[Slot]:
+        """Loaded models that may be unloaded now (not pinned, nothing in flight,
+        not `spare`), least recently used first."""
+        idle = [s for s in self.slots.values()
+                if s.served is not None and not s.pinned and s.in_flight == 0 and s is not spare]
+        return sorted(idle, key=lambda s: s.last_used)
+
+    async def evict_idle(self, needed: int, why: str, spare: Slot | None = None) -> int:
+        """Unload idle models, least recently used first, until `needed` bytes are
+        freed (as measured at their loads) or none is left; how many went."""
+        freed = unloaded = 0
+        while freed < needed and (idle := self.idle_slots(spare)):
+            victim = idle[0]
+            log.info("unloading %s: %s", victim.entry.name, why)
+            freed += victim.memory_bytes
+            unloaded += 1
+            await self._unload(victim)
+        return unloaded
+
+    def _held_beside(self, slot: Slot) -> int:
+        """What the other loaded models hold (read from an engine's worker thread)."""
+        while True:
+            try:
+                slots = list(self.slots.values())
+                return sum(s.memory_bytes for s in slots if s is not slot and s.served is not None)
+            except RuntimeError:  # a model was found meanwhile: the dict changed size
+                continue
+
+    def _pressure_hook(self, slot: Slot) -> Callable[[int], bool]:
+        """The engine's prefill-eviction hook (EngineCore.on_memory_pressure): on
+        its worker thread, a request to `slot` lacks `missing` bytes; the pool
+        unloads other idle models on its loop (joining *their* workers, never
+        this one's) and says whether any went. Made on the pool's loop."""
+        loop = asyncio.get_running_loop()
+
+        def relieve(missing: int) -> bool:
+            if loop.is_closed():
+                return False
+            why = f"a request to {slot.entry.name} needs {missing / 2**20:.0f} MiB more to fit"
+            future = asyncio.run_coroutine_threadsafe(self.evict_idle(missing, why, spare=slot), loop)
+            try:
+                return future.result(RELIEVE_WAIT_S) > 0
+            except Exception:
+                future.cancel()
+                log.warning("unloading idle models for %s did not finish", slot.entry.name, exc_info=True)
+                return False
+
+        return relieve
 
     async def load(self, requested: str) -> Slot:
         """Load a model without a request (POST /v1/models/{id}/load)."""
