@@ -149,7 +149,7 @@ def test_eviction_under_a_budget_that_fits_one_more_model(pool_server):
     ask(pool_server, "tiny2")
     states = {n: m["state"] for n, m in models(pool_server).items()}
     assert states["tiny0"] == "pinned" and states["tiny2"] == "loaded" and states["tiny1"] == "available"
-    assert "unloading tiny1 to make room for tiny2" in pool_server.log()
+    assert "unloading tiny1: to make room for tiny2" in pool_server.log()
     reload_settings(pool_server, "", lambda: _reloaded_budget(pool_server, None))  # the default budget again
 
 

@@ -231,12 +231,8 @@ class ModelPool:
                             f"budget is {self.budget_bytes / 2**20:.0f} MiB, {fixed / 2**20:.0f} MiB of it "
                             "held by pinned models", "insufficient_memory")
         deadline = time.monotonic() + BUSY_WAIT_S
-        while self.used_bytes() + needed > self.budget_bytes:
-            idle = [s for s in self.slots.values() if s.served is not None and not s.pinned and s.in_flight == 0]
-            if idle:
-                victim = min(idle, key=lambda s: s.last_used)
-                log.info("unloading %s to make room for %s", victim.entry.name, slot.entry.name)
-                await self._unload(victim)
+        while (over := self.used_bytes() + needed - self.budget_bytes) > 0:
+            if await self.evict_idle(over, f"to make room for {slot.entry.name}"):
                 continue
             self._freed.clear()
             try:
