@@ -84,9 +84,9 @@ def test_streamed_tool_call_deltas_reassemble_into_the_call(client):
 
 def test_tool_choice_none_never_calls(client):
     for messages in (ASK, [{"role": "user", "content": "Call get_weather for Rome now."}]):
-        choice = chat(client, messages, tools=[WEATHER], tool_choice="none").choices[0]
+        choice = chat(client, messages, tools=[WEATHER], tool_choice="none", max_tokens=24).choices[0]
         assert not choice.message.tool_calls and choice.finish_reason != "tool_calls"
-        chunks = streamed(client, messages, tools=[WEATHER], tool_choice="none")
+        chunks = streamed(client, messages, tools=[WEATHER], tool_choice="none", max_tokens=24)
         assert not any(c.choices[0].delta.tool_calls for c in chunks)
 
 
