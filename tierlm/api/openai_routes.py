@@ -16,7 +16,7 @@ from tierlm.api.errors import APIError, error_body
 from tierlm.api.model_pool import lease_model
 from tierlm.api.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tierlm.api.openai_turns import delta_of, finish_reason, message_dicts, message_of, turn_error, turn_spec
-from tierlm.api.served_model import ServedModel, raise_for_error, usage
+from tierlm.api.served_model import ServedModel, error_of, raise_for_error, usage
 from tierlm.api.sse import DONE, KEEPALIVE, sse_data
 from tierlm.api.templates import render_chat_template
 from tierlm.api.validation import check_template_args
@@ -320,8 +320,7 @@ async def _stream(
                 yield KEEPALIVE
                 continue
             if output.error is not None:
-                status = {"memory": 400, "overloaded": 503}.get(output.error_type, 500)
-                yield sse_data(error_body(status, output.error, code="generation_failed"))
+                yield sse_data(error_of(output).body())
                 break
             if output.logprobs:
                 logprobs = output.logprobs if logprobs is None else logprobs + output.logprobs

@@ -150,11 +150,15 @@ def usage(output: RequestOutput) -> dict:
     }
 
 
-def raise_for_error(output: RequestOutput) -> None:
-    if output.error is None:
-        return
+def error_of(output: RequestOutput) -> APIError:
+    """A failed request's error as the API answers it, whole or in a stream."""
     if output.error_type == "memory":
-        raise APIError(400, output.error, "messages", "memory_limit")
+        return APIError(400, output.error, "messages", "memory_limit")
     if output.error_type == "overloaded":  # the memory enforcer ended it (tierlm.pool.enforcer)
-        raise APIError(503, output.error, code="memory_pressure")
-    raise APIError(500, output.error, code="generation_failed")
+        return APIError(503, output.error, code="memory_pressure")
+    return APIError(500, output.error, code="generation_failed")
+
+
+def raise_for_error(output: RequestOutput) -> None:
+    if output.error is not None:
+        raise error_of(output)
