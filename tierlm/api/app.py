@@ -145,7 +145,7 @@ class RequestGate:
         rejection = self._check(request)
         if rejection is None and "content-length" not in request.headers:
             # a chunked body has no length to check up front: read it here, up to the limit
-            receive, rejection = await self._read_capped(receive)
+            receive, rejection = await self._read_capped(receive, request.url.path)
         if rejection is not None:
             return await rejection(scope, receive, send)
         await self._guarded(scope, receive, send)
@@ -155,13 +155,13 @@ class RequestGate:
         size = request.headers.get("content-length", "")
         if size.isdigit() and int(size) > limit:
             return error_response(413, f"request body of {size} bytes is over the {limit}-byte limit",
-                                  code="request_too_large")
+                                  code="request_too_large", path=request.url.path)
         key = self.settings.api_key
         if key and request.url.path.startswith("/v1") and not _authorized(request, key):
-            return error_response(401, "invalid or missing API key", code="invalid_api_key")
+            return error_response(401, "invalid or missing API key", code="invalid_api_key", path=request.url.path)
         return None
 
-    async def _read_capped(self, receive):
+    async def _read_capped(self, receive, path: str):
         """(a receive that replays the body, then passes through; or a 413)."""
         limit, parts, size = self.settings.max_body_bytes, [], 0
         while True:
@@ -172,7 +172,7 @@ class RequestGate:
             size += len(message.get("body", b""))
             if size > limit:
                 return receive, error_response(413, f"request body is over the {limit}-byte limit",
-                                               code="request_too_large")
+                                               code="request_too_large", path=path)
             parts.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
@@ -199,13 +199,16 @@ class RequestGate:
         except Exception as e:
             log.exception("unhandled error")
             if not started:
-                response = error_response(500, f"internal error: {type(e).__name__}", code="internal_error")
+                response = error_response(500, f"internal error: {type(e).__name__}", code="internal_error",
+                                          path=scope.get("path", ""))
                 await response(scope, receive, send)
             else:  # mid-response: end it whole, at least
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _authorized(request: Request, key: str) -> bool:
+    """The key as a bearer token (OpenAI's clients) or in `x-api-key` (Anthropic's)."""
     auth = request.headers.get("authorization", "")
-    given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-    return hmac.compare_digest(given.encode(), key.encode())
+    bearer = auth[7:] if auth.lower().startswith("bearer ") else ""
+    return any(hmac.compare_digest(given.encode(), key.encode())
+               for given in (bearer, request.headers.get("x-api-key", "")) if given)

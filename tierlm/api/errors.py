@@ -1,4 +1,6 @@
-"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors in each API's own shape: the OpenAI routes answer
+{"error": {"message", "type", "param", "code"}}, the Anthropic routes
+(/v1/messages) {"type": "error", "error": {"type", "message"}}."""
 
 from __future__ import annotations
 
@@ -40,6 +42,29 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code}}
 
 
+# Anthropic's error types (its docs' list; 507 has no type of its own there)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def is_anthropic(path: str) -> bool:
+    return path.startswith(ANTHROPIC_PATHS)
+
+
 class ErrorResponse(JSONResponse):
     """JSON with non-ASCII escaped: an error can quote any text a client sent,
     even a lone surrogate that UTF-8 cannot encode, and must still go out."""
@@ -48,8 +73,11 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return ErrorResponse(error_body(status, message, param, code), status_code=status)
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   path: str = "") -> JSONResponse:
+    """The error in the shape of the API that `path` belongs to."""
+    body = anthropic_error_body(status, message) if is_anthropic(path) else error_body(status, message, param, code)
+    return ErrorResponse(body, status_code=status)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -67,19 +95,20 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return ErrorResponse(exc.body(), status_code=exc.status)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.code, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
+    async def _invalid(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return error_response(400, message, param, "invalid_value")
+        return error_response(400, message, param, "invalid_value", request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail))
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception):
+    async def _bug(request: Request, exc: Exception):
         log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")
+        return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error",
+                              path=request.url.path)

@@ -10,18 +10,16 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
-from fastapi.responses import StreamingResponse
 
 from tierlm.api.errors import APIError, error_body
-from tierlm.api.model_pool import lease_model
 from tierlm.api.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tierlm.api.openai_turns import delta_of, finish_reason, message_dicts, message_of, turn_error, turn_spec
 from tierlm.api.served_model import ServedModel, error_of, raise_for_error, usage
+from tierlm.api.serving import sse_response, with_model
 from tierlm.api.sse import DONE, KEEPALIVE, sse_data
 from tierlm.api.templates import render_chat_template
 from tierlm.api.validation import check_template_args
 from tierlm.engine.request import FinishReason, Request, RequestOutput, TokenLogprobs
-from tierlm.pool.pool import Lease
 from tierlm.structured.events import Gathered
 from tierlm.structured.tools import TurnError
 from tierlm.structured.turn import TurnParser, TurnRun, TurnSpec
@@ -61,33 +59,9 @@ def _start_turn(model: ServedModel, spec: TurnSpec, tokens: list[int]) -> TurnRu
         raise turn_error(e) from e
 
 
-async def _with_model(http: HTTPRequest, body: SamplingFields, handle) -> dict | StreamingResponse:
-    """`handle(model, body, http)` with the requested model held: until the
-    answer is made, or for a stream until its last chunk is sent."""
-    lease = await lease_model(http, body.model, body.keep_alive)
-    try:
-        result = await handle(lease.served, body, http)
-    except BaseException:
-        lease.release()
-        raise
-    if isinstance(result, StreamingResponse):
-        result.body_iterator = _released_after(result.body_iterator, lease)
-    else:
-        lease.release()
-    return result
-
-
-async def _released_after(chunks: AsyncIterator, lease: Lease) -> AsyncIterator:
-    try:
-        async for chunk in chunks:
-            yield chunk
-    finally:
-        lease.release()
-
-
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
-    return await _with_model(http, body, _chat)
+    return await with_model(http, body, _chat)
 
 
 async def _chat(model: ServedModel, body: ChatCompletionRequest, http: HTTPRequest):
@@ -98,7 +72,7 @@ async def _chat(model: ServedModel, body: ChatCompletionRequest, http: HTTPReque
     request = model.make_request("chatcmpl", tokens, body, body.max_completion_tokens or body.max_tokens,
                                  logprobs=body.logprobs_count, constraint=turn.constraint)
     if body.stream:
-        return _sse_response(_chat_chunks(model, request, body, http, turn.parser))
+        return sse_response(_chat_chunks(model, request, body, http, turn.parser))
     output = await model.generate_unless_disconnected(request, http)
     raise_for_error(output)
     gathered = Gathered().add(turn.parser.feed(output.text) + turn.parser.finish())
@@ -201,7 +175,7 @@ def _prompt_text(model: ServedModel, prompt, tokens: list[int]) -> str:
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, http: HTTPRequest):
-    return await _with_model(http, body, _completion)
+    return await with_model(http, body, _completion)
 
 
 async def _completion(model: ServedModel, body: CompletionRequest, http: HTTPRequest):
@@ -212,7 +186,7 @@ async def _completion(model: ServedModel, body: CompletionRequest, http: HTTPReq
                                  logprobs=body.logprobs_count)
     echo = _prompt_text(model, body.prompt, tokens) if body.echo else ""
     if body.stream:
-        return _sse_response(_completion_chunks(model, request, body, http, echo))
+        return sse_response(_completion_chunks(model, request, body, http, echo))
     output = await model.generate_unless_disconnected(request, http)
     raise_for_error(output)
     return {
@@ -285,11 +259,6 @@ class _LegacyLogprobs:
 
 def _finish(output: RequestOutput) -> str:
     return (output.finish_reason or FinishReason.STOP).value
-
-
-def _sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
 
 
 async def _stream(
