@@ -22,6 +22,7 @@ SAMPLES = {
     "default_top_p": (0.5, 0.75, 0.25),
     "aliases": (("fast",), ("claude-*haiku*", "quick"), ("gpt-4o",)),
     "extra_model_dirs": (("/models/a",), ("/models/b", "/models/c"), ("/models/d",)),
+    "volatile_prompt_blocks": (("^a",), ("^b:", "c$"), ()),
     "chat_template_kwargs": ({"enable_thinking": False}, {"enable_thinking": True, "n": 2}, {"x": "y"}),
 }
 

@@ -70,7 +70,15 @@ class Settings:
     max_body_bytes: int = setting(32 * 2**20, "largest request body accepted, chunked or not")
     allow_client_chat_template: bool = setting(False, "render a chat_template sent in a request (bounded to "
                                                       "2 s and 16M characters; off: a template is code)")
-    sse_keepalive_s: float = setting(5.0, "seconds between SSE keep-alive comments while waiting")
+    sse_keepalive_s: float = setting(5.0, "seconds between SSE keep-alive comments (Anthropic: ping events) "
+                                          "while waiting")
+    response_store_size: int = setting(256, "answers of the Responses API kept in memory for "
+                                            "previous_response_id (0: none)", check=_at_least(0))
+    volatile_prompt_blocks: tuple[str, ...] = setting(
+        (r"^x-anthropic-billing-header:",),
+        "regular expressions for blocks of an agent's system prompt that change on every request without "
+        "changing its meaning (a billing header with a hash): they are left out, so the prompt stays cached",
+        check=lambda values: [re.compile(v) for v in values])
     log_level: str = setting("info", "debug, info, warning or error")
     log_interval_s: float = setting(5.0, "seconds between the engine's progress lines in the log")
     # ---- the engine
@@ -411,4 +419,6 @@ def settings_markdown() -> str:
 def _default_cell(default) -> str:
     if isinstance(default, bool) or default is None or default == ():
         return {True: "on", False: "off"}.get(default, "—")
+    if isinstance(default, tuple):
+        return ", ".join(f"`{v}`" for v in default)
     return str(default).replace(str(Path.home()), "~")
