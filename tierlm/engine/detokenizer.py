@@ -26,6 +26,7 @@ class IncrementalText:
         self._stop = [s for s in stop if s]
         self._held = ""  # decoded but not yet emitted
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def add(self, token: int) -> str:
         segment = self._stream.add(token)
@@ -44,6 +45,7 @@ class IncrementalText:
         cut = self._first_stop(text)
         if cut is not None:
             self.stopped = True
+            self.matched = next(s for s in self._stop if text.find(s) == cut)
             self._held = ""
             return text[:cut]
         keep = 0 if final else self._partial_stop_len(text)

@@ -74,6 +74,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: FinishReason | None = None
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -93,6 +94,7 @@ class RequestOutput:
             self.logprobs.extend(later.logprobs)
         self.finished = later.finished
         self.finish_reason = later.finish_reason
+        self.stop_sequence = later.stop_sequence
         self.completion_tokens = later.completion_tokens
         self.cached_tokens = later.cached_tokens
         self.error = later.error

@@ -532,7 +532,7 @@ class Scheduler:
         else:
             text = state.text.add(token)
             if state.text.stopped:
-                reason = FinishReason.STOP
+                reason, out.stop_sequence = FinishReason.STOP, state.text.matched
             elif gen_finish == "length":
                 text, reason = text + state.text.finish(), FinishReason.LENGTH
         if text:
