@@ -290,3 +290,25 @@ def test_json_schema_after_thinking(thinking):
     assert reasoning
     no_markers(reasoning, content)
     jsonschema.validate(json.loads(content), SCHEMA)
+
+
+# ---- the Anthropic Messages API's thinking blocks ------------------------------------
+
+
+def test_thinking_blocks_on_the_messages_api(thinking):
+    """The section the prompt opens is a thinking block, closed by the request's
+    budget; streamed, the same blocks arrive as thinking_delta then text_delta."""
+    import anthropic
+
+    base = str(thinking.base_url).rstrip("/").removesuffix("/v1")
+    claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+    kwargs = dict(model=NAME, messages=HI, max_tokens=12, thinking={"type": "enabled", "budget_tokens": 4},
+                  extra_body=SAMPLING)
+    message = claude.messages.create(**kwargs)
+    assert [b.type for b in message.content][:2] == ["thinking", "text"], message.content
+    no_markers(message.content[0].thinking, message.content[1].text)
+    with claude.messages.stream(**kwargs) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in message.content]
+    assert kinds.index("signature_delta") < kinds.index("text_delta") and kinds[0] == "thinking_delta"

@@ -1,0 +1,57 @@
+"""Request bodies of the Anthropic routes (/v1/messages, /v1/messages/count_tokens).
+
+Agents drift ahead of every server: a new release sends a field, a content
+block or a beta option nobody has seen. So unknown fields are ignored here, and
+content blocks stay plain dicts, read (and unknown types skipped) in
+api/anthropic_turns.py. Known fields are range-checked as Anthropic does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tierlm.api.errors import APIError
+from tierlm.api.validation import SEED_MAX, SEED_MIN, find_lone_surrogate
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data):
+        if (where := find_lone_surrogate(data)) is not None:
+            raise APIError(400, f"'{where}': the text holds a lone UTF-16 surrogate, which is not "
+                           "valid Unicode", where, "invalid_value")
+        return data
+
+
+class InputMessage(_Body):
+    role: str  # user, assistant; "system" entries are folded into the system prompt
+    content: str | list[dict[str, Any]]
+
+
+class CountTokensRequest(_Body):
+    """What decides the prompt: the same fields as a message request's."""
+
+    model: str
+    messages: list[InputMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # its `format`: a JSON schema the answer follows
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    stop_sequences: list[str] | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # ours: the same tokens each time
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    # Ollama's: how long the model stays loaded after this request
+    keep_alive: float | str | None = None
