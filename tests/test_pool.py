@@ -191,12 +191,12 @@ def test_ps_and_list_show_the_models(pool_server, models_dir):
 
     ask(pool_server, "tiny1")
     port = pool_server.base_url.rsplit(":", 1)[1]
-    ps = subprocess.run([sys.executable, "-m", "tierlm.cli", "ps", "--port", port], capture_output=True,
-                        text=True, timeout=60)
+    ps = subprocess.run([sys.executable, "-m", "tierlm.cli", "ps", "--port", port], check=False,
+                        capture_output=True, text=True, timeout=60)
     assert ps.returncode == 0 and "tiny0" in ps.stdout and "pinned" in ps.stdout and "tiny1" in ps.stdout
     listed = subprocess.run([sys.executable, "-m", "tierlm.cli", "list", "--model-dir",
-                             str(models_dir / "models"), "--no-hf-cache"], capture_output=True, text=True,
-                            timeout=60)
+                             str(models_dir / "models"), "--no-hf-cache"], check=False,
+                            capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0 and all(n in listed.stdout for n in ("tiny0", "tiny1", "tiny2", "huge"))
 
 
@@ -212,3 +212,44 @@ def test_per_model_defaults_apply_without_a_restart(pool_server):
         client.chat.completions.create(model="tiny1", messages=[{"role": "user", "content": "word " * 80}])
     assert "64" in e.value.body["message"]
     reload_settings(pool_server, "", lambda: pool_server.log().count("settings reloaded") > seen + 1)
+
+
+def test_a_models_tokenizer_and_turns_come_without_loading_it_and_a_load_reuses_them(models_dir, model_path):
+    """turns_for (what /v1/messages/count_tokens asks): the model stays unloaded,
+    its tokenizer encodes as mlx-lm's `load` makes it; a load then uses the same
+    tokenizer and turns, and they outlive its unload."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from mlx_lm import load
+
+    from tierlm.api.errors import APIError
+    from tierlm.api.model_pool import make_pool, turns_for
+    from tierlm.config import Settings
+
+    settings = Settings(model_dir=str(models_dir / "models"), hf_cache=False, ssd_cache=False)
+    pool = make_pool(settings, None)
+    http = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(pool=pool)))
+    _, expected = load(str(model_path))
+
+    async def run():
+        with pytest.raises(APIError) as e:
+            await turns_for(http, "gpt-5")
+        assert e.value.status == 404 and "tiny1" in str(e.value)
+        entry, turns, model_settings = await turns_for(http, "tiny1")
+        assert entry.name == "tiny1" and pool.slots["tiny1"].served is None
+        assert model_settings.keep_alive == settings.for_model("tiny1").keep_alive
+        text = "Name three colours, please."
+        assert turns.tokenizer.encode(text) == expected.encode(text)
+        assert turns.tokenizer.eos_token_ids == expected.eos_token_ids
+        assert (await turns_for(http, "tiny1"))[1] is turns  # cached
+        lease = await pool.acquire("tiny1")
+        try:
+            assert lease.served.turns is turns and lease.served.tokenizer is turns.tokenizer
+            assert (await turns_for(http, "tiny1"))[1] is lease.served.turns
+        finally:
+            lease.release()
+            await pool.close()
+        assert pool.slots["tiny1"].served is None and (await turns_for(http, "tiny1"))[1] is turns
+
+    asyncio.run(run())

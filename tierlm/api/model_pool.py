@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import OrderedDict
+from concurrent.futures import Future
 from pathlib import Path
 
 from fastapi import Request as HTTPRequest
@@ -15,7 +17,7 @@ from tierlm.api.served_model import ServedModel
 from tierlm.cache.block_hash import model_fingerprint
 from tierlm.config import Settings, parse_duration, resolve_alias, total_memory
 from tierlm.engine.core import EngineCore
-from tierlm.models.loader import load_model, read_model_info
+from tierlm.models.loader import load_model, load_tokenizer, read_model_info, tokenizer_stamp
 from tierlm.pool.discovery import ModelEntry, default_hf_cache, discover, read_entry
 from tierlm.pool.pool import Lease, ModelPool, PoolError
 from tierlm.structured.turn import ModelTurns
@@ -23,11 +25,59 @@ from tierlm.structured.turn import ModelTurns
 log = logging.getLogger(__name__)
 
 
+TURNS_CACHED = 4  # models whose tokenizer and ModelTurns outlive their unload
+
+
 class CurrentSettings:
-    """The settings in force: replaced when the settings file changes."""
+    """What the API keeps beside the pool: the settings in force (replaced when
+    the settings file changes) and the models' cached tokenizers and turns."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
+        self.turns = TurnsCache()
+
+
+class TurnsCache:
+    """Per model folder and the settings that shape them: the tokenizer and its
+    `ModelTurns`, kept across unloads (the last TURNS_CACHED, least recently
+    used out), so that a reload skips them, above all llguidance's view of a
+    large vocabulary (seconds for Gemma's), and so that a model's tokens can be
+    counted without loading it. They hold no MLX array: an unload still frees
+    all of the model's memory that MLX held."""
+
+    def __init__(self, size: int = TURNS_CACHED):
+        self.size = size
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple, Future] = OrderedDict()
+
+    def future(self, path: Path, settings: Settings) -> Future:
+        """The model's ModelTurns, cached or loading in a thread of its own now
+        (a failed load is not kept)."""
+        key = (str(path), tokenizer_stamp(path), settings.tool_format, settings.reasoning,
+               settings.max_thinking_tokens)
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+                return found
+            future = self._entries[key] = Future()
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        threading.Thread(target=self._build, args=(key, future, path, settings), daemon=True,
+                         name="tokenizer-load").start()
+        return future
+
+    async def get(self, path: Path, settings: Settings) -> ModelTurns:
+        return await asyncio.wrap_future(self.future(path, settings))
+
+    def _build(self, key: tuple, future: Future, path: Path, settings: Settings) -> None:
+        try:
+            future.set_result(_model_turns(load_tokenizer(path), settings))
+        except Exception as e:  # noqa: BLE001 (the waiting load or request gets it)
+            with self._lock:
+                if self._entries.get(key) is future:
+                    del self._entries[key]
+            future.set_exception(e)
 
 
 def make_pool(settings: Settings, model_path: Path | None) -> ModelPool:
@@ -43,7 +93,7 @@ def make_pool(settings: Settings, model_path: Path | None) -> ModelPool:
     current = CurrentSettings(settings)
     pool = ModelPool(
         entries,
-        lambda entry: serve(entry, current.settings.for_model(entry.name), entry.name == default),
+        lambda entry: serve(entry, current.settings.for_model(entry.name), entry.name == default, current.turns),
         budget_bytes=settings.max_model_memory_bytes(),
         keep_alive_s=lambda name: current.settings.for_model(name).keep_alive_s(),
         resolve_alias=lambda requested: resolve_alias(current.settings, requested, list(pool.slots)),
@@ -87,31 +137,60 @@ def _pinned(settings: Settings, names, default: str | None) -> frozenset[str]:
     return frozenset(n for n in names if n == default or settings.for_model(n).pinned)
 
 
-async def serve(entry: ModelEntry, settings: Settings, is_default: bool = False) -> ServedModel:
-    """Load a model and start its engine; what the pool keeps for it."""
+async def serve(entry: ModelEntry, settings: Settings, is_default: bool = False,
+                turns_cache: TurnsCache | None = None) -> ServedModel:
+    """Load a model and start its engine; what the pool keeps for it. The
+    tokenizer and turns come from `turns_cache`, or load beside the weights."""
     info = read_model_info(entry.path, entry.name)
     memory = settings.memory_limit_bytes() or total_memory()
+    turns_future = (turns_cache or TurnsCache(1)).future(entry.path, settings)
     engine = EngineCore(info.name, lambda: load_model(
         entry.path, settings.cpu_weights_dtype, memory, use_cpu_kernels=settings.cpu_kernels,
-        use_amx=settings.cpu_amx), settings, model_fingerprint(entry.path, {}))
+        use_amx=settings.cpu_amx, tokenizer=lambda: turns_future.result().tokenizer),
+        settings, model_fingerprint(entry.path, {}))
     await engine.start()
-    try:
-        turns = await asyncio.to_thread(_model_turns, engine.tokenizer, settings)
-    except Exception:
-        await engine.close()
-        raise
+    turns = await asyncio.wrap_future(turns_future)  # done: the load waited for it
+    _build_ll_tokenizer(turns)
     return ServedModel(info, engine, aliases=("default",) if is_default else (), turns=turns, settings=settings)
 
 
 def _model_turns(tokenizer, settings: Settings) -> ModelTurns:
-    """How the model takes turns (tools, reasoning). llguidance's view of the
-    tokenizer is built in the background: it takes seconds for a large
-    vocabulary (Gemma's 262k tokens), which the load need not wait for; the
-    first request with a grammar waits for it if it comes sooner."""
-    turns = ModelTurns(tokenizer, None if settings.tool_format == "auto" else settings.tool_format,
-                       settings.reasoning, settings.max_thinking_tokens)
+    """How the model takes turns (tools, reasoning)."""
+    return ModelTurns(tokenizer, None if settings.tool_format == "auto" else settings.tool_format,
+                      settings.reasoning, settings.max_thinking_tokens)
+
+
+def _build_ll_tokenizer(turns: ModelTurns) -> None:
+    """llguidance's view of the tokenizer, built in the background for a model
+    that loads: it takes seconds for a large vocabulary (Gemma's 262k tokens),
+    which the load need not wait for; the first request with a grammar waits
+    for it if it comes sooner. Built once per cached ModelTurns (a reload finds
+    it made); never for a model whose tokens are only counted."""
     threading.Thread(target=lambda: turns.grammars.ll_tokenizer, name="llguidance-tokenizer", daemon=True).start()
-    return turns
+
+
+async def turns_for(http: HTTPRequest, requested: str | None) -> tuple[ModelEntry, ModelTurns, Settings]:
+    """A model's tokenizer and turns (its chat template, tools, reasoning) and its
+    settings, never loading the model nor touching an engine (counting a
+    prompt's tokens): a loaded model's own, else the cached ones, else its
+    tokenizer alone loaded now, off the event loop. The name is resolved as
+    `lease_model` does it (an unknown one is the same 404)."""
+    pool: ModelPool = http.app.state.pool
+    try:
+        slot = pool.resolve(requested)
+    except PoolError as e:
+        raise APIError(e.status, str(e), "model", e.code) from e
+    served = slot.served
+    if served is not None:
+        return slot.entry, served.turns, served.settings
+    settings = pool.current.settings.for_model(slot.entry.name)
+    try:
+        turns = await pool.current.turns.get(slot.entry.path, settings)
+    except Exception as e:
+        log.exception("could not load the tokenizer of %s", slot.entry.name)
+        raise APIError(503, f"could not load the tokenizer of {slot.entry.name}: {type(e).__name__}: {e}",
+                       "model", "model_load_failed") from e
+    return slot.entry, turns, settings
 
 
 async def lease_model(http: HTTPRequest, requested: str | None, keep_alive=None) -> Lease:

@@ -40,18 +40,25 @@ def read_model_info(path: Path, name: str | None = None) -> ModelInfo:
 
 
 def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | None = None,
-               use_cpu_kernels: bool = True, use_amx: bool = True):
+               use_cpu_kernels: bool = True, use_amx: bool = True, tokenizer=None):
     """mlx-lm's own loader: (model, tokenizer wrapper), with what the device's
     backend adds set up (tierlm.backends.prepare; on MLX's CPU backend the
     `cpu_*` settings: --cpu-weights-dtype, --cpu-kernels, --cpu-amx). The
     backend's description is `tierlm.backends.describe(model)`. Call on the
-    engine's thread."""
+    engine's thread. `tokenizer`: one loaded before (`load_tokenizer`), or a
+    function that returns it once the weights are in (one loading beside them);
+    None loads it here."""
     from mlx_lm import load
+    from mlx_lm.utils import load_model as load_weights
 
     from tierlm import backends
     from tierlm.config import total_memory
 
-    model, tokenizer = load(str(path))
+    if tokenizer is None:
+        model, tokenizer = load(str(path))
+    else:
+        model, _ = load_weights(Path(path))
+        tokenizer = tokenizer() if callable(tokenizer) else tokenizer
     backend = backends.prepare(model, cpu_weights_dtype=cpu_weights_dtype,
                                memory_bytes=memory_bytes or total_memory(),
                                cpu_kernels=use_cpu_kernels, cpu_amx=use_amx)
@@ -61,6 +68,25 @@ def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | 
         log.warning("%s", line)
     _evaluate_all(model)
     return model, tokenizer
+
+
+def load_tokenizer(path: Path):
+    """The model's tokenizer wrapper as mlx-lm's `load` makes it (the end-of-sequence
+    ids of config.json and generation_config.json), without its weights: touches
+    no MLX array, any thread may call it."""
+    from mlx_lm.utils import load_config
+    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+
+    path = Path(path)
+    return mlx_load_tokenizer(path, eos_token_ids=load_config(path).get("eos_token_id"))
+
+
+def tokenizer_stamp(path: Path) -> tuple:
+    """What a cached tokenizer of `path` was made from: every file of the folder
+    but the weights (names, sizes, modification times). A changed one (a model
+    imported again under the same name) makes another stamp."""
+    files = sorted(p for p in Path(path).iterdir() if p.is_file() and p.suffix != ".safetensors")
+    return tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in files)
 
 
 def _evaluate_all(model) -> None:
