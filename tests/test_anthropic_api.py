@@ -177,6 +177,14 @@ def test_output_config_format_gives_json_of_the_schema(claude):
     assert isinstance(message.parsed_output, City)
 
 
+def test_max_tokens_is_a_ceiling_cut_to_the_context(claude):
+    """Agents send max_tokens 32000 whatever the model: the answer may use what
+    the context leaves (SmolLM2: 8192 tokens)."""
+    with claude.messages.stream(model=MODEL, messages=ASK, max_tokens=32000, stop_sequences=["."],
+                                extra_body={"temperature": 0}) as stream:
+        assert stream.get_final_message().stop_reason in ("stop_sequence", "end_turn")
+
+
 def test_thinking_settings_are_taken(claude):
     """SmolLM2 does not think: the settings are accepted and the answer is text
     (thinking blocks themselves: tests/test_reasoning_api.py)."""
@@ -212,7 +220,8 @@ def test_agents_fields_and_blocks_from_the_future_are_ignored(anthropic_server):
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}]}],
       "max_tokens": 5}, 400, "invalid_request_error", "image"),
     ({"messages": ASK, "max_tokens": 5, "model": "gpt-nothing"}, 404, "not_found_error", MODEL),
-    ({"messages": ASK, "max_tokens": 100_000}, 400, "invalid_request_error", "context length"),
+    ({"messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 5}, 400, "invalid_request_error",
+     "context length"),
 ])
 def test_errors_in_anthropics_shape(claude, body, status, kind, where):
     with pytest.raises(anthropic.APIStatusError) as caught:

@@ -38,9 +38,20 @@ class ServedModel:
     def matches(self, requested: str | None) -> bool:
         return requested is None or requested in self.names
 
+    @property
+    def context(self) -> int:
+        """Tokens of context: the model's, or less where the settings say so."""
+        return min(self.info.context_length, self.settings.context_limit or self.info.context_length)
+
+    def within_context(self, prompt_tokens: int, max_tokens: int) -> int:
+        """`max_tokens` cut to the room the prompt leaves: for APIs where it is only
+        a ceiling (agents send 32000 whatever the model), not a promise."""
+        room = self.context - prompt_tokens
+        return min(max_tokens, room) if room > 0 else max_tokens
+
     def check_prompt(self, prompt_tokens: int, max_tokens: int | None) -> int:
         """Validate the prompt's length; returns the max_tokens to use."""
-        context = min(self.info.context_length, self.settings.context_limit or self.info.context_length)
+        context = self.context
         if prompt_tokens == 0:
             raise APIError(400, "the prompt is empty", "messages", "empty_prompt")
         if prompt_tokens >= context:
