@@ -1,0 +1,257 @@
+"""The OpenAI Responses API (what Codex CLI speaks): POST /v1/responses, and
+GET / DELETE /v1/responses/{id} for the answers kept for previous_response_id.
+
+One adapter: the body is read into chat messages and a TurnSpec
+(api/responses_turns.py), rendered and generated as a chat completion is, and
+the turn's events written back as output items, whole or streamed
+(api/responses_stream.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+
+from tierlm.api.errors import APIError
+from tierlm.api.response_store import ResponseStore, StoredResponse
+from tierlm.api.responses_schemas import ResponsesRequest
+from tierlm.api.responses_stream import StreamWriter
+from tierlm.api.responses_turns import (
+    Tools,
+    chat_messages,
+    input_items,
+    output_items,
+    read_tools,
+    turn_error,
+    turn_spec,
+    wants_no_thinking,
+)
+from tierlm.api.served_model import ServedModel, error_of, raise_for_error
+from tierlm.api.serving import sse_response, with_model
+from tierlm.api.sse import KEEPALIVE
+from tierlm.api.templates import render_chat_template
+from tierlm.engine.request import FinishReason, Request, RequestOutput
+from tierlm.structured.events import Gathered
+from tierlm.structured.tools import TurnError
+from tierlm.structured.turn import TurnRun, TurnSpec
+
+router = APIRouter(prefix="/v1")
+log = logging.getLogger(__name__)
+
+# the engine's names for the fields its checks name, as this API calls them
+_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens"}
+
+
+@router.post("/responses")
+async def create_response(body: ResponsesRequest, http: HTTPRequest):
+    return await with_model(http, body, _respond)
+
+
+@router.get("/responses/{response_id}")
+async def get_response(response_id: str, http: HTTPRequest):
+    return _stored(http, response_id, "response_id").response
+
+
+@router.delete("/responses/{response_id}")
+async def delete_response(response_id: str, http: HTTPRequest):
+    _stored(http, response_id, "response_id")
+    _store(http).delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _store(http: HTTPRequest) -> ResponseStore:
+    """The app's store, made on first use."""
+    state = http.app.state
+    if getattr(state, "response_store", None) is None:
+        state.response_store = ResponseStore(state.settings.response_store_size)
+    return state.response_store
+
+
+def _stored(http: HTTPRequest, response_id: str, param: str, status: int = 404) -> StoredResponse:
+    """A kept response; 404 for the routes that name it in their path, 400 (as
+    OpenAI's) for a previous_response_id in a body."""
+    stored = _store(http).get(response_id)
+    if stored is None:
+        code = "previous_response_not_found" if param == "previous_response_id" else "response_not_found"
+        raise APIError(status, f"Response with id '{response_id}' not found (this server keeps the most "
+                       "recent responses in memory, none sent with store: false).", param, code)
+    return stored
+
+
+@contextmanager
+def _as_responses_params() -> Iterator[None]:
+    """The shared checks name chat's fields; a client of this API sent others."""
+    try:
+        yield
+    except APIError as e:
+        e.param = _PARAMS.get(e.param, e.param)
+        raise
+
+
+# ---- one answer ------------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    """What every shape of this answer repeats: its id, the request's settings."""
+
+    id: str
+    model: str
+    body: ResponsesRequest
+    tools: Tools
+    created_at: int
+
+    def response(self, status: str, output: list[dict], usage: dict | None = None,
+                 error: dict | None = None) -> dict:
+        body = self.body
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "model": self.model, "output": output, "usage": usage, "error": error,
+            "incomplete_details": incomplete,
+            "instructions": body.instructions, "metadata": body.metadata or {},
+            "max_output_tokens": body.max_output_tokens, "previous_response_id": body.previous_response_id,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": (body.reasoning or {}).get("summary")},
+            "store": body.stored, "temperature": body.temperature, "top_p": body.top_p,
+            "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
+            "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+            "truncation": "disabled", "user": body.user, "background": False,
+        }
+
+
+def _usage(model: ServedModel, output: RequestOutput, reasoning: str) -> dict:
+    reasoning_tokens = len(model.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    return {
+        "input_tokens": output.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": output.cached_tokens},
+        "output_tokens": output.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, output.completion_tokens)},
+        "total_tokens": output.prompt_tokens + output.completion_tokens,
+    }
+
+
+def _status(output: RequestOutput) -> str:
+    return "incomplete" if output.finish_reason == FinishReason.LENGTH else "completed"
+
+
+async def _respond(model: ServedModel, body: ResponsesRequest, http: HTTPRequest):
+    store = _store(http)
+    earlier = _stored(http, body.previous_response_id, "previous_response_id", 400).items \
+        if body.previous_response_id else []
+    items = input_items(body)
+    tools = read_tools(body.tools)
+    spec = turn_spec(body, tools, model.turns.markers is not None)
+    tokens = await asyncio.to_thread(_render, model, body, spec, tools, earlier, items)
+    turn = await asyncio.to_thread(_start_turn, model, spec, tools, tokens)
+    with _as_responses_params():
+        request = model.make_request("resp", tokens, body.sampling(), body.max_output_tokens,
+                                     constraint=turn.constraint)
+    answer = Answer("resp_" + request.request_id.partition("-")[2], model.info.name, body, tools, int(time.time()))
+    conversation = [*earlier, *items]
+    if body.stream:
+        return sse_response(_events(model, request, http, turn, answer, conversation))
+    output = await model.generate_unless_disconnected(request, http)
+    raise_for_error(output)
+    gathered = Gathered().add(turn.parser.feed(output.text) + turn.parser.finish())
+    status = _status(output)
+    response = answer.response(status, output_items(gathered, tools, status),
+                               _usage(model, output, gathered.reasoning))
+    _keep(store, response, conversation)
+    return response
+
+
+def _render(model: ServedModel, body: ResponsesRequest, spec: TurnSpec, tools: Tools,
+            earlier: list[dict], items: list[dict]) -> list[int]:
+    messages = _leading_system_joined(chat_messages(body.instructions, earlier, items))
+    try:
+        messages, variables = model.turns.prepare(spec, messages)
+    except TurnError as e:
+        raise turn_error(e, tools) from e
+    kwargs = {**model.settings.template_kwargs(), **variables}
+    if wants_no_thinking(body) and model.turns.markers is not None:
+        kwargs["enable_thinking"] = False  # Qwen3-style templates then write an empty section
+    with _as_responses_params():
+        return render_chat_template(model.tokenizer, messages, kwargs, None, False)
+
+
+def _leading_system_joined(messages: list[dict]) -> list[dict]:
+    """`instructions` and the developer messages that open the input (Codex sends
+    several) as one system message: many templates take one only, and first."""
+    n = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    if n < 2:
+        return messages
+    joined = "\n\n".join(m["content"] for m in messages[:n] if m["content"])
+    return [{"role": "system", "content": joined}, *messages[n:]]
+
+
+def _start_turn(model: ServedModel, spec: TurnSpec, tools: Tools, tokens: list[int]) -> TurnRun:
+    try:
+        return model.turns.start(spec, tokens)
+    except TurnError as e:
+        raise turn_error(e, tools) from e
+
+
+def _keep(store: ResponseStore, response: dict, conversation: list[dict]) -> None:
+    if response["store"]:
+        store.put(response, conversation)
+
+
+# ---- a streamed answer -------------------------------------------------------------
+
+
+async def _events(model: ServedModel, request: Request, http: HTTPRequest, turn: TurnRun, answer: Answer,
+                  conversation: list[dict]) -> AsyncIterator[str]:
+    """The answer as Responses stream events. Keep-alive comments go out while a
+    long prompt prefills; a failure ends with `error` and `response.failed`,
+    never silence; leaving early (client gone) aborts the request."""
+    writer = StreamWriter(answer.tools)
+    yield writer.event("response.created", response=answer.response("in_progress", []))
+    yield writer.event("response.in_progress", response=answer.response("in_progress", []))
+    outputs = model.engine.stream_outputs(request, keepalive_s=http.app.state.settings.sse_keepalive_s)
+    try:
+        async for output in outputs:
+            if output is None:
+                yield KEEPALIVE
+                continue
+            if output.error is not None:
+                for event in _failed(writer, answer, error_of(output)):
+                    yield event
+                break
+            for event in writer.feed(turn.parser.feed(output.text) if output.text else []):
+                yield event
+            if output.finished:
+                for event in _completed(model, writer, turn, answer, output, conversation, _store(http)):
+                    yield event
+    except Exception as e:  # a bug: the stream still ends with an error, never silence
+        log.exception("stream of %s failed", request.request_id)
+        for event in _failed(writer, answer, APIError(500, f"internal error: {type(e).__name__}",
+                                                      code="internal_error")):
+            yield event
+    finally:
+        await outputs.aclose()  # aborts the request if it has not finished
+
+
+def _completed(model: ServedModel, writer: StreamWriter, turn: TurnRun, answer: Answer, output: RequestOutput,
+               conversation: list[dict], store: ResponseStore) -> list[str]:
+    status = _status(output)
+    events = writer.feed(turn.parser.finish()) + writer.finish(status)
+    response = answer.response(status, writer.items, _usage(model, output, writer.reasoning))
+    _keep(store, response, conversation)
+    kind = "response.completed" if status == "completed" else "response.incomplete"
+    return events + [writer.event(kind, response=response)]
+
+
+def _failed(writer: StreamWriter, answer: Answer, error: APIError) -> list[str]:
+    code = error.code or "server_error"
+    return [
+        writer.event("error", code=code, message=error.message, param=error.param),
+        writer.event("response.failed", response=answer.response(
+            "failed", writer.items, error={"code": code, "message": error.message})),
+    ]
