@@ -15,6 +15,7 @@ from tierlm.api.errors import APIError, error_response, install_error_handlers
 from tierlm.api.model_pool import apply_settings, make_pool
 from tierlm.api.model_routes import router as model_router
 from tierlm.api.openai_routes import router as openai_router
+from tierlm.api.responses_routes import router as responses_router
 from tierlm.api.served_model import ServedModel
 from tierlm.config import Settings
 from tierlm.pool.enforcer import MemoryEnforcer
@@ -83,6 +84,7 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
     app.state.load_error = None
     install_error_handlers(app)
     app.include_router(openai_router)
+    app.include_router(responses_router)
     app.include_router(model_router)
 
     app.add_middleware(RequestGate, settings=settings)
