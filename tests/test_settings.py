@@ -23,6 +23,7 @@ SAMPLES = {
     "aliases": (("fast",), ("claude-*haiku*", "quick"), ("gpt-4o",)),
     "extra_model_dirs": (("/models/a",), ("/models/b", "/models/c"), ("/models/d",)),
     "volatile_prompt_blocks": (("^a",), ("^b:", "c$"), ()),
+    "default_stop": (("\n\n",), ("<end>", "User:"), ("###",)),
     "chat_template_kwargs": ({"enable_thinking": False}, {"enable_thinking": True, "n": 2}, {"x": "y"}),
 }
 
@@ -218,3 +219,13 @@ def test_a_requested_name_resolves_to_a_model(clean_env, tmp_path):
     assert settings.model_for_alias("gpt-4", names) is None
     assert resolve_alias(settings, "gpt-4o", names) == "big"
     assert Settings().model_for_alias("x", []) is None
+
+
+def test_a_models_default_stop_strings_fill_a_request_that_sends_none():
+    from tierlm.api.openai_schemas import SamplingFields
+    from tierlm.api.served_model import ServedModel
+
+    model = ServedModel.__new__(ServedModel)  # the sampling defaults alone: no engine needed
+    model.settings = Settings(default_stop=("\n\n", "User:"))
+    assert model.sampling_params(SamplingFields(), 8).stop == ["\n\n", "User:"]
+    assert model.sampling_params(SamplingFields(stop="END"), 8).stop == ["END"]

@@ -126,6 +126,9 @@ class Settings:
                                         check=_at_least(0))
     default_max_tokens: int | None = setting(None, "max_tokens when a request sends none", per_model=True,
                                              check=_at_least(1))
+    default_stop: tuple[str, ...] = setting((), "stop strings when a request sends none, as Ollama's "
+                                                "`stop` parameter (a base model's answers end nowhere else)",
+                                            per_model=True)
     chat_template_kwargs: Mapping[str, object] | None = setting(None, "chat template variables for every "
                                                                       "request (a table, JSON on the command "
                                                                       "line; a request's own values win)",
@@ -182,10 +185,11 @@ class Settings:
         return parse_duration(self.keep_alive)
 
     def sampling_defaults(self) -> dict:
-        """The request fields (temperature, top_p, top_k, max_tokens) this model
+        """The request fields (temperature, top_p, top_k, max_tokens, stop) this model
         fills in when a request leaves them out."""
         values = {"temperature": self.default_temperature, "top_p": self.default_top_p,
-                  "top_k": self.default_top_k, "max_tokens": self.default_max_tokens}
+                  "top_k": self.default_top_k, "max_tokens": self.default_max_tokens,
+                  "stop": list(self.default_stop) or None}
         return {k: v for k, v in values.items() if v is not None}
 
     def template_kwargs(self, requested: dict | None = None) -> dict:

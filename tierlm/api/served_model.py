@@ -93,7 +93,7 @@ class ServedModel:
             frequency_penalty=body.frequency_penalty or 0.0,
             logit_bias=parse_logit_bias(body.logit_bias) or None,
             seed=body.seed,
-            stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+            stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or default.get("stop", [])),
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
             keep_leading_space=keep_leading_space,
