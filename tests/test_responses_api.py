@@ -6,15 +6,31 @@ not know, a request Codex CLI sent, and the errors."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from openai.lib.streaming.responses import ResponseStreamState
+from openai.types.responses import ResponseStreamEvent
+from pydantic import TypeAdapter
 from tool_testing import TIME, WEATHER, schema_of
+
+from tierlm.api.response_store import ResponseStore
+from tierlm.api.responses_routes import Answer, _events
+from tierlm.api.responses_schemas import ResponsesRequest
+from tierlm.api.responses_stream import StreamWriter
+from tierlm.api.responses_turns import chat_messages, output_items, read_tools
+from tierlm.api.sse import KEEPALIVE
+from tierlm.config import Settings
+from tierlm.engine.request import Request, RequestOutput, SamplingParams
+from tierlm.structured.events import Gathered, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallStart
+from tierlm.structured.turn import TurnParser, TurnRun
 
 MODEL = "SmolLM2-135M-Instruct"
 ASK_WEATHER = "What is the weather like in Paris today?"
@@ -272,3 +288,111 @@ def test_an_unknown_model_is_a_404_naming_the_models(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model="gpt-5-codex", input="hi")
     assert e.value.body["param"] == "model" and MODEL in e.value.body["message"]
+
+
+# ---- without a server: the stream's shape, a failure mid-stream, the store ----------------
+# (the model's side replaced only where a real one cannot be made to do it: SmolLM2
+# has no thinking markers, and a generation failure cannot be caused from outside)
+
+
+def sse_payloads(chunks: list[str]) -> list[dict]:
+    return [json.loads(c.split("data: ", 1)[1]) for c in chunks if "data: " in c]
+
+
+def answer_of(**body) -> Answer:
+    return Answer("resp_1", MODEL, ResponsesRequest(**body), read_tools(body.get("tools")), 0)
+
+
+def test_streamed_events_are_the_sdks_own_and_agree_with_the_whole_answer():
+    def function(name):
+        return {"type": "function", "name": name, "parameters": {"type": "object"}, "strict": False}
+
+    namespace = {"type": "namespace", "name": "ns", "description": "More tools.", "tools": [function("g")]}
+    answer = answer_of(input="hi", tools=[function("f"), namespace])
+    turn = [ReasoningDelta("Let me"), ReasoningDelta(" think."), TextDelta("Calling"), TextDelta(" now."),
+            ToolCallStart(0, "call_1", "f"), ToolCallArgs(0, '{"a":'), ToolCallArgs(0, " 1}"),
+            ToolCallStart(1, "call_2", "g"), ToolCallArgs(1, "{}")]
+    writer = StreamWriter(answer.tools)
+    chunks = [writer.event("response.created", response=answer.response("in_progress", []))]
+    chunks += writer.feed(turn) + writer.finish("completed")
+    chunks.append(writer.event("response.completed", response=answer.response("completed", writer.items)))
+    state = ResponseStreamState(input_tools=openai.NOT_GIVEN, text_format=openai.NOT_GIVEN)
+    seen = [state.handle_event(TypeAdapter(ResponseStreamEvent).validate_python(payload))  # the SDK's types
+            for payload in sse_payloads(chunks)]
+    assert seen[-1][0].response.output_text == "Calling now."
+    kinds = [p["type"] for p in sse_payloads(chunks)]
+    assert kinds.count("response.reasoning_text.delta") == 2 and kinds.count("response.output_item.done") == 4
+
+    def shape(items):
+        return [{k: v for k, v in item.items() if k != "id"} for item in items]
+
+    whole = output_items(Gathered().add(turn), answer.tools, "completed")
+    assert shape(writer.items) == shape(whole)
+    assert [i["type"] for i in whole] == ["reasoning", "message", "function_call", "function_call"]
+    assert whole[0]["content"] == [{"type": "reasoning_text", "text": "Let me think."}]
+    assert "namespace" not in whole[2] and whole[3]["namespace"] == "ns"
+
+
+class FailingEngine:
+    """Outputs that a failing generation gives: a wait, some text, then the
+    failure (an error output, or a bug raised)."""
+
+    def __init__(self, bug: bool):
+        self.bug = bug
+
+    async def stream_outputs(self, request, keepalive_s=None):
+        yield None
+        yield RequestOutput(request.request_id, text="Hello")
+        if self.bug:
+            raise RuntimeError("injected bug")
+        yield RequestOutput(request.request_id, finished=True, error="the step failed", error_type="internal")
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_a_failure_mid_stream_ends_with_error_and_response_failed(bug):
+    model = SimpleNamespace(engine=FailingEngine(bug))
+    http = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(settings=Settings(), response_store=None)))
+    turn = TurnRun(None, TurnParser(None, None))
+
+    async def run():
+        events = _events(model, Request("resp-1", [1, 2], SamplingParams()), http, turn, answer_of(input="hi"), [])
+        return [chunk async for chunk in events]
+
+    chunks = asyncio.run(run())
+    assert KEEPALIVE in chunks
+    payloads = sse_payloads(chunks)
+    assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+    assert [p["type"] for p in payloads][-2:] == ["error", "response.failed"]
+    failed = payloads[-1]["response"]
+    assert failed["status"] == "failed" and failed["output"][0]["content"][0]["text"] == "Hello"
+    assert failed["error"]["code"] == ("internal_error" if bug else "generation_failed")
+
+
+def test_the_store_keeps_the_most_recently_used():
+    store = ResponseStore(2)
+    for n in (1, 2):
+        store.put({"id": f"r{n}", "output": [{"n": n}]}, [{"in": n}])
+    assert store.get("r1").items == [{"in": 1}, {"n": 1}]  # r1 used: r2 is the oldest now
+    store.put({"id": "r3", "output": []}, [])
+    assert store.get("r2") is None and store.get("r1") and store.get("r3") and len(store) == 2
+    empty = ResponseStore(0)
+    empty.put({"id": "r1", "output": []}, [])
+    assert empty.get("r1") is None
+
+
+def test_turns_are_joined_as_strict_templates_want_them():
+    """Gemma's template wants user and assistant to alternate; Codex sends two
+    developer messages, then two user messages, and developer messages later on."""
+    later = [
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "exec_command", "arguments": '{"cmd": "ls"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "a.txt"},
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox changed."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Now?"}]},
+    ]
+    messages = chat_messages("Be brief.", [], CODEX["input"] + later)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "user"]
+    assert messages[0]["content"].startswith("Be brief.\n\nYou are a coding agent")
+    assert messages[1]["content"].endswith("</environment_context>\n\nSay hello")
+    assert messages[2]["content"] == "Looking." and messages[2]["tool_calls"][0]["function"]["name"] == "exec_command"
+    assert messages[4]["content"] == "Sandbox changed.\n\nNow?"

@@ -169,7 +169,7 @@ async def _respond(model: ServedModel, body: ResponsesRequest, http: HTTPRequest
 
 def _render(model: ServedModel, body: ResponsesRequest, spec: TurnSpec, tools: Tools,
             earlier: list[dict], items: list[dict]) -> list[int]:
-    messages = _leading_system_joined(chat_messages(body.instructions, earlier, items))
+    messages = chat_messages(body.instructions, earlier, items)
     try:
         messages, variables = model.turns.prepare(spec, messages)
     except TurnError as e:
@@ -179,16 +179,6 @@ def _render(model: ServedModel, body: ResponsesRequest, spec: TurnSpec, tools: T
         kwargs["enable_thinking"] = False  # Qwen3-style templates then write an empty section
     with _as_responses_params():
         return render_chat_template(model.tokenizer, messages, kwargs, None, False)
-
-
-def _leading_system_joined(messages: list[dict]) -> list[dict]:
-    """`instructions` and the developer messages that open the input (Codex sends
-    several) as one system message: many templates take one only, and first."""
-    n = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-    if n < 2:
-        return messages
-    joined = "\n\n".join(m["content"] for m in messages[:n] if m["content"])
-    return [{"role": "system", "content": joined}, *messages[n:]]
 
 
 def _start_turn(model: ServedModel, spec: TurnSpec, tools: Tools, tokens: list[int]) -> TurnRun:

@@ -59,7 +59,28 @@ def chat_messages(instructions: str | None, earlier: list[dict], items: list[dic
         _add_item(messages, item, f"input[{i}]")
     if not any(m["role"] != "system" for m in messages):
         raise APIError(400, "the input holds no message", "input", "empty_prompt")
-    return messages
+    return _as_templates_take_them(messages)
+
+
+def _as_templates_take_them(messages: list[dict]) -> list[dict]:
+    """The turns as strict chat templates accept them (Gemma's wants user and
+    assistant to alternate, Qwen's one system message, first), while Codex sends
+    several developer messages, and two user messages in a row: the system
+    messages that open the input are joined into one, later ones become user
+    text, and a user turn joins the user turn before it; so does an assistant's
+    turn the assistant text before it."""
+    out: list[dict] = []
+    for m in messages:
+        m = dict(m)
+        if m["role"] == "system" and any(o["role"] != "system" for o in out):
+            m["role"] = "user"
+        last = out[-1] if out else None
+        if last is not None and last["role"] == m["role"] and m["role"] != "tool" and not last.get("tool_calls"):
+            joined = "\n\n".join(t for t in (last["content"], m["content"]) if t)
+            out[-1] = {**last, **m, "content": joined}
+        else:
+            out.append(m)
+    return out
 
 
 def _add_item(messages: list[dict], item: Any, where: str) -> None:
