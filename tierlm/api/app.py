@@ -11,6 +11,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from tierlm.api.anthropic_routes import router as anthropic_router
 from tierlm.api.errors import APIError, error_response, install_error_handlers
 from tierlm.api.model_pool import apply_settings, make_pool
 from tierlm.api.model_routes import router as model_router
@@ -85,6 +86,7 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(responses_router)
+    app.include_router(anthropic_router)
     app.include_router(model_router)
 
     app.add_middleware(RequestGate, settings=settings)
