@@ -9,6 +9,7 @@ tierlm bench make-model  a random-weight model folder with real shapes (GPU runs
 tierlm bench docs      regenerate docs/benchmarks.md from result JSON files
 tierlm bench soak      chaos run against one server: 5xx, hung, wrong answers, memory kept
 tierlm bench models    many models in one server: cold and warm loads, TTFT of a loading request, two models vs one
+tierlm bench agents    a Claude Code session against tierlm: time per turn, prompt tokens read from cache
 
 tierlm/cli.py imports this module for every command, `tierlm serve` included, so
 each subcommand imports what it runs inside its function: the server never loads
@@ -128,6 +129,16 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
     p.add_argument("--json", default=None, help="write results here")
     p.set_defaults(func=cmd_models)
+
+    p = bsub.add_parser("agents", help="a Claude Code session of N turns: time per turn, prompt read from cache")
+    p.add_argument("--model", default="gemma-3-270m", help="a model folder, or a name in tierlm's model folder")
+    p.add_argument("--claude", default=None, help="Claude Code's command (default: on PATH, or the tests' copy)")
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--tools", default=None, help="Claude Code's --tools (default: all of its own)")
+    p.add_argument("--stop", default="\n", help="the model's default stop string ('' for none)")
+    p.add_argument("--max-output-tokens", type=int, default=200)
+    p.add_argument("--json", default=None, help="write results here")
+    p.set_defaults(func=cmd_agents)
 
 
 def _add_load_args(p: argparse.ArgumentParser, default_concurrency: str = "1") -> None:
@@ -318,6 +329,25 @@ def cmd_models(args) -> int:
     print_tables(result)
     if args.json:
         write_json(args.json, "models", result, runs.command_line())
+    return 0
+
+
+def cmd_agents(args) -> int:
+    from tierlm.bench import runs
+    from tierlm.bench.agents_bench import AgentsBenchConfig, find_claude, print_table, run_agents_bench
+    from tierlm.bench.report import console, write_json
+    from tierlm.config import Settings
+
+    claude = Path(args.claude) if args.claude else find_claude()
+    if claude is None:
+        raise SystemExit("Claude Code not found: npm install -g @anthropic-ai/claude-code, or --claude PATH")
+    model = Path(args.model).expanduser()
+    model = model if model.is_dir() else Path(Settings().model_dir).expanduser() / args.model
+    cfg = AgentsBenchConfig(model, claude, args.turns, args.max_output_tokens, args.stop, args.tools)
+    result = run_agents_bench(cfg, on_progress=lambda line: console.print("  " + line))
+    print_table(result)
+    if args.json:
+        write_json(args.json, "agents", result, runs.command_line())
     return 0
 
 

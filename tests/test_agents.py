@@ -1,0 +1,108 @@
+"""Two real coding agents, installed from npm and pointed at a real server on
+Gemma 3 270M (32k context): Claude Code over the Anthropic Messages API and
+Codex CLI over the Responses API. Each completes a turn, and its second turn
+reads the first turn's prompt from the prefix cache, as the agent itself
+reports the server's usage. The agents ask for their own model names
+(claude-*, gpt-*), which the settings file's aliases map to Gemma; the same
+file gives the base model a stop string, so that its answers end.
+
+Claude Code runs with two of its tools (Read, Bash) instead of its 25: its
+whole prompt is 21.8k tokens, a 4k-token one keeps this test to a minute on a
+2-core CPU (`tierlm bench agents` measures the whole one). Skipped only where
+npm is missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import start_server, stop_server
+
+# versions tested; the test installs them itself
+CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
+CODEX = "@openai/codex@0.171.0"
+AGENTS_DIR = Path(os.environ.get("TIERLM_TEST_AGENTS_DIR", Path.home() / ".cache" / "tierlm-tests" / "agents"))
+KEY = "agent-test-key"
+MODEL = "gemma-3-270m"
+
+
+@pytest.fixture(scope="module")
+def agents() -> Path:
+    """The folder of the agents' commands, installed with npm (a no-op when they are)."""
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip("npm is missing: Claude Code and Codex CLI install from npm")
+    AGENTS_DIR.mkdir(parents=True, exist_ok=True)
+    subprocess.run([npm, "install", "--prefix", str(AGENTS_DIR), "--no-audit", "--no-fund", "--loglevel=error",
+                    CLAUDE_CODE, CODEX], check=True, timeout=900)
+    return AGENTS_DIR / "node_modules" / ".bin"
+
+
+@pytest.fixture(scope="module")
+def gemma_server(gemma_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("agents")
+    config = root / "settings.toml"
+    # Gemma 3 270M here is the base model: greedy, and its answer ends with its first line
+    config.write_text(f'[models."{MODEL}"]\naliases = ["claude-*", "gpt-*"]\ndefault_temperature = 0\n'
+                      'default_stop = ["\\n"]\n')
+    srv = start_server(gemma_path, root / "server.log", "--config", str(config), "--api-key", KEY, timeout=300)
+    yield srv
+    stop_server(srv)
+
+
+def _run(command: list, home: Path, env: dict) -> subprocess.CompletedProcess:
+    workdir = home / "project"
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "LANG": "C.UTF-8", **env}
+    done = subprocess.run([str(c) for c in command], env=env, cwd=workdir, capture_output=True, text=True,
+                          timeout=900, check=False)
+    assert done.returncode == 0, f"{command[0]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def claude_turn(agents: Path, srv, home: Path, prompt: str, *args: str) -> dict:
+    """One `claude -p` turn; its result (text, usage as the server reported it)."""
+    env = {"ANTHROPIC_BASE_URL": srv.base_url, "ANTHROPIC_API_KEY": KEY, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "200",
+           "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+    done = _run([agents / "claude", "-p", prompt, "--output-format", "json", "--tools", "Read,Bash", *args],
+                home, env)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not result["is_error"], result
+    return result
+
+
+def test_claude_code_completes_turns_and_the_second_reads_the_first_from_cache(agents, gemma_server, tmp_path):
+    first = claude_turn(agents, gemma_server, tmp_path, "Say hello in one short sentence.")
+    assert first["result"].strip()
+    prompt = first["usage"]["input_tokens"] + first["usage"]["cache_read_input_tokens"]
+    assert prompt > 2000  # Claude Code's own system prompt and tools were there
+
+    second = claude_turn(agents, gemma_server, tmp_path, "Thank you.", "--continue")
+    assert second["result"].strip()
+    # everything the first turn sent but its last, partial cache block
+    assert second["usage"]["cache_read_input_tokens"] >= prompt - 256, (first["usage"], second["usage"])
+
+
+def codex_turn(agents: Path, srv, home: Path, prompt: str, *args: str) -> dict:
+    """One `codex exec` turn; the usage of its turn.completed event."""
+    config = home / ".codex" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text('model = "gpt-5-codex"\nmodel_provider = "tierlm"\n\n[model_providers.tierlm]\n'
+                      f'name = "tierlm"\nbase_url = "{srv.v1}"\nwire_api = "responses"\nenv_key = "TIERLM_API_KEY"\n')
+    done = _run([agents / "codex", "exec", *args, "--skip-git-repo-check", "--json", prompt], home,
+                {"TIERLM_API_KEY": KEY})
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    failures = [e for e in events if e.get("type") in ("turn.failed", "error")]
+    assert not failures, failures
+    return next(e for e in events if e.get("type") == "turn.completed")["usage"]
+
+
+def test_codex_completes_turns_and_the_second_reads_the_first_from_cache(agents, gemma_server, tmp_path):
+    first = codex_turn(agents, gemma_server, tmp_path, "Say hello in one short sentence.")
+    assert first["input_tokens"] > 2000 and first["output_tokens"] > 0
+    second = codex_turn(agents, gemma_server, tmp_path, "Thank you.", "resume", "--last")
+    assert second["cached_input_tokens"] >= first["input_tokens"] - 256, (first, second)
