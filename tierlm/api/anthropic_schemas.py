@@ -9,30 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from tierlm.api.errors import APIError
-from tierlm.api.validation import SEED_MAX, SEED_MIN, find_lone_surrogate
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_is_unicode(cls, data):
-        if (where := find_lone_surrogate(data)) is not None:
-            raise APIError(400, f"'{where}': the text holds a lone UTF-16 surrogate, which is not "
-                           "valid Unicode", where, "invalid_value")
-        return data
+from tierlm.api.openai_schemas import RequestBody
+from tierlm.api.validation import SEED_MAX, SEED_MIN
 
 
-class InputMessage(_Body):
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
     role: str  # user, assistant; "system" entries are folded into the system prompt
     content: str | list[dict[str, Any]]
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(RequestBody):
     """What decides the prompt: the same fields as a message request's."""
 
     model: str

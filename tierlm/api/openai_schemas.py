@@ -3,6 +3,7 @@ clients send many optional ones; known fields are range-checked here."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -10,19 +11,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tierlm.api.errors import APIError
 from tierlm.api.validation import SEED_MAX, SEED_MIN, find_lone_surrogate
 
+log = logging.getLogger(__name__)
+
 
 class _Body(BaseModel):
     # NaN and Infinity (which Python's JSON parser accepts) are no numbers to sample with
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class SamplingFields(_Body):
-    """Fields shared by chat and text completions (vLLM's extras included). The
-    ranges that depend on the model are checked in api/validation.py."""
+class RequestBody(_Body):
+    """A whole request's body, for every API: its fields a client sends that this
+    server does not know are ignored (logged at debug: clients send fields newer
+    than any server), and its text must be valid Unicode."""
 
     @model_validator(mode="before")
     @classmethod
@@ -30,7 +30,18 @@ class SamplingFields(_Body):
         if (where := find_lone_surrogate(data)) is not None:
             raise APIError(400, f"'{where}': the text holds a lone UTF-16 surrogate, which is not "
                            "valid Unicode", where, "invalid_value")
+        if isinstance(data, dict) and (unknown := sorted(set(data) - set(cls.model_fields))):
+            log.debug("%s: ignoring fields %s", cls.__name__, ", ".join(unknown))
         return data
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(RequestBody):
+    """Fields shared by chat and text completions (vLLM's extras included). The
+    ranges that depend on the model are checked in api/validation.py."""
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)

@@ -57,19 +57,26 @@ def read_response_format(fmt: dict[str, Any] | None) -> dict | bool | None:
     """The JSON schema a text answer must follow, or None for free text."""
     if fmt is None:
         return None
+    spec = fmt.get("json_schema") if isinstance(fmt, dict) else None
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    return format_schema(fmt, schema, "response_format", "response_format.json_schema.schema")
+
+
+def format_schema(fmt, schema, param: str, schema_param: str) -> dict | bool | None:
+    """What an answer format (`{"type": "text" | "json_object" | "json_schema"}`,
+    the last with its `schema`, wherever the API keeps it) asks for: None for free
+    text, else the JSON schema of the answer."""
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "text":
         return None
     if kind == "json_object":
         return {"type": "object"}
     if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, (dict, bool)):
-            raise APIError(400, "json_schema needs a 'schema' object", "response_format.json_schema.schema")
+            raise APIError(400, "a json_schema format needs a 'schema' object", schema_param, "invalid_value")
         return schema
-    raise APIError(400, "response_format type must be 'text', 'json_object' or 'json_schema'",
-                   "response_format.type")
+    raise APIError(400, f"{param}.type must be 'text', 'json_object' or 'json_schema'", f"{param}.type",
+                   "invalid_value")
 
 
 def turn_error(e: TurnError) -> APIError:

@@ -7,19 +7,15 @@ place (`input[3].content[0]`)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from tierlm.api.errors import APIError
-from tierlm.api.openai_schemas import SamplingFields, _Body
-from tierlm.api.validation import SEED_MAX, SEED_MIN, find_lone_surrogate
-
-log = logging.getLogger(__name__)
+from tierlm.api.openai_schemas import RequestBody, SamplingFields
+from tierlm.api.validation import SEED_MAX, SEED_MIN
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     model: str | None = None
     input: Any = None  # a string or a list of items: read in responses_turns.input_items
     instructions: str | None = None
@@ -38,16 +34,6 @@ class ResponsesRequest(_Body):
     stream: bool = False
     user: str | None = None
     keep_alive: float | str | None = None  # as on the chat route (Ollama's)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_text_and_log_unknown(cls, data):
-        if (where := find_lone_surrogate(data)) is not None:
-            raise APIError(400, f"'{where}': the text holds a lone UTF-16 surrogate, which is not "
-                           "valid Unicode", where, "invalid_value")
-        if isinstance(data, dict) and (unknown := sorted(set(data) - set(cls.model_fields))):
-            log.debug("responses: ignoring fields %s", ", ".join(unknown))
-        return data
 
     @property
     def stored(self) -> bool:

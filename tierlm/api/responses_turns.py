@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierlm.api.errors import APIError
-from tierlm.api.openai_turns import read_tool_choice
+from tierlm.api.openai_turns import format_schema, read_tool_choice
 from tierlm.api.responses_schemas import ResponsesRequest
 from tierlm.structured.events import Gathered
 from tierlm.structured.tools import Tool, ToolChoice, TurnError
@@ -222,19 +222,8 @@ def read_text_format(text: dict | None) -> dict | bool | None:
     fmt = (text or {}).get("format")
     if fmt is None:
         return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "object"}
-    if kind == "json_schema":
-        schema = fmt.get("schema")
-        if not isinstance(schema, (dict, bool)):
-            raise APIError(400, "a json_schema format needs a 'schema' object", "text.format.schema",
-                           "invalid_value")
-        return schema
-    raise APIError(400, "text.format.type must be 'text', 'json_object' or 'json_schema'",
-                   "text.format.type", "invalid_value")
+    schema = fmt.get("schema") if isinstance(fmt, dict) else None
+    return format_schema(fmt, schema, "text.format", "text.format.schema")
 
 
 def wants_no_thinking(body: ResponsesRequest) -> bool:
