@@ -245,6 +245,61 @@ def test_each_destination_of_the_route_counts_what_it_takes():
         assert product((9, 40), (40, 64)) == {"sgemm_exact": 1}  # its weighted values
 
 
+@needs_route
+@pytest.mark.skipif(not STATE.exact_attention.on, reason="no exact attention products here")
+@pytest.mark.parametrize("rows,keys,width", [(1024, 4096, 256), (768, 700, 64), (13, 300, 100)])
+def test_big_attention_products_are_row_by_row_bit_for_bit(rows, keys, width):
+    """A long prompt's attention products run tiled, keys in blocks, over every
+    core (exact_gemm.c, threads.c); a decode step's few rows run one at a time.
+    Each element must still be summed in the one order: the whole product equals
+    its rows computed alone, bit for bit, causal zeros included."""
+    rng = np.random.default_rng(rows)
+    q, k = mx.array(rng.standard_normal((rows, width), np.float32)), mx.array(rng.standard_normal((keys, width), np.float32))
+    weights = rng.random((rows, keys), np.float32)
+    weights[np.arange(keys)[None] > (np.arange(rows) * keys // rows)[:, None]] = 0  # causal spans
+    weights[:, : keys // 7] = 0  # left padding
+    p, v = mx.array(weights), mx.array(rng.standard_normal((keys, width), np.float32))
+    before = counts()
+    scores, out = q @ k.T, p @ v
+    mx.eval(scores, out)
+    assert ran(before).get("sgemm_exact") == 2
+    for i in range(0, rows, max(1, rows // 9)):
+        assert mx.array_equal(q[i : i + 1] @ k.T, scores[i : i + 1]).item(), f"scores row {i}"
+        assert mx.array_equal(p[i : i + 1] @ v, out[i : i + 1]).item(), f"weighted row {i}"
+    np.testing.assert_allclose(np.array(out), weights.astype(np.float64) @ np.array(v, np.float64), rtol=1e-4, atol=1e-3)
+
+
+@needs_avx512
+@pytest.mark.parametrize("batch,mask_batch", [(1, 1), (3, 3), (3, 1)])
+def test_native_masked_softmax_is_where_then_softmax_bit_for_bit(batch, mask_batch):
+    """mlx-lm's caches give prefill a boolean (B or 1, 1, L, S) mask; the native
+    softmax applies it in its first pass, as MLX's where(mask, scores, -inf) did."""
+    scores = mx.random.normal((batch, 4, 9, 45)) * 5
+    mask = mx.random.uniform(shape=(mask_batch, 1, 9, 45)) > 0.4
+    mask[..., -1] = True
+    mask[..., 2, :] = False  # a row that sees nothing
+    mx.eval(scores, mask)
+    want = cpu_kernels._native_softmax(mx.where(mask, scores, -mx.inf), 0)
+    got = cpu_kernels._native_masked_softmax(mx.array(scores), mask)
+    assert np.array_equal(np.array(got).view(np.uint32), np.array(want).view(np.uint32))
+
+
+@needs_avx512
+def test_native_gelu_matches_mlx_and_runs_for_prefill_only():
+    x = mx.random.normal((2, 300, 256)) * 6
+    want = nn.gelu_approx(x)
+    got = cpu_kernels._native_gelu(x)
+    assert got.dtype == mx.float32 and mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+    proxy = cpu_kernels._ModelNn()
+    before = counts()
+    assert mx.allclose(proxy.gelu_approx(x), want, rtol=1e-5, atol=1e-6).item()
+    small = x[:1, :1]  # a decode step's activation: MLX's own
+    assert mx.array_equal(proxy.gelu_approx(small), nn.gelu_approx(small)).item()
+    assert proxy.Linear is nn.Linear
+    delta = ran(before)
+    assert delta.get("gelu") == 1 and delta.get("kernel_gelu") == 1
+
+
 def _bfloat16(a: np.ndarray) -> np.ndarray:
     """`a` rounded to bfloat16 (nearest, ties to even), as float64."""
     bits = a.astype(np.float32).view(np.uint32)
@@ -439,14 +494,16 @@ def _logits_through_a_cache(model) -> list[mx.array]:
     ("gemma3_text", ["gemma3_text.scaled_dot_product_attention"]),
     ("qwen3_next", ["qwen3_next.scaled_dot_product_attention", "qwen3_next.swiglu", "switch_layers.swiglu"]),
 ])
-def test_installed_kernels_give_the_models_own_logits(name, replaced):
+def test_installed_kernels_give_the_models_own_logits(name, replaced, monkeypatch):
     """...and every kernel reported installed ran (counted), natively where the CPU allows."""
+    monkeypatch.setattr(cpu_kernels, "NATIVE_GELU_MIN", 0)  # a tiny model's activations are decode-sized
     model = tiny_model(name)
     want = _logits_through_a_cache(model)
     mx.eval(want)
     try:
         native = ["generate.logsumexp"] if cpu_kernels.native_kernels() else []
-        assert cpu_kernels.install(model) == replaced + native
+        gelu = [f"{name}.gelu_approx"] if cpu_kernels.native_kernels() and name.startswith("gemma") else []
+        assert cpu_kernels.install(model) == replaced + gelu + native
         before = counts()
         got = _logits_through_a_cache(model)
         mx.eval(got)
@@ -460,6 +517,7 @@ def test_installed_kernels_give_the_models_own_logits(name, replaced):
     if cpu_kernels.native_kernels():
         assert delta.get("softmax", 0) == delta["kernel_attention"]
         assert delta.get("swiglu", 0) > 0 or "kernel_swiglu" not in delta
+        assert (delta.get("gelu", 0) > 0) == bool(gelu) and delta.get("gelu", 0) == delta.get("kernel_gelu", 0)
 
 
 def test_weights_go_float32_only_when_they_fit():

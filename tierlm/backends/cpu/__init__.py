@@ -8,12 +8,12 @@ For a model on MLX's CPU backend this room arranges, when the model is loaded:
   through which MLX's library calls `cblas_sgemm` (got.py), and proved by one
   counted product (the self-check);
 - native.py, native/: the C behind it (the route, AMX tiles, attention's
-  fixed-order products, softmax, SwiGLU, log-sum-exp), built once into the
-  user's cache;
+  fixed-order products shared over the cores, softmax, SwiGLU, GELU,
+  log-sum-exp), built once into the user's cache;
 - weights.py: the weights in float32 when they fit (MLX sends only float32
   matmuls to BLAS);
-- kernels.py: attention and SwiGLU for float32, in native code where the CPU
-  has AVX-512;
+- kernels.py: attention, SwiGLU and GELU for float32, in native code where the
+  CPU has AVX-512;
 - amx.py: bfloat16 copies of the weights on AMX tiles, where the CPU has them.
 
 `prepare(model, ...)` is the one entry point (tierlm.backends.prepare calls it

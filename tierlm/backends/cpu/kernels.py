@@ -21,6 +21,7 @@ counts its own calls too): the tests check that what is reported in use runs.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import types
@@ -34,10 +35,11 @@ from mlx import nn
 from tierlm.backends.cpu import route
 
 # times each replacement ran in this process: "attention", "swiglu" (either way),
-# "logsumexp" (the native one, through mlx_lm.generate's proxy). Every key is
+# "logsumexp" (the native one, through mlx_lm.generate's proxy), "gelu" (the
+# native one, through the model modules' mlx.nn proxy). Every key is
 # there from the start: /stats reads it from another thread, and a key added
 # while it iterates would break the iteration.
-calls: Counter = Counter(attention=0, swiglu=0, logsumexp=0)
+calls: Counter = Counter(attention=0, swiglu=0, logsumexp=0, gelu=0)
 
 # exp(x) = (2^u)^128 with u = x·log2(e)/128: 2^u from its Taylor series (degree 9,
 # error ~1e-9), then seven squarings (error x128). Plain arithmetic, so the
@@ -79,9 +81,13 @@ def attention(queries, keys, values, scale: float, mask, native: bool | None = N
     grouped = (queries * scale).reshape(batch, kv_heads, group * length, dim)
     scores = (grouped @ keys.swapaxes(-1, -2)).reshape(batch, heads, length, span)
     causal = isinstance(mask, str)  # "causal": query i sits at position span - length + i
+    native = native if native is not None else native_kernels()
+    if native and _foldable(mask, batch, length, span):
+        weights = _native_masked_softmax(scores, mask)
+        return (weights.reshape(batch, kv_heads, group * length, span) @ values).reshape(batch, heads, length, dim)
     if not causal and mask is not None:
         scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
-    if native if native is not None else native_kernels():
+    if native:
         weights = _native_softmax(scores, length if causal else 0)
         return (weights.reshape(batch, kv_heads, group * length, span) @ values).reshape(batch, heads, length, dim)
     if causal:
@@ -113,6 +119,29 @@ def _native_softmax(scores: mx.array, causal: int) -> mx.array:
         view = np.ascontiguousarray(view, dtype=np.float32)
     rows, cols = scores.size // scores.shape[-1], scores.shape[-1]
     _lib().tierlm_softmax_rows(view.ctypes.data, rows, cols, causal)
+    return scores if in_place else mx.array(view)
+
+
+def _foldable(mask, batch: int, length: int, span: int) -> bool:
+    """A boolean mask of one row block per batch entry or one shared, as mlx-lm's
+    caches make them ((B or 1, 1, L, S)): the native softmax applies it itself."""
+    return (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 4
+            and mask.shape[0] in (1, batch) and mask.shape[1] == 1 and mask.shape[2:] == (length, span))
+
+
+def _native_masked_softmax(scores: mx.array, mask: mx.array) -> mx.array:
+    """native/softmax.c with the mask applied in its first pass over each row:
+    what MLX's where(mask, scores, -inf) and then `_native_softmax` give, bit for
+    bit, without writing the scores once more (~40 ms a layer at 16k keys)."""
+    mx.eval(scores, mask)
+    view = np.array(scores, copy=False)
+    in_place = view.flags.c_contiguous and view.flags.writeable
+    if not in_place:
+        view = np.ascontiguousarray(view, dtype=np.float32)
+    bits = np.ascontiguousarray(np.array(mask, copy=False))  # a view when it already is
+    _, heads, length, span = scores.shape
+    _lib().tierlm_softmax_rows_masked(view.ctypes.data, scores.size // span, span, bits.ctypes.data, heads, length,
+                                      int(mask.shape[0] > 1))
     return scores if in_place else mx.array(view)
 
 
@@ -186,6 +215,40 @@ class _GenerateMx(types.ModuleType):
         return mx.logsumexp(a, axis=axis, keepdims=keepdims, **kwargs)
 
 
+def _native_gelu(x: mx.array) -> mx.array:
+    """native/swiglu.c's GELU (tanh approximation) of an evaluated float32, into a new array."""
+    mx.eval(x)
+    view = np.ascontiguousarray(np.array(x, copy=False))  # a view when it already is
+    out = np.empty(view.shape, np.float32)
+    _lib().tierlm_gelu_approx(view.ctypes.data, out.ctypes.data, view.size)
+    return mx.array(out)
+
+
+# Below this many elements (decode steps) MLX's own GELU stays: its ~20 ns an
+# element costs less than splitting the step's graph to run native code.
+NATIVE_GELU_MIN = 1 << 16
+
+
+class _ModelNn(types.ModuleType):
+    """mlx.nn as an mlx-lm model module sees it once installed: the same, except
+    that `gelu_approx` of float32 runs in native code. MLX's tanh on this backend
+    is scalar: Gemma 3's MLP activation took ~20 ns an element, ~40 % of a
+    prefill chunk at the start of a prompt (0.2 ms in native code)."""
+
+    def __init__(self):
+        super().__init__(nn.__name__)
+
+    def __getattr__(self, name):
+        return getattr(nn, name)
+
+    @staticmethod
+    def gelu_approx(x):
+        if x.dtype == mx.float32 and x.size >= NATIVE_GELU_MIN and native_kernels():
+            calls["gelu"] += 1
+            return _native_gelu(x)
+        return nn.gelu_approx(x)
+
+
 def _mlx_lm_modules(model: nn.Module) -> list:
     """The mlx-lm model modules whose classes `model` is built from."""
     names = {type(m).__module__ for m in model.modules()}
@@ -213,16 +276,29 @@ def install(model: nn.Module) -> list[str]:
             if not hasattr(current, "original"):
                 setattr(module, name, wrap(current))
             replaced.append(f"{module.__name__.rsplit('.', 1)[-1]}.{name}")
+        if native_kernels() and getattr(module, "nn", None) is nn:
+            module.nn = _ModelNn()
+        if isinstance(getattr(module, "nn", None), _ModelNn) and _calls_gelu(module):
+            replaced.append(f"{module.__name__.rsplit('.', 1)[-1]}.gelu_approx")
     if native_kernels():
         _generate_module().mx = _GenerateMx()
         replaced.append("generate.logsumexp")
     return replaced
 
 
+def _calls_gelu(module) -> bool:
+    try:
+        return "nn.gelu_approx" in inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
+
+
 def uninstall(model: nn.Module) -> None:
     """Put mlx-lm's own functions back (for comparisons)."""
     _generate_module().mx = mx
     for module in _mlx_lm_modules(model):
+        if isinstance(getattr(module, "nn", None), _ModelNn):
+            module.nn = nn
         for name in _WRAPPERS:
             current = getattr(module, name, None)
             if hasattr(current, "original"):

@@ -4,9 +4,10 @@ to the process; MLX reaches its `cblas_sgemm` only through the slot route.py
 writes).
 
 What is in it: the sgemm route (sgemm_route.c), AMX weight tiles and their
-products (amx_bf16.c), attention's fixed-order products (exact_gemm.c), the row
-softmax and log-sum-exp (softmax.c) and SwiGLU (swiglu.c); counters.h counts
-the calls each of them serves, which the self-check and the tests read.
+products (amx_bf16.c), attention's fixed-order products (exact_gemm.c, shared
+over the cores by threads.c), the row softmax (with or without a mask) and
+log-sum-exp (softmax.c), SwiGLU and GELU (swiglu.c); counters.h counts the
+calls each of them serves, which the self-check and the tests read.
 
 Built the first time a model is loaded on MLX's CPU backend, never on import.
 CC picks the compiler, XDG_CACHE_HOME the cache folder.
@@ -23,11 +24,11 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent / "native"
-SOURCES = [HERE / name for name in ("sgemm_route.c", "amx_bf16.c", "exact_gemm.c", "softmax.c", "swiglu.c")]
-HEADERS = [HERE / "exp512.h", HERE / "counters.h"]
+SOURCES = [HERE / name for name in ("sgemm_route.c", "amx_bf16.c", "exact_gemm.c", "softmax.c", "swiglu.c", "threads.c")]
+HEADERS = [HERE / "exp512.h", HERE / "counters.h", HERE / "threads.h"]
 
 # The order of counters.h's enum: what each tierlm_counts slot counts.
-COUNTERS = ("sgemm", "sgemm_amx", "sgemm_exact", "sgemm_gemv", "sgemm_blas", "softmax", "swiglu", "logsumexp")
+COUNTERS = ("sgemm", "sgemm_amx", "sgemm_exact", "sgemm_gemv", "sgemm_blas", "softmax", "swiglu", "logsumexp", "gelu")
 
 
 class BuildError(RuntimeError):
@@ -69,7 +70,10 @@ def load() -> ctypes.CDLL:
     lib.tierlm_amx_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.tierlm_amx_unpack.argtypes = [ctypes.c_void_p]
     lib.tierlm_softmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
+    lib.tierlm_softmax_rows_masked.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                                               ctypes.c_long, ctypes.c_long, ctypes.c_long]
     lib.tierlm_swiglu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+    lib.tierlm_gelu_approx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
     lib.tierlm_logsumexp_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     return lib
 

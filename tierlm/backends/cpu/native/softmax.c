@@ -94,6 +94,35 @@ void tierlm_softmax_rows(float *x, long rows, long cols, long causal) {
   }
 }
 
+/* tierlm_softmax_rows without `causal`, after the mask: the rows are (batch,
+ * head, query) of scores whose mask is (batch or 1, 1, `length`, cols) bytes
+ * (`mask_batch`: 1 when the mask has a row block per batch entry, 0 when one is
+ * shared); a 0 byte makes its score -inf first. The same as MLX's
+ * where(mask, scores, -inf) followed by tierlm_softmax_rows, bit for bit, in one
+ * pass less over the scores. */
+void tierlm_softmax_rows_masked(float *x, long rows, long cols, const unsigned char *mask, long heads, long length,
+                                long mask_batch) {
+  TIERLM_COUNT(COUNT_SOFTMAX);
+  const __m512 masked = _mm512_set1_ps(-INFINITY);
+  for (long r = 0; r < rows; r++) {
+    float *row = x + r * cols;
+    long b = r / (heads * length), i = r % length;
+    const unsigned char *m = mask + (b * mask_batch * length + i) * cols;
+    long j = 0;
+    for (; j + 16 <= cols; j += 16) {
+      __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(m + j)));
+      _mm512_mask_storeu_ps(row + j, _mm512_cmpeq_epi32_mask(bytes, _mm512_setzero_si512()), masked);
+    }
+    for (; j < cols; j++)
+      if (!m[j]) row[j] = -INFINITY;
+    long seen = last_seen(row, cols);
+    float top = seen ? row_max(row, seen) : -INFINITY;
+    if (top == -INFINITY) seen = 0;
+    else scale_row(row, seen, 1.0f / exp_row(row, seen, top, 1));
+    memset(row + seen, 0, (cols - seen) * sizeof(float));
+  }
+}
+
 /* out[r] = log(sum_j exp(x[r][j])) over each of `rows` rows of `cols` floats:
  * the normalizer mlx-lm's BatchGenerator subtracts from every step's logits. */
 void tierlm_logsumexp_rows(float *x, long rows, long cols, float *out) {
@@ -109,4 +138,7 @@ void tierlm_logsumexp_rows(float *x, long rows, long cols, float *out) {
 void tierlm_logsumexp_rows(float *x, long rows, long cols, float *out) {}
 
 void tierlm_softmax_rows(float *x, long rows, long cols, long causal) {}
+
+void tierlm_softmax_rows_masked(float *x, long rows, long cols, const unsigned char *mask, long heads, long length,
+                                long mask_batch) {}
 #endif
