@@ -25,6 +25,8 @@ SAMPLES = {
     "volatile_prompt_blocks": (("^a",), ("^b:", "c$"), ()),
     "default_stop": (("\n\n",), ("<end>", "User:"), ("###",)),
     "chat_template_kwargs": ({"enable_thinking": False}, {"enable_thinking": True, "n": 2}, {"x": "y"}),
+    "api_key": (("alice:k1",), ("k2", "bob:k3"), ("k4",)),
+    "admin_key": (("ops:a1",), ("a2",), ("ops:a3", "ci:a4")),
 }
 
 

@@ -62,6 +62,14 @@ def resolve_model(settings: Settings) -> Path:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _setup_logging(settings.log_level)
+    from tierlm.admin.access import Access, check_bind
+
+    try:  # before anything loads: a server open to the network without a key does not start
+        Access(settings.api_key, settings.admin_key)
+        check_bind(settings.host, settings.api_key, settings.insecure_no_auth)
+    except ValueError as e:
+        print(f"tierlm serve: {e}", file=sys.stderr)
+        return 2
     import uvicorn
 
     from tierlm.api.app import create_app
@@ -166,7 +174,9 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     url = f"http://{settings.host}:{settings.port}/v1/models"
-    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    from tierlm.admin.access import secret_of
+
+    headers = {"Authorization": f"Bearer {secret_of(settings.api_key[0])}"} if settings.api_key else {}
     try:
         listed = httpx.get(url, headers=headers, timeout=10).raise_for_status().json()["data"]
     except httpx.HTTPError as e:

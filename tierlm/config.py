@@ -66,7 +66,15 @@ class Settings:
     model_dir: str = setting(str(HOME / "models"), "where models are kept")
     served_model_name: str | None = setting(None, "the model id clients use (default: the folder name)",
                                             per_model=True)
-    api_key: str | None = setting(None, "require this key as 'Authorization: Bearer KEY' or 'x-api-key'")
+    api_key: tuple[str, ...] = setting((), "keys the /v1 routes require, as 'Authorization: Bearer KEY' or "
+                                           "'x-api-key'; each KEY or NAME:KEY (comma-separated on the command "
+                                           "line); an API key cannot load, unload or clear the cache",
+                                       check=_names_check)
+    admin_key: tuple[str, ...] = setting((), "keys for loading and unloading models, clearing the cache, "
+                                             "/metrics and /stats (KEY or NAME:KEY); with API keys and none "
+                                             "of these, those routes are refused", check=_names_check)
+    insecure_no_auth: bool = setting(False, "listen on an address other than loopback without an API key "
+                                            "(else the server refuses to start)")
     max_body_bytes: int = setting(32 * 2**20, "largest request body accepted, chunked or not")
     allow_client_chat_template: bool = setting(False, "render a chat_template sent in a request (bounded to "
                                                       "2 s and 16M characters; off: a template is code)")

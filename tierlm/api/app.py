@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from tierlm.admin.access import Access, redact_query
 from tierlm.api.anthropic_routes import router as anthropic_router
 from tierlm.api.errors import APIError, error_response, install_error_handlers
 from tierlm.api.model_pool import apply_settings, make_pool
@@ -48,11 +48,18 @@ def _default_served(app: FastAPI) -> ServedModel | None:
 
 class QuietHealthProbes(logging.Filter):
     """Keeps /health out of uvicorn's access log: a load balancer or a supervisor
-    polls it every few seconds, and those lines would bury the requests."""
+    polls it every few seconds, and those lines would bury the requests. Hides
+    the values of key-like query parameters in the others."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args  # uvicorn: (client, method, path, http version, status)
-        return not (isinstance(args, tuple) and len(args) > 2 and str(args[2]).startswith("/health"))
+        if not (isinstance(args, tuple) and len(args) > 2):
+            return True
+        if str(args[2]).startswith("/health"):
+            return False
+        if "?" in str(args[2]):
+            record.args = (*args[:2], redact_query(str(args[2])), *args[3:])
+        return True
 
 
 def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatcher | None = None) -> FastAPI:
@@ -83,13 +90,15 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
     app.state.settings = settings
     app.state.pool = make_pool(settings, model_path)
     app.state.load_error = None
+    access = Access(settings.api_key, settings.admin_key)
+    log.info("access: %s", access.describe())
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(responses_router)
     app.include_router(anthropic_router)
     app.include_router(model_router)
 
-    app.add_middleware(RequestGate, settings=settings)
+    app.add_middleware(RequestGate, settings=settings, access=access)
 
     @app.get("/health")
     async def health():
@@ -135,12 +144,13 @@ def _ready(app: FastAPI) -> ServedModel:
 
 
 class RequestGate:
-    """Body-size limit, API key, and the last line against a bug: plain ASGI
-    middleware, as Starlette's BaseHTTPMiddleware would hide client disconnects
-    from the handlers."""
+    """Keys (admin.access: who may call which route), body-size limit, and the
+    last line against a bug: plain ASGI middleware, as Starlette's
+    BaseHTTPMiddleware would hide client disconnects from the handlers."""
 
-    def __init__(self, app, settings: Settings):
+    def __init__(self, app, settings: Settings, access: Access | None = None):
         self.app, self.settings = app, settings
+        self.access = access or Access(settings.api_key, settings.admin_key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -155,14 +165,19 @@ class RequestGate:
         await self._guarded(scope, receive, send)
 
     def _check(self, request: Request) -> JSONResponse | None:
+        denied, key_name = self.access.check(request.method, request.url.path, request.headers)
+        if key_name is not None:
+            request.scope.setdefault("state", {})["key_name"] = key_name  # for whoever shows who asked
+        if denied is not None:
+            response = error_response(denied.status, denied.message, code=denied.code, path=request.url.path)
+            if denied.status == 401:
+                response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         limit = self.settings.max_body_bytes
         size = request.headers.get("content-length", "")
         if size.isdigit() and int(size) > limit:
             return error_response(413, f"request body of {size} bytes is over the {limit}-byte limit",
                                   code="request_too_large", path=request.url.path)
-        key = self.settings.api_key
-        if key and request.url.path.startswith("/v1") and not _authorized(request, key):
-            return error_response(401, "invalid or missing API key", code="invalid_api_key", path=request.url.path)
         return None
 
     async def _read_capped(self, receive, path: str):
@@ -209,10 +224,3 @@ class RequestGate:
             else:  # mid-response: end it whole, at least
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-
-def _authorized(request: Request, key: str) -> bool:
-    """The key as a bearer token (OpenAI's clients) or in `x-api-key` (Anthropic's)."""
-    auth = request.headers.get("authorization", "")
-    bearer = auth[7:] if auth.lower().startswith("bearer ") else ""
-    return any(hmac.compare_digest(given.encode(), key.encode())
-               for given in (bearer, request.headers.get("x-api-key", "")) if given)

@@ -1,5 +1,7 @@
 """The models: /v1/models lists every model here, loaded or not; load and
-unload one by name or alias."""
+unload one by name or alias (admin routes: the admin key, tierlm.admin.access).
+A name only ever selects among the models discovery listed: it is never made
+into a path."""
 
 from __future__ import annotations
 
