@@ -11,6 +11,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from tierlm.admin.access import Access, redact_query
+from tierlm.admin.metrics import ServerMetrics, make_registry
+from tierlm.admin.metrics import router as metrics_router
 from tierlm.api.anthropic_routes import router as anthropic_router
 from tierlm.api.errors import APIError, error_response, install_error_handlers
 from tierlm.api.model_pool import apply_settings, make_pool
@@ -74,6 +76,7 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
         app.state.pool.start()
         enforcer = app.state.enforcer = MemoryEnforcer(
             app.state.pool, lambda: app.state.pool.current.settings.memory_marks_bytes())
+        app.state.metrics.enforcer = enforcer
         enforcer.start()
         loading = asyncio.create_task(_load_default(app))
         if watch is not None:
@@ -90,6 +93,9 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
     app.state.settings = settings
     app.state.pool = make_pool(settings, model_path)
     app.state.load_error = None
+    app.state.metrics = ServerMetrics(app.state.pool)
+    app.state.metrics.watch()
+    app.state.metrics_registry = make_registry(app.state.metrics)
     access = Access(settings.api_key, settings.admin_key)
     log.info("access: %s", access.describe())
     install_error_handlers(app)
@@ -97,6 +103,7 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
     app.include_router(responses_router)
     app.include_router(anthropic_router)
     app.include_router(model_router)
+    app.include_router(metrics_router)
 
     app.add_middleware(RequestGate, settings=settings, access=access)
 

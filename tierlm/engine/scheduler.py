@@ -105,6 +105,10 @@ class Scheduler:
         self.running: dict[int, _Running] = {}  # by BatchGenerator uid
         self._uid_of: dict[str, int] = {}
         self.counters = SchedulerCounters()
+        # called once per admitted request as it leaves the batch, on this thread:
+        # (request, its first token's time or None, tokens generated, whether it
+        # completed); the latency histograms of /metrics hang here
+        self.on_request_end: Callable[[Request, float | None, int, bool], None] | None = None
         self.load = {"running": 0, "prefilling": 0, "waiting": 0}
         # One output per request, added to token by token until `take_outputs`:
         # no object per token, and the event loop gets one piece per request per
@@ -548,6 +552,8 @@ class Scheduler:
         state = self.running.pop(uid)
         del self._uid_of[state.request.request_id]
         self.counters.finished_requests += completed
+        if self.on_request_end is not None:
+            self.on_request_end(state.request, state.first_token_time, state.completion_tokens, completed)
         if self.cache is not None:
             self.cache.release(state.hit_blocks)
             self._release_inflight(state)
