@@ -12,13 +12,18 @@ packages=""
 blas="/usr/lib/$(uname -m)-linux-gnu/openblas-pthread/libopenblas.so.0"
 [ -e "$blas" ] || packages="libopenblas0-pthread"
 command -v cc >/dev/null || packages="${packages:+$packages }gcc libc6-dev"
+# the tests drive the dashboard in a headless Chromium (tests/test_dashboard.py)
+if [ -n "$extras" ]; then
+  command -v chromium >/dev/null || packages="${packages:+$packages }chromium"
+  command -v chromedriver >/dev/null || packages="${packages:+$packages }chromium-driver"
+fi
 if [ "$(uname -s)" = "Linux" ] && [ -n "$packages" ] && command -v apt-get >/dev/null; then
   sudo=""
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
-  echo "installing $packages for MLX's CPU backend"
+  echo "installing $packages"
   $sudo apt-get install -y -q $packages >/dev/null 2>&1 \
     || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q $packages >/dev/null; } \
-    || echo "warning: not installed ($packages); tierlm will run on a slower CPU path"
+    || echo "warning: not installed ($packages): without OpenBLAS or a compiler tierlm runs on a slower CPU path; without chromium the dashboard's browser test is skipped"
 fi
 
 python3 -m venv .venv

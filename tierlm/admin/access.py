@@ -16,6 +16,11 @@ Levels:
   (403): an API key never manages the server, and a request from loopback is
   not trusted more (behind a reverse proxy on the same host every request is).
   With no key at all (a loopback-only server by default) everything is open.
+
+The dashboard's session cookie (admin.session, opened at /admin/login with the
+admin key) counts as that admin key on every route; a request that changes
+something with it must come from the server's own pages (its Origin, when sent,
+is the server's host). The login page, its assets and logout are open.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 _ADMIN_PATHS = [("POST", re.compile(r"/v1/models/.+/(load|unload)")), ("DELETE", re.compile(r"/v1/cache/?")),
                 (None, re.compile(r"/admin(/.*)?"))]
 MONITOR_PATHS = ("/metrics", "/stats")
+# the dashboard's pieces that a visitor without a session needs
+_OPEN_ADMIN = re.compile(r"/admin/?|/admin/(login|logout|static/[A-Za-z0-9_.-]+)")  # the page redirects itself
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,8 @@ def presented(headers) -> list[str]:
 
 def level_of(method: str, path: str) -> str:
     """open, api, monitor or admin."""
+    if _OPEN_ADMIN.fullmatch(path):
+        return "open"
     if any((m is None or m == method) and rx.fullmatch(path) for m, rx in _ADMIN_PATHS):
         return "admin"
     if path in MONITOR_PATHS:
@@ -107,8 +116,9 @@ class Denied:
 class Access:
     """The keys of a server and who they let in."""
 
-    def __init__(self, api_keys: tuple[str, ...] = (), admin_keys: tuple[str, ...] = ()):
+    def __init__(self, api_keys: tuple[str, ...] = (), admin_keys: tuple[str, ...] = (), sessions=None):
         self.api, self.admin = parse_keys(api_keys, "api"), parse_keys(admin_keys, "admin")
+        self.sessions = sessions  # admin.session.Sessions: the dashboard's logins, or None
         shared = {k.digest for k in self.api} & {k.digest for k in self.admin}
         if shared:
             raise ValueError("a key is both an API key and an admin key: an API key must not manage the server")
@@ -134,6 +144,12 @@ class Access:
         admin = next((k for g in given if (k := _match(g, self.admin))), None)
         if admin is not None:
             return None, admin.name
+        session = self.sessions.from_headers(headers) if self.sessions and self.admin else None
+        if session is not None:
+            if method not in ("GET", "HEAD", "OPTIONS") and not _same_origin(headers):
+                return Denied(403, "a dashboard session is only accepted from the server's own pages",
+                              "cross_origin"), session
+            return None, session
         api = next((k for g in given if (k := _match(g, self.api))), None)
         if level == "admin" or (level == "monitor" and self.admin):
             if not self.admin:
@@ -148,6 +164,14 @@ class Access:
         if api is not None or not self.api:  # api/monitor level, open when only an admin key is set
             return None, api.name if api else None
         return Denied(401, "invalid or missing API key", "invalid_api_key"), None
+
+
+def _same_origin(headers) -> bool:
+    """Whether a request's Origin, if it sent one, is the host it was sent to."""
+    origin = headers.get("origin")
+    if not origin:
+        return True
+    return origin.partition("://")[2].rstrip("/") == headers.get("host", "")
 
 
 _SECRET_QUERY = re.compile(r"([?&](?:[\w.-]*key|[\w.-]*token|auth[\w.-]*|password)=)[^&#\s]*", re.IGNORECASE)

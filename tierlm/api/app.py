@@ -11,6 +11,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from tierlm.admin.access import Access, redact_query
+from tierlm.admin.dashboard import Dashboard
+from tierlm.admin.dashboard import api as dashboard_api
+from tierlm.admin.dashboard import router as dashboard_router
+from tierlm.admin.logbuffer import QuietDashboardPolls
+from tierlm.admin.session import Sessions
 from tierlm.admin.metrics import ServerMetrics, make_registry
 from tierlm.admin.metrics import router as metrics_router
 from tierlm.api.anthropic_routes import router as anthropic_router
@@ -73,6 +78,9 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
         access = logging.getLogger("uvicorn.access")
         if not any(isinstance(f, QuietHealthProbes) for f in access.filters):
             access.addFilter(QuietHealthProbes())
+        if not any(isinstance(f, QuietDashboardPolls) for f in access.filters):
+            access.addFilter(QuietDashboardPolls())
+        app.state.dashboard.logs.attach()
         app.state.pool.start()
         enforcer = app.state.enforcer = MemoryEnforcer(
             app.state.pool, lambda: app.state.pool.current.settings.memory_marks_bytes())
@@ -88,6 +96,7 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
         await loading
         await enforcer.stop()
         await app.state.pool.close()
+        app.state.dashboard.logs.detach()
 
     app = FastAPI(title="tierlm", lifespan=lifespan)
     app.state.settings = settings
@@ -96,14 +105,17 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
     app.state.metrics = ServerMetrics(app.state.pool)
     app.state.metrics.watch()
     app.state.metrics_registry = make_registry(app.state.metrics)
-    access = Access(settings.api_key, settings.admin_key)
+    access = Access(settings.api_key, settings.admin_key, Sessions())
     log.info("access: %s", access.describe())
+    app.state.dashboard = Dashboard(access, settings, watch)
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(responses_router)
     app.include_router(anthropic_router)
     app.include_router(model_router)
     app.include_router(metrics_router)
+    app.include_router(dashboard_router)
+    app.include_router(dashboard_api)
 
     app.add_middleware(RequestGate, settings=settings, access=access)
 
