@@ -64,11 +64,67 @@ def model_path() -> Path:
     return ensure_default_model(MODEL_DIR)
 
 
+# ---- servers shared between modules ------------------------------------------
+# Each start of a server loads its model (5-30 s on CI's 2 cores), so modules whose
+# options agree share one. A shared server is stopped as soon as the last test of
+# the run that uses it is done, so that it holds no memory for the rest of the run.
+
+SHARED_SERVERS = ("server", "uncached_server", "gemma_server")
+_running: dict[str, Server] = {}  # fixture name -> its server, while it runs
+_last_user: dict[str, str] = {}  # fixture name -> node id of the last test (run order) using it
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        for name in getattr(item, "fixturenames", ()):
+            if name in SHARED_SERVERS:
+                _last_user[name] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    for name, nodeid in _last_user.items():
+        if nodeid == item.nodeid and name in _running:
+            stop_server(_running.pop(name))
+
+
+def _shared(name: str, srv: Server):
+    _running[name] = srv
+    yield srv
+    stop_server(_running.pop(name, srv))  # a no-op when its last user stopped it
+
+
 @pytest.fixture(scope="session")
 def server(model_path, tmp_path_factory):
-    srv = start_server(model_path, tmp_path_factory.mktemp("server") / "server.log")
-    yield srv
-    stop_server(srv)
+    yield from _shared("server", start_server(model_path, tmp_path_factory.mktemp("server") / "server.log"))
+
+
+@pytest.fixture(scope="session")
+def uncached_server(model_path, tmp_path_factory):
+    """The default model with no cache at all (no prefix cache, no SSD tier): reference
+    answers (test_prefix_cache_api, test_ssd_cache), and a hot tier that keeps no KV
+    alive after a request (test_allocator)."""
+    root = tmp_path_factory.mktemp("uncached")
+    yield from _shared("uncached_server", start_server(model_path, root / "server.log", "--no-prefix-cache",
+                                                       "--no-ssd-cache"))
+
+
+GEMMA = "gemma-3-270m"
+GEMMA_KEY = "agent-test-key"
+
+
+@pytest.fixture(scope="session")
+def gemma_server(gemma_path, tmp_path_factory):
+    """Gemma 3 270M as the coding agents need it (test_agents, test_gguf_gemma): the
+    aliases claude-* and gpt-* for the model names the agents ask for, an API key,
+    and, as it is a base model, greedy answers that end with their first line unless
+    a request says otherwise."""
+    root = tmp_path_factory.mktemp("gemma-server")
+    config = root / "settings.toml"
+    config.write_text(f'[models."{GEMMA}"]\naliases = ["claude-*", "gpt-*"]\ndefault_temperature = 0\n'
+                      'default_stop = ["\\n"]\n')
+    yield from _shared("gemma_server", start_server(gemma_path, root / "server.log", "--config", str(config),
+                                                    "--api-key", GEMMA_KEY, timeout=300))
 
 
 def skip_unless_pulled(fn, *args, **kwargs):

@@ -4,7 +4,8 @@ Codex CLI over the Responses API. Each completes a turn, and its second turn
 reads the first turn's prompt from the prefix cache, as the agent itself
 reports the server's usage. The agents ask for their own model names
 (claude-*, gpt-*), which the settings file's aliases map to Gemma; the same
-file gives the base model a stop string, so that its answers end.
+file gives the base model a stop string, so that its answers end (the server,
+conftest's gemma_server, is shared with test_gguf_gemma).
 
 Claude Code runs with two of its tools (Read, Bash) instead of its 25: its
 whole prompt is 21.8k tokens, a 4k-token one keeps this test to a minute on a
@@ -20,14 +21,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import start_server, stop_server
+from conftest import GEMMA_KEY as KEY
 
 # versions tested; the test installs them itself
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
 CODEX = "@openai/codex@0.171.0"
 AGENTS_DIR = Path(os.environ.get("TIERLM_TEST_AGENTS_DIR", Path.home() / ".cache" / "tierlm-tests" / "agents"))
-KEY = "agent-test-key"
-MODEL = "gemma-3-270m"
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +39,6 @@ def agents() -> Path:
     subprocess.run([npm, "install", "--prefix", str(AGENTS_DIR), "--no-audit", "--no-fund", "--loglevel=error",
                     CLAUDE_CODE, CODEX], check=True, timeout=900)
     return AGENTS_DIR / "node_modules" / ".bin"
-
-
-@pytest.fixture(scope="module")
-def gemma_server(gemma_path, tmp_path_factory):
-    root = tmp_path_factory.mktemp("agents")
-    config = root / "settings.toml"
-    # Gemma 3 270M here is the base model: greedy, and its answer ends with its first line
-    config.write_text(f'[models."{MODEL}"]\naliases = ["claude-*", "gpt-*"]\ndefault_temperature = 0\n'
-                      'default_stop = ["\\n"]\n')
-    srv = start_server(gemma_path, root / "server.log", "--config", str(config), "--api-key", KEY, timeout=300)
-    yield srv
-    stop_server(srv)
 
 
 def _run(command: list, home: Path, env: dict) -> subprocess.CompletedProcess:

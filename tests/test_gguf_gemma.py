@@ -18,7 +18,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import skip_unless_pulled, start_server, stop_server
+from conftest import GEMMA_KEY, skip_unless_pulled
 
 from tierlm.models import catalog
 from tierlm.models.gguf_dequant import GGUFTensor, read_gguf, to_mlx
@@ -161,21 +161,19 @@ def test_tokenizer_matches_transformers_gguf_reading(gemma_path, gemma_gguf):
     assert ours.decode(ours.encode(" two  spaces\n").ids, skip_special_tokens=True) == " two  spaces\n"
 
 
-def test_server_answers_sensibly(gemma_path, tmp_path_factory):
-    server = start_server(gemma_path, tmp_path_factory.mktemp("gemma-server") / "server.log")
-    try:
-        client = server.client()
-        card = client.models.list().data[0]
-        assert card.model_extra["max_model_len"] == 32768
-        # a base (pre-trained) model: it answers in the shape of its prompt
-        answer = client.completions.create(model=card.id, prompt="Question: What is the capital of France?\nAnswer:",
-                                           max_tokens=8, temperature=0)
-        assert "Paris" in answer.choices[0].text
-        chat = client.chat.completions.create(model=card.id, max_tokens=8, temperature=0,
-                                              messages=[{"role": "user", "content": "Hello"}])
-        assert chat.choices[0].message.content is not None
-    finally:
-        stop_server(server)
+def test_server_answers_sensibly(gemma_server):
+    """On the server test_agents uses too: greedy by default, and each answer ends
+    with its first line (its settings); the requests ask for greedy anyway."""
+    client = gemma_server.client(api_key=GEMMA_KEY)
+    card = client.models.list().data[0]
+    assert card.id == NAME and card.model_extra["max_model_len"] == 32768
+    # a base (pre-trained) model: it answers in the shape of its prompt
+    answer = client.completions.create(model=card.id, prompt="Question: What is the capital of France?\nAnswer:",
+                                       max_tokens=8, temperature=0)
+    assert "Paris" in answer.choices[0].text
+    chat = client.chat.completions.create(model=card.id, max_tokens=8, temperature=0,
+                                          messages=[{"role": "user", "content": "Hello"}])
+    assert chat.choices[0].message.content is not None
 
 
 # ---- the dequantize / re-quantize path, on synthetic tensors ----------------
