@@ -40,13 +40,17 @@ def lark_grammar(lark: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
-def json_body(schema: dict | bool) -> str:
-    """A JSON schema as a body inside a Lark rule (`%json {...}`), compact as above."""
+def json_body(schema: dict | bool, lenient: bool = False) -> str:
+    """A JSON schema as a body inside a Lark rule (`%json {...}`), compact as above.
+    `lenient`: keywords llguidance does not implement (`propertyNames`, ...) are
+    ignored rather than refused: for tools, whose schemas an agent writes for
+    models that read them, not for grammars (Claude Code's use propertyNames)."""
     if schema is True or schema == {}:
         schema = {}
     elif schema is False:
         raise GrammarError("the JSON schema `false` accepts nothing")
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    options = {**JSON_OPTIONS, "lenient": True} if lenient else JSON_OPTIONS
+    return "%json " + json.dumps({**schema, "x-guidance": options})
 
 
 class ModelGrammars:

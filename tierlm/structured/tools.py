@@ -204,7 +204,7 @@ def call_grammar(tools: list[Tool], fmt: ToolFormat, choice: ToolChoice, literal
     `literal` writes a marker as Lark (a special token is named, not spelled)."""
     if choice.mode == "none" or not tools or not fmt.json_body or not fmt.start:
         return None
-    body = json_body(call_schema(tools, fmt, choice.name))
+    body = json_body(call_schema(tools, fmt, choice.name), lenient=True)
     pad = ' "\\n"?' if fmt.name in ("hermes", "json_tools") else ""  # the newlines its models write
     close = f"{pad} {literal(fmt.end)}" if fmt.end else ""
     calls = f'call ("\\n"? call){{0,{MAX_PARALLEL_CALLS - 1}}}' if choice.parallel else "call"
