@@ -5,13 +5,14 @@ generic tool format is used and `any` / named tools are enforced by grammar)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import anthropic
 import httpx
 import jsonschema
 import pydantic
 import pytest
-from conftest import start_server, stop_server
+from conftest import MODEL_DIR, start_server, stop_server
 from tool_testing import TIME, WEATHER
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -251,3 +252,22 @@ def test_a_wrong_key_is_refused_in_anthropics_shape(anthropic_server):
                               json={"model": MODEL, "messages": ASK, "max_tokens": 5})
         assert response.status_code == 401
         assert response.json()["error"]["type"] == "authentication_error"
+
+
+def test_claude_codes_whole_tool_set_compiles():
+    """The 25 tools Claude Code 2.1.197 sends (recorded), through the same path as
+    a request: read, then held to a grammar for auto, any and a named tool."""
+    from mlx_lm.tokenizer_utils import load
+
+    from tierlm.api.anthropic_turns import read_tool_choice, read_tools
+    from tierlm.models.default_model import ensure_default_model
+    from tierlm.structured.turn import ModelTurns, TurnSpec
+
+    recorded = json.loads((Path(__file__).parent / "data" / "claude_code_tools.json").read_text())
+    tools = read_tools(recorded["tools"])
+    assert len(tools) == 25
+    tokenizer = load(ensure_default_model(MODEL_DIR))
+    turns = ModelTurns(tokenizer)
+    for choice in ({"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "TaskCreate"}):
+        run = turns.start(TurnSpec(tools=tools, tool_choice=read_tool_choice(choice, True)), tokenizer.encode("Hi"))
+        assert run.constraint is not None
