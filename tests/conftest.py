@@ -106,7 +106,8 @@ def uncached_server(model_path, tmp_path_factory):
     alive after a request (test_allocator)."""
     root = tmp_path_factory.mktemp("uncached")
     yield from _shared("uncached_server", start_server(model_path, root / "server.log", "--no-prefix-cache",
-                                                       "--no-ssd-cache"))
+                                                       "--no-ssd-cache", "--max-concurrent-requests", "8",
+                                                       "--log-level", "info"))
 
 
 GEMMA = "gemma-3-270m"

@@ -33,13 +33,6 @@ def cached_server(model_path, tmp_path_factory):
     stop_server(srv)
 
 
-@pytest.fixture(scope="module")
-def uncached_server(model_path, tmp_path_factory):
-    srv = start_server(model_path, tmp_path_factory.mktemp("nopc") / "server.log", "--no-prefix-cache")
-    yield srv
-    stop_server(srv)
-
-
 def test_hit_shows_in_usage_and_output_is_unchanged(cached_server, uncached_server):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where are the hammers?"}]
     clear(cached_server)

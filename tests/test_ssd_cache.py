@@ -48,12 +48,9 @@ def serve(model_path, folder: Path, *extra):
 
 
 @pytest.fixture(scope="module")
-def reference(model_path, tmp_path_factory):
+def reference(uncached_server):
     """Answers computed with no cache at all."""
-    srv = start_server(model_path, tmp_path_factory.mktemp("ref") / "server.log", "--no-prefix-cache")
-    answers = {i: ask(srv, prompt(i)).choices[0].message.content for i in range(max(4, len(KILLS)))}
-    stop_server(srv)
-    return answers
+    return {i: ask(uncached_server, prompt(i)).choices[0].message.content for i in range(max(4, len(KILLS)))}
 
 
 def test_restart_hits_ssd_and_computes_only_the_last_partial_block(model_path, tmp_path, reference):
