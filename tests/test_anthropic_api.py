@@ -112,6 +112,19 @@ def test_system_as_text_or_blocks_and_system_messages_give_one_prompt(claude):
     assert count(system=[header, {"type": "text", "text": "You are terse."}], messages=ASK) == as_text
 
 
+def test_turns_of_one_role_in_a_row_are_joined(claude):
+    """As an agent sends them after retrying a cut answer: one prompt, the same as
+    the turns joined (some templates refuse roles that do not alternate)."""
+    def count(messages):
+        return claude.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+
+    halves = [*ASK, {"role": "assistant", "content": "It is sunny"}, {"role": "assistant", "content": " and warm."},
+              {"role": "user", "content": "Thanks."}, {"role": "user", "content": "Bye."}]
+    whole = [*ASK, {"role": "assistant", "content": "It is sunny and warm."},
+             {"role": "user", "content": "Thanks.\n\nBye."}]
+    assert count(halves) == count(whole)
+
+
 def test_count_tokens_is_the_true_count_and_loads_no_model(claude, anthropic_server):
     message = ask(claude, system=LONG_SYSTEM, tools=TOOLS, max_tokens=5)
     counted = claude.messages.count_tokens(model=MODEL, system=LONG_SYSTEM, messages=ASK, tools=TOOLS)

@@ -116,7 +116,7 @@ def chat_messages(body: CountTokensRequest, volatile: list[re.Pattern]) -> list[
         elif message.role == "user":
             _add_user(out, message.content, where)
         elif message.role == "assistant":
-            out.append(_assistant(message.content, where))
+            _add_assistant(out, _assistant(message.content, where))
         else:
             raise APIError(400, f"unknown role '{message.role}': expected user or assistant", f"{where}.role")
     if system:
@@ -180,6 +180,19 @@ def _add_user_text(out: list[dict], text: str) -> None:
         out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n\n{text}"}
     else:
         out.append({"role": "user", "content": text})
+
+
+def _add_assistant(out: list[dict], message: dict) -> None:
+    """Joined to an assistant message just before (an agent that retried a cut
+    answer sends both halves), as for user messages."""
+    if not out or out[-1]["role"] != "assistant":
+        out.append(message)
+        return
+    before = out[-1]
+    joined = {**before, "content": before["content"] + message["content"]}
+    if message.get("tool_calls"):
+        joined["tool_calls"] = [*before.get("tool_calls", []), *message["tool_calls"]]
+    out[-1] = joined
 
 
 def _tool_result(block: dict, where: str) -> dict:
