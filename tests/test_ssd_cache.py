@@ -53,12 +53,32 @@ def reference(uncached_server):
     return {i: ask(uncached_server, prompt(i)).choices[0].message.content for i in range(max(4, len(KILLS)))}
 
 
-def test_restart_hits_ssd_and_computes_only_the_last_partial_block(model_path, tmp_path, reference):
-    first = serve(model_path, tmp_path)
-    cold = ask(first, prompt(0))
-    hot = ask(first, prompt(0))
-    stop_server(first)  # graceful: the hot tier is flushed to SSD
-    assert block_files(tmp_path / "ssd")
+@pytest.fixture(scope="module")
+def seeded(model_path, tmp_path_factory):
+    """An SSD folder of the default model's blocks for prompts 0, 1 and 2, written by
+    one server that answered them (prompt 0 twice: cold, then from the hot tier) and
+    stopped gracefully, which flushes its hot tier to SSD; and its two answers to
+    prompt 0. The tests that start from a model's blocks on disk each take a copy."""
+    folder = tmp_path_factory.mktemp("seeded")
+    first = serve(model_path, folder)
+    try:
+        answers = [ask(first, prompt(0)).choices[0].message.content for _ in range(2)]
+        ask(first, prompt(1))
+        ask(first, prompt(2))
+    finally:
+        stop_server(first)  # graceful: the hot tier is flushed to SSD
+    return folder / "ssd", answers
+
+
+def seeded_copy(seeded, tmp_path: Path) -> set[Path]:
+    """The seeded folder copied to tmp_path/ssd (times kept); its block files."""
+    shutil.copytree(seeded[0], tmp_path / "ssd")
+    return set(block_files(tmp_path / "ssd"))
+
+
+def test_restart_hits_ssd_and_computes_only_the_last_partial_block(model_path, tmp_path, reference, seeded):
+    assert seeded_copy(seeded, tmp_path)  # the first server's blocks, flushed at its graceful stop
+    cold, hot = seeded[1]
 
     second = serve(model_path, tmp_path)
     try:
@@ -67,17 +87,15 @@ def test_restart_hits_ssd_and_computes_only_the_last_partial_block(model_path, t
         assert after.usage.prompt_tokens_details.cached_tokens == (n - 1) // 32 * 32
         s = stats(second)
         assert s["ssd_hit_tokens"] == (n - 1) // 32 * 32 and s["ssd"]["errors"] == 0
-        texts = {cold.choices[0].message.content, hot.choices[0].message.content, after.choices[0].message.content}
+        texts = {cold, hot, after.choices[0].message.content}
         assert texts == {reference[0]}  # cold, hot hit and SSD hit all agree with no cache
     finally:
         stop_server(second)
 
 
-def test_damaged_files_are_deleted_and_the_request_still_succeeds(model_path, tmp_path, reference):
-    first = serve(model_path, tmp_path)
-    ask(first, prompt(1))
-    stop_server(first)
-    files = block_files(tmp_path / "ssd")
+def test_damaged_files_are_deleted_and_the_request_still_succeeds(model_path, tmp_path, reference, seeded,
+                                                                  tokenizer):
+    files = _chain_of(sorted(seeded_copy(seeded, tmp_path)), "Document 1.", tokenizer)  # prompt 1's blocks
     assert len(files) >= 4
     # bit-flip the first block of the chain, truncate another
     first_block = _chain_start(files)
@@ -104,6 +122,20 @@ def _chain_start(files: list[Path]) -> Path:
     metas = {f: _metadata(f) for f in files}
     keys = {m["key"] for m in metas.values()}
     return next(f for f, m in metas.items() if m["parent"] not in keys)
+
+
+def _chain_of(files: list[Path], text: str, tokenizer) -> list[Path]:
+    """The blocks of the one prompt (of several in `files`) whose first block holds `text`."""
+    metas = {f: _metadata(f) for f in files}
+    keys = {m["key"] for m in metas.values()}
+    starts = [f for f, m in metas.items() if m["parent"] not in keys]
+    start = [f for f in starts if text in tokenizer.decode(st_load(f.read_bytes())["tokens"].tolist())]
+    assert len(start) == 1, (text, starts)
+    chain, key = [start[0]], metas[start[0]]["key"]
+    while child := next((f for f, m in metas.items() if m["parent"] == key), None):
+        chain.append(child)
+        key = metas[child]["key"]
+    return chain
 
 
 def _metadata(path: Path) -> dict:
@@ -191,17 +223,23 @@ def _whole(path: Path) -> bool:
     return True
 
 
-def test_two_models_sharing_a_folder_never_read_each_others_blocks(model_path, tmp_path, reference):
-    twin = tmp_path / "twin-model"
-    shutil.copytree(model_path, twin)
-    config = json.loads((twin / "config.json").read_text())
-    config["tierlm_test_variant"] = 1  # same weights, another model as far as the cache knows
-    (twin / "config.json").write_text(json.dumps(config))
+def _twin(model_path: Path, folder: Path, variant: int) -> Path:
+    """The default model's files (linked) with a config that differs: the same weights,
+    another model as far as the cache knows."""
+    twin = folder / "twin-model"
+    twin.mkdir()
+    for item in model_path.iterdir():
+        if item.name != "config.json":
+            (twin / item.name).symlink_to(item.resolve())
+    config = json.loads((model_path / "config.json").read_text())
+    (twin / "config.json").write_text(json.dumps({**config, "tierlm_test_variant": variant}))
+    return twin
 
-    a = serve(model_path, tmp_path)
-    ask(a, prompt(2))
-    stop_server(a)
-    files_of_a = set(block_files(tmp_path / "ssd"))
+
+def test_two_models_sharing_a_folder_never_read_each_others_blocks(model_path, tmp_path, reference, seeded,
+                                                                   tokenizer):
+    twin = _twin(model_path, tmp_path, 1)
+    files_of_a = seeded_copy(seeded, tmp_path)  # the default model's blocks of prompts 0-2
 
     b = serve(twin, tmp_path)
     try:
@@ -213,11 +251,14 @@ def test_two_models_sharing_a_folder_never_read_each_others_blocks(model_path, t
         stop_server(b)
     assert files_of_a <= set(block_files(tmp_path / "ssd"))  # left alone
 
-    # a file of A's under the name of one of B's blocks is caught by its metadata
+    # a file of A's under the name of one of B's blocks is caught by its metadata: each of
+    # B's blocks of prompt 2 replaced by A's block of the same tokens
     files_of_b = set(block_files(tmp_path / "ssd")) - files_of_a
-    donor = next(iter(files_of_a)).read_bytes()
-    for f in files_of_b:
-        f.write_bytes(donor)
+    chain_of_a = _chain_of(sorted(files_of_a), "Document 2.", tokenizer)
+    chain_of_b = _chain_of(sorted(files_of_b), "Document 2.", tokenizer)
+    assert len(chain_of_b) == len(chain_of_a) >= 4
+    for donor, f in zip(chain_of_a, chain_of_b):
+        f.write_bytes(donor.read_bytes())
     b = serve(twin, tmp_path)
     try:
         answer = ask(b, prompt(2), model="twin-model")
@@ -228,15 +269,9 @@ def test_two_models_sharing_a_folder_never_read_each_others_blocks(model_path, t
         stop_server(b)
 
 
-def test_clearing_one_models_ssd_files_leaves_the_other_models_files(model_path, tmp_path):
-    twin = tmp_path / "twin-model"
-    shutil.copytree(model_path, twin)
-    config = json.loads((twin / "config.json").read_text())
-    (twin / "config.json").write_text(json.dumps({**config, "tierlm_test_variant": 2}))
-    a = serve(model_path, tmp_path)
-    ask(a, prompt(0))
-    stop_server(a)  # writes its hot tier to the folder
-    files_of_a = set(block_files(tmp_path / "ssd"))
+def test_clearing_one_models_ssd_files_leaves_the_other_models_files(model_path, tmp_path, seeded):
+    twin = _twin(model_path, tmp_path, 2)
+    files_of_a = seeded_copy(seeded, tmp_path)  # the default model's, written at its server's stop
     b = serve(twin, tmp_path, "--ssd-write-through")
     try:
         ask(b, prompt(1), model="twin-model")
