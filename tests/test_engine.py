@@ -203,7 +203,8 @@ def test_two_engines_cannot_drive_one_model(loaded):
 
 
 def test_abort_during_prefill_stores_only_what_was_computed(loaded):
-    long_prompt = loaded[1].encode("The history of the printing press and its effects on Europe. " * 120)
+    # 769 tokens: 6 chunks of 128, 12 blocks of 64
+    long_prompt = loaded[1].encode("The history of the printing press and its effects on Europe. " * 64)
 
     async def go():
         engine = await started(loaded, prefill_step_size=128, cache_block_size=64,
@@ -211,7 +212,8 @@ def test_abort_during_prefill_stores_only_what_was_computed(loaded):
         req = Request(engine.new_request_id(), long_prompt, SamplingParams(max_tokens=5, temperature=0))
         collector = engine.add_request(req)
         cache = engine.scheduler.cache
-        # some of its 12 chunks are done, the prefill is not
+        # some of its 6 chunks are done, the prefill is not (the abort lands at most two
+        # chunks after the first: at most 6 of its 12 blocks)
         await abort_on_the_worker(engine, req.request_id, lambda: len(cache.hot) >= 2)
         aborted = await collector.get()
         while not aborted.finished:
