@@ -16,7 +16,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -25,7 +24,7 @@ from tierlm import backends
 from tierlm.cache.codecs import codecs_for
 from tierlm.cache.prefix_cache import PrefixCache
 from tierlm.config import Settings
-from tierlm.engine import allocator, ownership
+from tierlm.engine import allocator, ownership, workers
 from tierlm.engine.collector import OutputCollector
 from tierlm.engine.memory_guard import MemoryGuard, ModelProfile, default_memory_limit, profile_model
 from tierlm.engine.request import FinishReason, Request, RequestOutput
@@ -66,7 +65,8 @@ class EngineCore:
         self.profile: ModelProfile | None = None
         self.scheduler: Scheduler | None = None
         self._stream = None  # the worker's MLX stream
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mlx-{name}")
+        self._lent: workers.Worker | None = None  # the worker thread and stream, from start to close
+        self._worker = None  # its executor
         self._collectors: dict[str, OutputCollector] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -88,8 +88,18 @@ class EngineCore:
     # ---- life cycle -------------------------------------------------------
 
     async def start(self) -> None:
+        """Loads the model on a worker thread lent for this engine's life (kept
+        across engines: tierlm.engine.workers); one that fails to load gives
+        back what it took."""
         loop = asyncio.get_running_loop()
-        self.scheduler = await loop.run_in_executor(self._worker, self._build_scheduler)
+        self._lent = workers.lend(self.name)
+        self._worker = self._lent  # the Executor that runs on it
+        try:
+            self.scheduler = await loop.run_in_executor(self._worker, self._build_scheduler)
+        except BaseException:
+            await loop.run_in_executor(self._worker, self._teardown)
+            self._give_back_worker()
+            raise
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run_loop(), name=f"engine-{self.name}")
         self._task.add_done_callback(self._on_loop_exit)
@@ -97,9 +107,10 @@ class EngineCore:
 
     def _build_scheduler(self) -> Scheduler:
         """Runs on the worker thread, which owns this engine's model and MLX stream."""
+        self._lent.name_thread(self.name)
+        stream = self._stream = self._lent.stream
         self.model, self.tokenizer = self._load()
         ownership.claim(self.model, self.name)
-        stream = self._stream = mx.new_stream(mx.default_device())
         with mx.stream(stream):
             self.profile = profile_model(self.model)
         limit = self.config.memory_limit_bytes() or default_memory_limit()
@@ -180,8 +191,9 @@ class EngineCore:
         written back to the SSD tier (write-back mode: PrefixCache.close); on the
         worker thread the scheduler, the model and the tokenizer are dropped,
         their cycles collected and MLX's buffer cache emptied; the worker thread
-        ends and the C heap's free pages go back to the system. Nothing of this
-        engine keeps the model alive after."""
+        and its stream go back to be lent to the next engine, and the C heap's
+        free pages go back to the system. Nothing of this engine keeps the model
+        alive after."""
         self._closed = True
         if self._watchdog:
             self._watchdog.cancel()
@@ -195,14 +207,20 @@ class EngineCore:
             except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 log.warning("engine %s loop did not stop cleanly", self.name)
                 self._task.cancel()  # it must not read the scheduler the teardown drops
-        if self.scheduler is not None or self.model is not None:
+        if self._worker is not None:
+            # last on the worker: what this engine queued there before has run
             await asyncio.get_running_loop().run_in_executor(self._worker, self._teardown)
-        self._worker.shutdown(wait=True)
+            self._give_back_worker()
         self._task = self._watchdog = self._wake = None
         self._collectors.clear()
         freed = await asyncio.to_thread(allocator.trim_heap)
         if freed is not None:
             log.info("engine %s closed: %d MiB of free heap given back", self.name, freed >> 20)
+
+    def _give_back_worker(self) -> None:
+        lent, self._lent, self._worker = self._lent, None, None
+        if lent is not None:
+            workers.give_back(lent)
 
     def _teardown(self) -> None:
         """Worker thread, last job: close the scheduler (its prefix cache writes
@@ -224,6 +242,8 @@ class EngineCore:
                 mx.synchronize(stream)  # a step's arrays in flight are freed once it ends
             gc.collect()  # the tokenizer's and mlx-lm's reference cycles hold arrays too
             mx.clear_cache()
+            if self._lent is not None:
+                self._lent.name_thread("idle")
 
     # ---- requests ---------------------------------------------------------
 
@@ -288,6 +308,8 @@ class EngineCore:
 
     async def on_worker(self, fn, *args):
         """Run `fn` on the worker thread, between two bursts."""
+        if self._worker is None or self._closed:
+            raise EngineDeadError(f"engine {self.name} is not running")
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def cache_stats(self) -> dict | None:

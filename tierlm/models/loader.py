@@ -67,7 +67,19 @@ def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | 
     for line in backend.warnings:
         log.warning("%s", line)
     _evaluate_all(model)
+    _settle_random_state()
     return model, tokenizer
+
+
+def _settle_random_state() -> None:
+    """Building the model drew its initial weights from MLX's global random key
+    (one split per parameter), lazily; the loaded weights replaced them unseen,
+    so the key was left a graph of those splits, which every load lengthened:
+    about 1 MiB of native memory per load of SmolLM2, never given back.
+    Evaluated, the key is one array again."""
+    import mlx.core as mx
+
+    mx.eval(mx.random.state)
 
 
 def load_tokenizer(path: Path):
