@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import tempfile
 import threading
 import time
@@ -27,6 +28,7 @@ from tierlm.admin.logbuffer import LogBuffer
 from tierlm.admin.session import COOKIE, Sessions, cookie_value
 from tierlm.admin.settings_file import EDITABLE, edit_model_section
 from tierlm.api.errors import APIError
+from tierlm.api.model_pool import load_slot, slot_of
 from tierlm.pool.pool import ModelPool, PoolError, Slot
 
 log = logging.getLogger(__name__)
@@ -222,13 +224,6 @@ async def status(http: HTTPRequest):
 
 # ---- models -------------------------------------------------------------------------
 
-def _slot(http: HTTPRequest, name: str) -> Slot:
-    try:
-        return _pool(http).resolve(name)
-    except PoolError as e:
-        raise APIError(e.status, str(e), "model", e.code) from e
-
-
 def _model(http: HTTPRequest, slot: Slot) -> dict:
     pool = _pool(http)
     entry = slot.entry
@@ -253,17 +248,14 @@ async def models(http: HTTPRequest):
 
 @api.post("/models/{name:path}/load")
 async def load(name: str, http: HTTPRequest):
-    slot = _slot(http, name)
-    try:
-        await _pool(http).load(slot.entry.name)
-    except PoolError as e:
-        raise APIError(e.status, str(e), "model", e.code) from e
+    slot = slot_of(http, name)
+    await load_slot(http, slot)
     return _model(http, slot)
 
 
 @api.post("/models/{name:path}/unload")
 async def unload(name: str, http: HTTPRequest, force: bool = False):
-    slot = _slot(http, name)
+    slot = slot_of(http, name)
     if slot.pinned:
         raise APIError(409, f"{slot.entry.name} is pinned: unpin it first", "model", "model_pinned")
     await _pool(http).unload(slot.entry.name, force=force)
@@ -298,7 +290,7 @@ async def _write_settings(http: HTTPRequest, model: str, changes: dict) -> dict:
 async def model_settings(name: str, http: HTTPRequest):
     """Per-model settings (EDITABLE), written into the settings file's
     [models."NAME"] section; null or "" removes one."""
-    slot = _slot(http, name)
+    slot = slot_of(http, name)
     body = await _body(http)
     aliases = body.get("aliases")
     if isinstance(aliases, str):
@@ -311,14 +303,11 @@ async def model_settings(name: str, http: HTTPRequest):
 @api.post("/models/{name:path}/pin")
 async def pin(name: str, http: HTTPRequest):
     """{"pinned": true}: kept loaded (loaded now), saved in the settings file."""
-    slot = _slot(http, name)
+    slot = slot_of(http, name)
     pinned = bool((await _body(http)).get("pinned", True))
     await _write_settings(http, slot.entry.name, {"pinned": True if pinned else None})
     if pinned and slot.served is None:
-        try:
-            await _pool(http).load(slot.entry.name)
-        except PoolError as e:
-            raise APIError(e.status, str(e), "model", e.code) from e
+        await load_slot(http, slot)
     return _model(http, slot)
 
 
@@ -361,7 +350,7 @@ async def import_gguf_file(http: HTTPRequest):
                 _publish(built, target)
             job.update(state="done", stage="done")
             loop.call_soon_threadsafe(_found, http.app, name)
-        except Exception as e:  # noqa: BLE001 (the page shows it)
+        except Exception as e:
             log.exception("import of %s failed", source)
             job.update(state="failed", error=f"{type(e).__name__}: {e}")
 
@@ -399,7 +388,7 @@ async def bench(http: HTTPRequest):
     reports tok/s and TTFT per concurrency as each ends."""
     dash = _dash(http)
     body = await _body(http)
-    slot = _slot(http, str(body.get("model") or "default"))
+    slot = slot_of(http, str(body.get("model") or "default"))
     try:
         levels = [int(c) for c in body.get("concurrencies", [1, 2, 4])]
         max_tokens, per = int(body.get("max_tokens", 32)), int(body.get("requests", 4))
@@ -450,7 +439,7 @@ async def _run_bench(dash: Dashboard, job: dict, base: str, key: str | None) -> 
                                    "ttft_p50_s": _num(s["ttft_s"].get("p50")),
                                    "duration_s": _num(duration)})
         job["state"] = "done"
-    except Exception as e:  # noqa: BLE001 (the page shows it)
+    except Exception as e:
         log.exception("dashboard benchmark failed")
         job.update(state="failed", error=f"{type(e).__name__}: {e}")
     finally:
@@ -458,7 +447,7 @@ async def _run_bench(dash: Dashboard, job: dict, base: str, key: str | None) -> 
 
 
 def _num(x) -> float | None:
-    return None if x is None or x != x else round(float(x), 4)
+    return None if x is None or math.isnan(x) else round(float(x), 4)
 
 
 @api.get("/bench/{job_id}")

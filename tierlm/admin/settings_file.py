@@ -12,12 +12,17 @@ import json
 import math
 import os
 import re
+import sys
 import tempfile
-import tomllib
 from datetime import date, datetime, time
 from pathlib import Path
 
 from tierlm.config import load_settings
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 # what the dashboard may set in a [models."NAME"] section
 EDITABLE = ("aliases", "keep_alive", "pinned", "default_temperature", "default_top_p", "default_top_k",
@@ -35,7 +40,7 @@ def edit_model_section(path: Path, model: str, changes: dict, cli: dict | None =
     data = tomllib.loads(path.read_text()) if path.is_file() else {}
     models = data.setdefault("models", {})
     if not isinstance(models, dict):
-        raise ValueError(f"{path}: [models] is not a table")
+        raise ValueError(f"{path}: [models] is not a table")  # noqa: TRY004 - a bad file, not a bad argument
     section = dict(models.get(model, {}))
     for key, value in changes.items():
         if value is None or value == [] or value == "":

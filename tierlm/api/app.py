@@ -15,9 +15,9 @@ from tierlm.admin.dashboard import Dashboard
 from tierlm.admin.dashboard import api as dashboard_api
 from tierlm.admin.dashboard import router as dashboard_router
 from tierlm.admin.logbuffer import QuietDashboardPolls
-from tierlm.admin.session import Sessions
 from tierlm.admin.metrics import ServerMetrics, make_registry
 from tierlm.admin.metrics import router as metrics_router
+from tierlm.admin.session import Sessions
 from tierlm.api.anthropic_routes import router as anthropic_router
 from tierlm.api.errors import APIError, error_response, install_error_handlers
 from tierlm.api.model_pool import apply_settings, make_pool

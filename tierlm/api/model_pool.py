@@ -19,7 +19,7 @@ from tierlm.config import Settings, parse_duration, resolve_alias, total_memory
 from tierlm.engine.core import EngineCore
 from tierlm.models.loader import load_model, load_tokenizer, read_model_info, tokenizer_stamp
 from tierlm.pool.discovery import ModelEntry, default_hf_cache, discover, read_entry
-from tierlm.pool.pool import Lease, ModelPool, PoolError
+from tierlm.pool.pool import Lease, ModelPool, PoolError, Slot
 from tierlm.structured.turn import ModelTurns
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,24 @@ def _build_ll_tokenizer(turns: ModelTurns) -> None:
     threading.Thread(target=lambda: turns.grammars.ll_tokenizer, name="llguidance-tokenizer", daemon=True).start()
 
 
+def slot_of(http: HTTPRequest, requested: str | None) -> Slot:
+    """The pool's slot for a model name or alias; an unknown one is a 404 naming
+    the models here."""
+    try:
+        return http.app.state.pool.resolve(requested)
+    except PoolError as e:
+        raise APIError(e.status, str(e), "model", e.code) from e
+
+
+async def load_slot(http: HTTPRequest, slot: Slot) -> None:
+    """Load a model by hand (the load routes, the dashboard); pool errors (507, a
+    failed load) as API errors naming `model`."""
+    try:
+        await http.app.state.pool.load(slot.entry.name)
+    except PoolError as e:
+        raise APIError(e.status, str(e), "model", e.code) from e
+
+
 async def turns_for(http: HTTPRequest, requested: str | None) -> tuple[ModelEntry, ModelTurns, Settings]:
     """A model's tokenizer and turns (its chat template, tools, reasoning) and its
     settings, never loading the model nor touching an engine (counting a
@@ -176,10 +194,7 @@ async def turns_for(http: HTTPRequest, requested: str | None) -> tuple[ModelEntr
     tokenizer alone loaded now, off the event loop. The name is resolved as
     `lease_model` does it (an unknown one is the same 404)."""
     pool: ModelPool = http.app.state.pool
-    try:
-        slot = pool.resolve(requested)
-    except PoolError as e:
-        raise APIError(e.status, str(e), "model", e.code) from e
+    slot = slot_of(http, requested)
     served = slot.served
     if served is not None:
         return slot.entry, served.turns, served.settings

@@ -9,20 +9,14 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 
 from tierlm.api.errors import APIError
-from tierlm.pool.pool import ModelPool, PoolError, Slot
+from tierlm.api.model_pool import load_slot, slot_of
+from tierlm.pool.pool import ModelPool, Slot
 
 router = APIRouter(prefix="/v1")
 
 
 def _pool(http: HTTPRequest) -> ModelPool:
     return http.app.state.pool
-
-
-def _slot(http: HTTPRequest, model_id: str) -> Slot:
-    try:
-        return _pool(http).resolve(model_id)
-    except PoolError as e:
-        raise APIError(e.status, str(e), "model", e.code) from e
 
 
 @router.get("/models")
@@ -33,18 +27,15 @@ async def list_models(http: HTTPRequest):
 
 @router.post("/models/{model_id:path}/load")
 async def load_model(model_id: str, http: HTTPRequest):
-    slot = _slot(http, model_id)
-    try:
-        await _pool(http).load(slot.entry.name)
-    except PoolError as e:
-        raise APIError(e.status, str(e), "model", e.code) from e
+    slot = slot_of(http, model_id)
+    await load_slot(http, slot)
     return _card(_pool(http), slot)
 
 
 @router.post("/models/{model_id:path}/unload")
 async def unload_model(model_id: str, http: HTTPRequest, force: bool = False):
     """Unload after the model's requests in flight, or (`?force=true`) aborting them."""
-    slot = _slot(http, model_id)
+    slot = slot_of(http, model_id)
     if slot.pinned:
         raise APIError(409, f"{slot.entry.name} is pinned: it stays loaded", "model", "model_pinned")
     await _pool(http).unload(slot.entry.name, force=force)
@@ -53,7 +44,7 @@ async def unload_model(model_id: str, http: HTTPRequest, force: bool = False):
 
 @router.get("/models/{model_id:path}")
 async def get_model(model_id: str, http: HTTPRequest):
-    return _card(_pool(http), _slot(http, model_id))
+    return _card(_pool(http), slot_of(http, model_id))
 
 
 def _card(pool: ModelPool, slot: Slot) -> dict:
