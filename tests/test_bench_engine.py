@@ -35,10 +35,8 @@ def test_step_accounted_ratio_charges_the_engine_its_between_and_its_event_loop(
     assert step_accounted_ratio(bare, dict(engine, between=10.0, main_cpu=0.0)) == 1.0
 
 
-def test_engine_runner_reuses_one_engine_and_starts_each_run_with_an_empty_cache(model_path):
-    from tierlm.models.loader import load_model
-
-    model, tokenizer = load_model(str(model_path))
+def test_engine_runner_reuses_one_engine_and_starts_each_run_with_an_empty_cache(loaded):
+    model, tokenizer = loaded  # the default model as tierlm loads it, shared with the engine tests
     runner = EngineRunner(model, tokenizer, batch=2, prefill_step_size=256)
     try:
         prompts = random_prompts(1000, 2, 300, seed=1)  # a full 256-token block each
