@@ -1,6 +1,7 @@
 """A failing request fails alone; a failed step is rebuilt from; no request is
 left without an answer. Each test provokes one fault in a real engine on the
-default model, then checks that the next 20 requests are served normally.
+default model, then checks that the next requests (a batch of eight, greedy and
+sampled) are served normally.
 
 Requests go to the engine directly, past the HTTP validation that refuses the
 values provoking the real faults (a top_k of the vocabulary's size, a seed out of
@@ -19,32 +20,32 @@ from tierlm.engine import scheduler as scheduler_module
 from tierlm.engine.request import FinishReason
 
 # the watchdog's timeout where a test waits for it: long enough that no honest
-# step (a prefill of 20 requests on a busy 2-core machine) is taken for a stall
+# step (a prefill of a batch of requests on a busy 2-core machine) is taken for a stall
 STALL_S = 5.0
 
 
-async def next_twenty_succeed(loaded, engine) -> None:
-    """Twenty requests at once, greedy and sampled: all finish without an error, and
-    the greedy ones give the answer of the first greedy request."""
-    requests = [request(loaded, engine, max_tokens=6, ignore_eos=True) for _ in range(10)]
+async def next_requests_succeed(loaded, engine) -> None:
+    """Eight requests at once (one batch), greedy and sampled: all finish without an
+    error, and the greedy ones give the answer of the first greedy request."""
+    requests = [request(loaded, engine, max_tokens=6, ignore_eos=True) for _ in range(4)]
     requests += [request(loaded, engine, max_tokens=6, temperature=0.8, top_k=40, seed=i, ignore_eos=True)
-                 for i in range(10)]
+                 for i in range(4)]
     outputs = await asyncio.gather(*(engine.generate(r) for r in requests))
-    assert [o.error for o in outputs] == [None] * 20
+    assert [o.error for o in outputs] == [None] * 8
     assert all(o.completion_tokens == 6 for o in outputs)
-    assert len({o.text for o in outputs[:10]}) == 1
+    assert len({o.text for o in outputs[:4]}) == 1
     assert engine.degraded is None and engine.is_alive
 
 
 async def beside_a_bystander(loaded, max_tokens: int, **victim_params):
     """(a greedy request's output alone, the victim's, the same greedy request's
-    beside the victim), then the next twenty requests, on a fresh engine."""
+    beside the victim), then the next requests, on a fresh engine."""
     engine = await started(loaded)
     alone = await engine.generate(request(loaded, engine, max_tokens=max_tokens))
     victim = engine.generate(request(loaded, engine, max_tokens=max_tokens, **victim_params))
     bystander = engine.generate(request(loaded, engine, max_tokens=max_tokens))
     results = await asyncio.gather(victim, bystander)
-    await next_twenty_succeed(loaded, engine)
+    await next_requests_succeed(loaded, engine)
     await engine.close()
     return alone, *results
 
@@ -61,7 +62,7 @@ def test_a_top_k_the_sampler_refuses_fails_that_request_alone(loaded):
         bystander = engine.generate(request(loaded, engine, max_tokens=12))
         sampled = engine.generate(request(loaded, engine, max_tokens=12, temperature=1.0, seed=3))
         results = await asyncio.gather(victim, bystander, sampled)
-        await next_twenty_succeed(loaded, engine)
+        await next_requests_succeed(loaded, engine)
         stats = engine.get_stats()
         await engine.close()
         return alone, results, stats
@@ -79,7 +80,7 @@ def test_a_seed_out_of_range_fails_at_admission_instead_of_hanging(loaded):
         bad = [engine.generate(request(loaded, engine, temperature=1.0, seed=s)) for s in (-1, 2**64)]
         beside = engine.generate(request(loaded, engine, max_tokens=8))
         outputs = await asyncio.wait_for(asyncio.gather(*bad, beside), timeout=60)
-        await next_twenty_succeed(loaded, engine)
+        await next_requests_succeed(loaded, engine)
         await engine.close()
         return outputs
 
@@ -163,7 +164,7 @@ def test_a_failed_step_fails_the_batch_keeps_its_blocks_and_serves_the_queue(loa
         failed = await asyncio.gather(*running)
         served = await queued
         again = await engine.generate(request(loaded, engine, max_tokens=8, text=long_question))
-        await next_twenty_succeed(loaded, engine)
+        await next_requests_succeed(loaded, engine)
         stats = engine.get_stats()
         await engine.close()
         return failed, served, again, stats
@@ -183,7 +184,7 @@ def test_steps_that_keep_failing_make_the_engine_degraded_until_one_works(loaded
         engine = await started(loaded, degrade_after_failures=3)
         outputs = [await engine.generate(request(loaded, engine)) for _ in range(3)]
         degraded = engine.degraded
-        await next_twenty_succeed(loaded, engine)  # the fourth step works again
+        await next_requests_succeed(loaded, engine)  # the fourth step works again
         await engine.close()
         return outputs, degraded
 
@@ -213,7 +214,7 @@ def test_a_request_that_stops_progressing_is_ended_by_the_watchdog(loaded, monke
         ended = await asyncio.wait_for(collector.get(), timeout=60)
         while not ended.finished:
             ended = await asyncio.wait_for(collector.get(), timeout=60)
-        await next_twenty_succeed(loaded, engine)
+        await next_requests_succeed(loaded, engine)
         await engine.close()
         return ended, beside
 
@@ -235,7 +236,7 @@ def test_a_request_the_scheduler_loses_is_answered_by_the_watchdog(loaded, monke
     async def go():
         engine = await started(loaded, stall_timeout_s=2.0)
         lost = await asyncio.wait_for(engine.generate(request(loaded, engine, seed=404)), timeout=60)
-        await next_twenty_succeed(loaded, engine)
+        await next_requests_succeed(loaded, engine)
         await engine.close()
         return lost
 
@@ -265,7 +266,7 @@ def test_a_stuck_worker_degrades_the_engine_and_answers_its_readers(loaded, monk
             if engine.degraded is None and not engine.scheduler.has_work():
                 break
             await asyncio.sleep(0.05)
-        await next_twenty_succeed(loaded, engine)
+        await next_requests_succeed(loaded, engine)
         await engine.close()
         return waiting, degraded
 
