@@ -28,7 +28,7 @@ from tierlm.admin.logbuffer import LogBuffer
 from tierlm.admin.session import COOKIE, Sessions, cookie_value
 from tierlm.admin.settings_file import EDITABLE, edit_model_section
 from tierlm.api.errors import APIError
-from tierlm.api.model_pool import load_slot, slot_of
+from tierlm.api.model_pool import load_slot, slot_of, unload_slot
 from tierlm.pool.pool import ModelPool, PoolError, Slot
 
 log = logging.getLogger(__name__)
@@ -256,9 +256,7 @@ async def load(name: str, http: HTTPRequest):
 @api.post("/models/{name:path}/unload")
 async def unload(name: str, http: HTTPRequest, force: bool = False):
     slot = slot_of(http, name)
-    if slot.pinned:
-        raise APIError(409, f"{slot.entry.name} is pinned: unpin it first", "model", "model_pinned")
-    await _pool(http).unload(slot.entry.name, force=force)
+    await unload_slot(http, slot, force)
     return _model(http, slot)
 
 

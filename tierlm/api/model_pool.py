@@ -187,6 +187,14 @@ async def load_slot(http: HTTPRequest, slot: Slot) -> None:
         raise APIError(e.status, str(e), "model", e.code) from e
 
 
+async def unload_slot(http: HTTPRequest, slot: Slot, force: bool = False) -> None:
+    """Unload a model by hand after its requests in flight (`force`: aborting
+    them); a pinned one is a 409, it stays loaded."""
+    if slot.pinned:
+        raise APIError(409, f"{slot.entry.name} is pinned: unpin it first", "model", "model_pinned")
+    await http.app.state.pool.unload(slot.entry.name, force=force)
+
+
 async def turns_for(http: HTTPRequest, requested: str | None) -> tuple[ModelEntry, ModelTurns, Settings]:
     """A model's tokenizer and turns (its chat template, tools, reasoning) and its
     settings, never loading the model nor touching an engine (counting a

@@ -8,8 +8,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 
-from tierlm.api.errors import APIError
-from tierlm.api.model_pool import load_slot, slot_of
+from tierlm.api.model_pool import load_slot, slot_of, unload_slot
 from tierlm.pool.pool import ModelPool, Slot
 
 router = APIRouter(prefix="/v1")
@@ -36,9 +35,7 @@ async def load_model(model_id: str, http: HTTPRequest):
 async def unload_model(model_id: str, http: HTTPRequest, force: bool = False):
     """Unload after the model's requests in flight, or (`?force=true`) aborting them."""
     slot = slot_of(http, model_id)
-    if slot.pinned:
-        raise APIError(409, f"{slot.entry.name} is pinned: it stays loaded", "model", "model_pinned")
-    await _pool(http).unload(slot.entry.name, force=force)
+    await unload_slot(http, slot, force)
     return _card(_pool(http), slot)
 
 
