@@ -19,14 +19,14 @@ from tierlm.api.model_pool import turns_for
 from tierlm.api.openai_schemas import SamplingFields
 from tierlm.api.openai_turns import turn_error
 from tierlm.api.served_model import ServedModel, error_of, raise_for_error
-from tierlm.api.serving import sse_response, with_model
+from tierlm.api.serving import sse_response, start_turn, with_model
 from tierlm.api.sse import sse_event
 from tierlm.api.templates import render_chat_template
 from tierlm.config import Settings
 from tierlm.engine.request import FinishReason, Request
 from tierlm.structured.events import Event, Gathered, ReasoningDelta, TextDelta, ToolCallStart
 from tierlm.structured.tools import TurnError
-from tierlm.structured.turn import ModelTurns, TurnParser, TurnRun, TurnSpec
+from tierlm.structured.turn import ModelTurns, TurnParser, TurnSpec
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ async def count_tokens(body: CountTokensRequest, http: HTTPRequest):
 async def _message(model: ServedModel, body: MessagesRequest, http: HTTPRequest):
     spec = turn_spec(body)
     tokens = await asyncio.to_thread(_render, model.turns, model.settings, body, spec)
-    turn = await asyncio.to_thread(_start_turn, model, spec, tokens)
+    turn = await asyncio.to_thread(start_turn, model, spec, tokens)
     max_tokens = model.within_context(len(tokens), body.max_tokens)
     request = model.make_request("msg", tokens, _sampling(body), max_tokens, constraint=turn.constraint)
     if body.stream:
@@ -82,13 +82,6 @@ def _render(turns: ModelTurns, settings: Settings, body: CountTokensRequest, spe
     if spec.max_thinking_tokens == 0:
         kwargs.setdefault("enable_thinking", False)  # templates with a switch (Qwen 3's) leave thinking out
     return render_chat_template(turns.tokenizer, messages, kwargs, None, False)
-
-
-def _start_turn(model: ServedModel, spec: TurnSpec, tokens: list[int]) -> TurnRun:
-    try:
-        return model.turns.start(spec, tokens)
-    except TurnError as e:
-        raise turn_error(e) from e
 
 
 def _sampling(body: MessagesRequest) -> SamplingFields:

@@ -15,14 +15,14 @@ from tierlm.api.errors import APIError, error_body
 from tierlm.api.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tierlm.api.openai_turns import delta_of, finish_reason, message_dicts, message_of, turn_error, turn_spec
 from tierlm.api.served_model import ServedModel, error_of, raise_for_error, usage
-from tierlm.api.serving import sse_response, with_model
+from tierlm.api.serving import sse_response, start_turn, with_model
 from tierlm.api.sse import DONE, KEEPALIVE, sse_data
 from tierlm.api.templates import render_chat_template
 from tierlm.api.validation import check_template_args
 from tierlm.engine.request import FinishReason, Request, RequestOutput, TokenLogprobs
 from tierlm.structured.events import Gathered
 from tierlm.structured.tools import TurnError
-from tierlm.structured.turn import TurnParser, TurnRun, TurnSpec
+from tierlm.structured.turn import TurnParser, TurnSpec
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger(__name__)
@@ -52,13 +52,6 @@ def _render_chat(model: ServedModel, body: ChatCompletionRequest, spec: TurnSpec
     return render_chat_template(model.tokenizer, messages, kwargs, body.chat_template, allow_client_template)
 
 
-def _start_turn(model: ServedModel, spec: TurnSpec, tokens: list[int]) -> TurnRun:
-    try:
-        return model.turns.start(spec, tokens)
-    except TurnError as e:
-        raise turn_error(e) from e
-
-
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     return await with_model(http, body, _chat)
@@ -68,7 +61,7 @@ async def _chat(model: ServedModel, body: ChatCompletionRequest, http: HTTPReque
     spec = turn_spec(body)
     allow_template = http.app.state.settings.allow_client_chat_template
     tokens = await asyncio.to_thread(_render_chat, model, body, spec, allow_template)
-    turn = await asyncio.to_thread(_start_turn, model, spec, tokens)
+    turn = await asyncio.to_thread(start_turn, model, spec, tokens)
     request = model.make_request("chatcmpl", tokens, body, body.max_completion_tokens or body.max_tokens,
                                  logprobs=body.logprobs_count, constraint=turn.constraint)
     if body.stream:

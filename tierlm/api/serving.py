@@ -10,7 +10,11 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
 from tierlm.api.model_pool import lease_model
+from tierlm.api.openai_turns import turn_error
+from tierlm.api.served_model import ServedModel
 from tierlm.pool.pool import Lease
+from tierlm.structured.tools import TurnError
+from tierlm.structured.turn import TurnRun, TurnSpec
 
 
 async def with_model(http: HTTPRequest, body, handle: Callable[..., Awaitable]) -> object:
@@ -36,6 +40,15 @@ async def _released_after(chunks: AsyncIterator, lease: Lease) -> AsyncIterator:
             yield chunk
     finally:
         lease.release()
+
+
+def start_turn(model: ServedModel, spec: TurnSpec, tokens: list[int]) -> TurnRun:
+    """The turn's constraint and parser for this prompt (compiling a grammar can
+    take a while: call off the event loop); a turn that cannot be is a 400."""
+    try:
+        return model.turns.start(spec, tokens)
+    except TurnError as e:
+        raise turn_error(e) from e
 
 
 def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
