@@ -13,9 +13,16 @@ class Block:
     key: bytes
     parent: bytes
     tokens: tuple[int, ...]
-    layers: list  # one codec payload per layer
+    layers: list | None  # one codec payload per layer; None for a packed block
     nbytes: int
     users: int = 0  # running requests built on this block: never evicted meanwhile
+    # plain attention KV of every layer in one array, (2 x layers, kv heads, tokens,
+    # head dim): keys then values, layer by layer (PrefixCache packs when it can)
+    packed: mx.array | None = None
+
+    def payload(self):
+        """What an SSD file stores: the packed array, or the per-layer payloads."""
+        return self.packed if self.packed is not None else self.layers
 
 
 @dataclass
@@ -99,12 +106,14 @@ class HotTier:
             self.on_evict(block)
 
 
-def payload_arrays(codecs: list, layers: list):
-    """Every array of a block's payloads, layer by layer."""
+def payload_arrays(codecs: list, layers):
+    """Every array of a block's payloads, layer by layer (a packed block: its array)."""
+    if isinstance(layers, mx.array):
+        return iter((layers,))
     return (a for codec, payload in zip(codecs, layers) for a in codec.arrays(payload))
 
 
-def payload_bytes(codecs: list, layers: list) -> int:
+def payload_bytes(codecs: list, layers) -> int:
     return sum(a.nbytes for a in payload_arrays(codecs, layers))
 
 
@@ -114,5 +123,5 @@ def materialize(codecs: list, blocks) -> None:
     wait here would also wait for the decode step queued ahead of the copies, and
     leave the device idle while the next step is built. Readers (a rebuild on this
     stream, an SSD encode) wait for the copies themselves."""
-    mx.async_eval([a for b in blocks for a in payload_arrays(codecs, b.layers)])
+    mx.async_eval([a for b in blocks for a in payload_arrays(codecs, b.payload())])
 

@@ -1,6 +1,14 @@
 """The prefix cache of one model: finds the longest cached run of blocks for a
 prompt, rebuilds the model's cache objects from it, and stores newly computed
-blocks. Runs on the engine's worker thread only."""
+blocks. Runs on the engine's worker thread only.
+
+Packed blocks: when every layer's cache is plain attention KV of one shape and
+dtype (most decoder-only models), a block holds all of its KV in one array,
+(2 x layers, kv heads, block tokens, head dim), and a hit is rebuilt with one
+concatenation over the blocks, each layer's keys and values then being views of
+the result: the cost of a hit grows with its bytes, not with blocks x layers
+array operations. Other layouts keep one payload per layer (codecs.py).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +16,11 @@ import logging
 import time
 from dataclasses import dataclass
 
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
 from tierlm.cache.block_hash import block_keys
-from tierlm.cache.codecs import signature
+from tierlm.cache.codecs import KVCodec, signature
 from tierlm.cache.hot_tier import Block, HotTier, materialize, payload_bytes
 from tierlm.cache.ssd_tier import SSDTier
 
@@ -48,6 +59,7 @@ class PrefixCache:
         self.hot = HotTier(hot_bytes)
         self.stats = PrefixCacheStats()
         self.sliceable = all(c.sliceable for c in codecs)
+        self.all_kv = all(isinstance(c, KVCodec) for c in codecs)
         self.signature = f"{signature(codecs)};block={block_size}"
         self.ssd = SSDTier(ssd_dir, ssd_bytes, fingerprint, self.signature) if ssd_dir else None
         self.write_through = write_through
@@ -59,21 +71,36 @@ class PrefixCache:
     def lookup(self, tokens: list[int], keys: list[bytes] | None = None) -> Lookup:
         """The longest verified run of cached blocks, leaving at least one token
         of the prompt to compute. `keys`: the prompt's block keys, if an earlier
-        lookup computed them."""
+        lookup computed them. Blocks on SSD are read ahead, in parallel, as one
+        chain: the lookup knows every key it will want."""
         keys = keys if keys is not None else block_keys(self.root, tokens, self.block_size)
         usable = (len(tokens) - 1) // self.block_size
+        wanted = [tuple(tokens[i * self.block_size : (i + 1) * self.block_size]) for i in range(usable)]
         blocks: list[Block] = []
-        for i, key in enumerate(keys[:usable]):
-            wanted = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            block = self.hot.get(key) or self._from_ssd(key, wanted)
-            if block is None:
-                break
-            if block.tokens != wanted:
-                self.stats.collisions += 1  # a hash match alone is never trusted
-                log.warning("block key collision at block %d: token ids differ, not used", i)
-                break
-            block.users += 1  # promoting later blocks must not evict these
-            blocks.append(block)
+        # the run of blocks in memory or on SSD (as far as its index knows) from the start
+        hot = [self.hot.get(k) for k in keys[:usable]]
+        run = 0
+        while run < usable and (hot[run] is not None or (self.ssd is not None and self.ssd.contains(keys[run]))):
+            run += 1
+        pinned = [b for b in hot[:run] if b is not None]
+        self.acquire(pinned)  # promoting blocks from SSD must not evict the chain's hot ones
+        reads = self.ssd.read_chain([(keys[i], wanted[i]) for i in range(run) if hot[i] is None]) \
+            if self.ssd is not None else None
+        try:
+            for i in range(run):
+                block = hot[i] or self._promote(next(reads, None), keys[i])
+                if block is None:
+                    break
+                if block.tokens != wanted[i]:
+                    self.stats.collisions += 1  # a hash match alone is never trusted
+                    log.warning("block key collision at block %d: token ids differ, not used", i)
+                    break
+                block.users += 1  # promoting later blocks must not evict these
+                blocks.append(block)
+        finally:
+            if reads is not None:
+                reads.close()  # cancels the reads no longer needed
+            self.release(pinned)
         self.release(blocks)
         self.hot.touch(blocks)
         result = Lookup(keys, blocks)
@@ -81,16 +108,13 @@ class PrefixCache:
             result.diverged_at = self._divergence(tokens, keys, len(blocks))
         return result
 
-    def _from_ssd(self, key: bytes, tokens: tuple[int, ...]) -> Block | None:
-        """A verified block from SSD, promoted to the hot tier."""
-        if self.ssd is None or not self.ssd.contains(key):
+    def _promote(self, block: Block | None, key: bytes) -> Block | None:
+        """A verified block read from SSD, into the hot tier."""
+        if block is None or block.key != key:
             return None
-        block = self.ssd.read(key, tokens)
-        if block is None:
-            return None
-        block.nbytes = payload_bytes(self.codecs, block.layers)
+        block.nbytes = payload_bytes(self.codecs, block.payload())
         self.hot.put(block)
-        self.stats.ssd_hit_tokens += len(tokens)
+        self.stats.ssd_hit_tokens += len(block.tokens)
         return block
 
     def _divergence(self, tokens: list[int], keys: list[bytes], i: int) -> int:
@@ -125,7 +149,28 @@ class PrefixCache:
 
     def rebuild(self, blocks: list[Block]) -> list:
         """The model's per-layer cache objects holding these blocks' tokens."""
-        return [codec.rebuild([b.layers[i] for b in blocks]) for i, codec in enumerate(self.codecs)]
+        packed = [b.packed for b in blocks]
+        if packed and all(p is not None for p in packed) and len({(p.shape[:2], p.shape[3:], p.dtype)
+                                                                  for p in packed}) == 1:
+            # one copy of every byte, in one operation; each layer's keys and values
+            # are views of it (rows 2l and 2l + 1), as a KVCache holds them
+            kv = packed[0] if len(packed) == 1 else mx.concatenate(packed, axis=2)
+            caches = []
+            for layer in range(kv.shape[0] // 2):
+                cache = KVCache()
+                cache.keys, cache.values = kv[2 * layer : 2 * layer + 1], kv[2 * layer + 1 : 2 * layer + 2]
+                cache.offset = kv.shape[2]
+                caches.append(cache)
+            return caches
+        layers = [self._layers(b) for b in blocks]
+        return [codec.rebuild([b[i] for b in layers]) for i, codec in enumerate(self.codecs)]
+
+    def _layers(self, block: Block) -> list:
+        """A block's per-layer payloads (a packed block's as views of its array)."""
+        if block.packed is None:
+            return block.layers
+        p = block.packed
+        return [(p[2 * i : 2 * i + 1], p[2 * i + 1 : 2 * i + 2]) for i in range(p.shape[0] // 2)]
 
     # ---- store ------------------------------------------------------------
 
@@ -179,12 +224,27 @@ class PrefixCache:
 
     def _block(self, i: int, tokens: list[int], keys: list[bytes], layer_caches: list) -> Block:
         start, end = i * self.block_size, (i + 1) * self.block_size
+        parent = keys[i - 1] if i else self.root
+        if self._packable(layer_caches):
+            packed = mx.concatenate([a[..., start:end, :] for c in layer_caches for a in (c.keys, c.values)])
+            return Block(keys[i], parent, tuple(tokens[start:end]), None, packed.nbytes, packed=packed)
         layers = [
             codec.slice(cache, start, end) if codec.sliceable else codec.snapshot(cache)
             for codec, cache in zip(self.codecs, layer_caches)
         ]
-        parent = keys[i - 1] if i else self.root
         return Block(keys[i], parent, tuple(tokens[start:end]), layers, payload_bytes(self.codecs, layers))
+
+    def _packable(self, layer_caches: list) -> bool:
+        """Whether every layer is plain KV of one sequence, with keys and values of
+        one shape (but for length) and dtype: then a block is one array."""
+        if not self.all_kv:
+            return False
+        first = layer_caches[0].keys
+        if first is None or first.ndim != 4 or first.shape[0] != 1:
+            return False
+        like = (first.shape[1], first.shape[3], first.dtype)
+        return all(a is not None and a.ndim == 4 and a.shape[0] == 1 and (a.shape[1], a.shape[3], a.dtype) == like
+                   for c in layer_caches for a in (c.keys, c.values))
 
     def clear(self, ssd: bool = False) -> int:
         """Drop the hot tier (without writing it back) and, if asked, every SSD file."""
