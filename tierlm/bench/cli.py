@@ -10,6 +10,7 @@ tierlm bench docs      regenerate docs/benchmarks.md from result JSON files
 tierlm bench soak      chaos run against one server: 5xx, hung, wrong answers, memory kept
 tierlm bench models    many models in one server: cold and warm loads, TTFT of a loading request, two models vs one
 tierlm bench agents    a Claude Code session against tierlm: time per turn, prompt tokens read from cache
+tierlm bench cache     the prefix cache's tiers: TTFT cold / hot / SSD, restore and write rates vs the disk's
 
 tierlm/cli.py imports this module for every command, `tierlm serve` included, so
 each subcommand imports what it runs inside its function: the server never loads
@@ -140,6 +141,20 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", default=None, help="write results here")
     p.set_defaults(func=cmd_agents)
 
+    p = bsub.add_parser("cache", help="prefix-cache tiers: TTFT cold / hot / SSD, restore and write rates "
+                                      "beside the disk's")
+    p.add_argument("--model", default=None, help="model folder (default: the default model)")
+    p.add_argument("--prefix", type=int, nargs="+", default=[8192, 20480, 61440],
+                   help="prompt sizes, tokens (rounded down to whole 256-token blocks)")
+    p.add_argument("--ssd-dir", default=None, help="a folder on the disk to measure (default: the temp folder)")
+    p.add_argument("--hot-cache-size", default="8GiB", help="hot tier size: the largest prompt's KV must fit")
+    p.add_argument("--ssd-cache-size", default="16GiB")
+    p.add_argument("--disk-bytes", type=int, default=2 * 2**30, help="size of the disk-rate test file")
+    p.add_argument("--write-turns", type=int, default=1, help="writer test: turns stored at once (0: skip)")
+    p.add_argument("--write-turn-tokens", type=int, default=20000, help="writer test: new tokens a turn")
+    p.add_argument("--json", default=None, help="write results here")
+    p.set_defaults(func=_cache)
+
 
 def _add_load_args(p: argparse.ArgumentParser, default_concurrency: str = "1") -> None:
     p.add_argument(
@@ -246,7 +261,7 @@ def cmd_engine(args) -> int:
             "engine decode tok/s",
             "ratio",
             "pairs: geo-mean ± s.e.",
-            "step-accounted",
+            "step-accounted (diagnostic)",
             "bare total tok/s",
             "engine total tok/s",
             "ratio",
@@ -356,3 +371,9 @@ def cmd_docs(args) -> int:
 
     print(render_docs(Path(args.results), Path(args.out)))
     return 0
+
+
+def _cache(args) -> int:
+    from tierlm.bench.cache_bench import cmd_cache
+
+    return cmd_cache(args)
