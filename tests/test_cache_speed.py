@@ -72,6 +72,21 @@ def test_a_chain_read_in_parallel_gives_exactly_the_arrays_stored(model, written
     pc.close()
 
 
+def test_a_chain_half_in_memory_half_on_ssd_is_read_from_both(model, written):
+    folder, tokens, live = written
+    pc = cache_on(model, folder)
+    assert pc.lookup(tokens).tokens == N * BLOCK  # all promoted to the hot tier
+    per_block = pc.hot.nbytes // N
+    pc.hot.evict_to(per_block * N // 2)  # children go first: the chain's second half leaves memory
+    assert len(pc.hot) == N // 2
+    reads = pc.ssd.stats.reads
+    lookup = pc.lookup(tokens)
+    assert lookup.tokens == N * BLOCK and pc.ssd.stats.reads == reads + N // 2
+    rebuilt = pc.rebuild(lookup.blocks)
+    assert all(mx.array_equal(got.keys, want.keys[..., : N * BLOCK, :]).item() for got, want in zip(rebuilt, live))
+    pc.close()
+
+
 @pytest.mark.parametrize("where", ["data", "header"])
 def test_a_damaged_file_mid_chain_is_deleted_and_the_chain_stops_before_it(model, written, where):
     folder, tokens, _ = written

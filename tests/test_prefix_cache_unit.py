@@ -54,6 +54,7 @@ def test_codec_round_trip_continues_exactly(name):
     assert stored == 3  # 48 tokens: past gemma's 32-token window
     lookup = pc.lookup(tokens)
     assert lookup.tokens == 48
+    assert all((b.packed is not None) == (name == "llama") for b in lookup.blocks)  # plain KV: packed
     rebuilt = pc.rebuild(lookup.blocks)
     expected = run(model, rest, live)
     got = run(model, rest, rebuilt)
@@ -105,7 +106,7 @@ def test_forged_hash_collision_is_caught_by_token_comparison():
     forged_key = block_keys(pc.root, victim, BLOCK)[0]
     real = pc.hot.get(block_keys(pc.root, honest, BLOCK)[0])
     # a block claiming the victim's key but holding other tokens' KV
-    pc.hot.put(Block(forged_key, pc.root, real.tokens, real.layers, real.nbytes))
+    pc.hot.put(Block(forged_key, pc.root, real.tokens, real.layers, real.nbytes, packed=real.packed))
     lookup = pc.lookup(victim)
     assert lookup.tokens == 0
     assert pc.stats.collisions == 1
