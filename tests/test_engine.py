@@ -9,7 +9,7 @@ import pytest
 from engine_testing import request, run, started
 
 from tierlm.config import Settings
-from tierlm.engine import ownership
+from tierlm.engine import ownership, warmup
 from tierlm.engine.collector import OutputCollector
 from tierlm.engine.core import EngineCore
 from tierlm.engine.request import FinishReason, Request, RequestOutput, SamplingParams
@@ -114,6 +114,64 @@ def test_burst_budget_grows_with_the_batch_up_to_the_single_stream_budget():
     assert [budget._burst_budget_ms(n) for n in (1, 2, 8, 16, 32, 64)] == [100, 20, 20, 40, 80, 100]
     off = EngineCore("x", lambda: None, Settings(decode_burst_ms=0, decode_burst_ms_batched=0))
     assert off._burst_budget_ms(1) == off._burst_budget_ms(32) == 0
+
+
+def stream_pieces(loaded, **config):
+    """One 12-token request streamed through a fresh engine whose steps take 10 ms
+    at least (the reader keeps up on a loaded machine): (its pieces, the stats)."""
+
+    async def go():
+        engine = await started(loaded, **config)
+        engine.scheduler._test_step_delay_s = 0.01
+        pieces = [o async for o in engine.stream_outputs(request(loaded, engine, max_tokens=12, ignore_eos=True))
+                  if o is not None]
+        stats = engine.get_stats()
+        await engine.close()
+        return pieces, stats
+
+    return run(go())
+
+
+def test_tokens_stream_out_during_a_burst(loaded):
+    """A burst long enough for the whole answer still hands its tokens out as they
+    are made, in order; a flush interval longer than the burst holds them to its end."""
+    pieces, stats = stream_pieces(loaded, decode_burst_ms=60_000, stream_flush_ms=0)
+    assert stats["bursts"] <= 3  # the first token and the finish end a burst
+    assert len(pieces) >= 8 and sum(len(p.token_ids) for p in pieces) == 12
+    assert [p.completion_tokens for p in pieces] == sorted({p.completion_tokens for p in pieces})
+    held, _ = stream_pieces(loaded, decode_burst_ms=60_000, stream_flush_ms=60_000)
+    assert len(held) <= 3 and "".join(p.text for p in held) == "".join(p.text for p in pieces)
+
+
+def test_flush_interval_grows_with_the_batch():
+    engine = EngineCore("x", lambda: None, Settings(stream_flush_ms=2))
+    assert [engine._flush_interval_ms(n) for n in (1, 8, 16, 32)] == [2, 2, 4, 8]
+
+
+def test_warm_batch_sizes_cover_each_power_of_two_and_the_size_after():
+    assert warmup.batch_sizes(1) == [1]
+    assert warmup.batch_sizes(8) == [1, 2, 3, 4, 5, 8]
+    assert warmup.batch_sizes(32) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32]
+    assert warmup.warm_shapes(2) == [(1, warmup.LONG_PROMPT), (1, warmup.SHORT_PROMPT), (2, warmup.SHORT_PROMPT)]
+
+
+def test_warming_runs_while_idle_and_leaves_the_cache_and_answers_alone(loaded):
+    """Warming on (as on a GPU): each shape runs, a request sent meanwhile gets the
+    same answer as on an engine that never warmed, and no warm prompt is cached."""
+
+    async def answer_and_blocks(**config):
+        engine = await started(loaded, **config)
+        jobs = list(engine._warm_jobs)
+        answer = await engine.generate(request(loaded, engine, max_tokens=8))
+        await eventually(lambda: not engine._warm_jobs)
+        blocks = (await engine.cache_stats())["stored_blocks"]
+        await engine.close()
+        return jobs, answer.text, blocks
+
+    cold_jobs, expected, cold_blocks = run(answer_and_blocks(warmup=False))
+    jobs, text, blocks = run(answer_and_blocks(warmup=True, max_concurrent_requests=4))
+    assert cold_jobs == [] and jobs == warmup.warm_shapes(4)
+    assert text == expected and blocks == cold_blocks
 
 
 def test_burst_and_no_burst_give_the_same_text(loaded):

@@ -73,10 +73,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tierlm.api.app import create_app
+    from tierlm.backends import keep_compiled_kernels
     from tierlm.engine.allocator import configure_allocator
     from tierlm.settings_watch import SettingsWatcher
 
     configure_allocator()  # the C heap's free pages go back when idle; started before the model loads
+    keep_compiled_kernels(settings.kernel_cache_dir)
 
     model_path = resolve_model(settings)
     # the settings file's changes apply while the server runs (the command line still wins)

@@ -96,11 +96,21 @@ class Settings:
                                                   "CPU backend, 2048 on a GPU)", per_model=True)
     memory_limit: str | None = setting(None, "admit requests only while they fit under this (bytes, 8GB, "
                                              "or 75%; default 90% of what the device allows)", per_model=True)
-    decode_burst_ms: float = setting(100.0, "decode time per hand-off to the event loop with one request "
-                                            "(0: off)", per_model=True)
+    decode_burst_ms: float = setting(100.0, "decode time per job handed to the engine's worker with one "
+                                            "request (0: one step a job); tokens stream out as they are "
+                                            "made all the same (stream_flush_ms)", per_model=True)
     decode_burst_ms_batched: float = setting(20.0, "the same per 8 requests running, with several (up to "
                                                    "the larger of the two)", per_model=True)
+    stream_flush_ms: float = setting(2.0, "during a decode burst, new tokens go out to the streams at most "
+                                          "this often, per 8 requests running (0: after every step)",
+                                     per_model=True, check=_at_least(0))
     stream_interval: int = setting(1, "tokens per streamed chunk", per_model=True)
+    warmup: bool | None = setting(None, "while idle after start, run each batch shape once, so that the "
+                                        "first requests at a new concurrency do not wait for kernels to "
+                                        "compile (default: on a GPU)", per_model=True)
+    kernel_cache_dir: str = setting(str(HOME / "kernels"), "where MLX's CUDA backend keeps the kernels it "
+                                                           "compiles, across restarts (MLX's own default "
+                                                           "is under /tmp; MLX_PTX_CACHE_DIR wins)")
     stall_timeout_s: float = setting(300.0, "a request, or the engine's worker, with no progress this long "
                                             "ends with an error (/health says degraded while the worker "
                                             "is stuck)", per_model=True)

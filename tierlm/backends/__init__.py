@@ -42,6 +42,17 @@ NONE = Backend()
 _by_model: dict[int, Backend] = {}  # id(model) -> its description, while the model lives
 
 
+def keep_compiled_kernels(folder: str) -> None:
+    """MLX's CUDA backend keeps the kernels it compiles under /tmp unless told
+    otherwise, so a reboot compiles them all again (a second each); put them where
+    they last. Before the first kernel compiles; MLX_PTX_CACHE_DIR, when set, wins."""
+    import os
+    from pathlib import Path
+
+    if "MLX_PTX_CACHE_DIR" not in os.environ:
+        os.environ["MLX_PTX_CACHE_DIR"] = str(Path(folder).expanduser())
+
+
 def prepare(model, *, cpu_weights_dtype: str = "auto", memory_bytes: int, cpu_kernels: bool = True,
             cpu_amx: bool = True) -> Backend:
     """Sets up what the device's backend adds to `model` (in place) and records

@@ -1,9 +1,11 @@
 """EngineCore: the asyncio side of one loaded model.
 
 The event loop never touches MLX. It hands scheduler steps to one worker thread
-(`run_in_executor`), several steps per hand-off (a decode burst bounded by a time
-budget), keeps the next burst queued behind the running one so the worker never
-waits for the loop, and routes the resulting outputs into per-request collectors.
+(`run_in_executor`), several steps per job (a decode burst bounded by a time
+budget), and keeps the next burst queued behind the running one so the worker
+never waits for the loop. Tokens do not wait for a burst to end: the worker
+posts them to an ordered outbox at most every `stream_flush_ms` and wakes the
+loop, which routes them into per-request collectors.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 import mlx.core as mx
@@ -24,7 +27,7 @@ from tierlm import backends
 from tierlm.cache.codecs import codecs_for
 from tierlm.cache.prefix_cache import PrefixCache
 from tierlm.config import Settings
-from tierlm.engine import allocator, ownership, workers
+from tierlm.engine import allocator, ownership, warmup, workers
 from tierlm.engine.collector import OutputCollector
 from tierlm.engine.memory_guard import MemoryGuard, ModelProfile, default_memory_limit, profile_model
 from tierlm.engine.request import FinishReason, Request, RequestOutput
@@ -69,7 +72,13 @@ class EngineCore:
         self._worker = None  # its executor
         self._collectors: dict[str, OutputCollector] = {}
         self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # outputs posted by the worker, in the order it made them, for the loop to
+        # route (`_drain`): one channel for those of a burst under way and those of
+        # its end, so a reader never gets a later piece before an earlier one
+        self._posted: deque[list[RequestOutput]] = deque()
         self._task: asyncio.Task | None = None
+        self._warm_jobs: list[tuple[int, int]] = []  # (batch, prompt length) still to warm, while idle
         self._closed = False
         self._last_log = time.monotonic()
         self._last_generated = 0
@@ -101,6 +110,7 @@ class EngineCore:
             self._give_back_worker()
             raise
         self._wake = asyncio.Event()
+        self._loop = loop
         self._task = asyncio.create_task(self._run_loop(), name=f"engine-{self.name}")
         self._task.add_done_callback(self._on_loop_exit)
         self._watchdog = asyncio.create_task(self._watch(), name=f"watchdog-{self.name}")
@@ -129,8 +139,29 @@ class EngineCore:
             limit / 2**20,
         )
         cache = self._make_prefix_cache()
+        if self._warms(mx.default_device()):
+            self._warm_jobs = warmup.warm_shapes(self.config.max_concurrent_requests)
         return Scheduler(self.model, self.tokenizer, sched_config, guard, stream, cache, self._elsewhere,
                          self._relieve)
+
+    def _warms(self, device) -> bool:
+        """Whether batch shapes are warmed while idle: `warmup`, by default on a GPU
+        (MLX's CPU backend compiles nothing per shape)."""
+        return self.config.warmup if self.config.warmup is not None else device != mx.cpu
+
+    def _warm_next(self) -> None:
+        """Worker thread: the next warm job; a failing one ends warming (logged)."""
+        batch, prompt_len = self._warm_jobs.pop(0)
+        try:
+            seconds = warmup.run_shape(self.model, self._stream, batch, prompt_len,
+                                       self.scheduler.config.prefill_step_size)
+        except Exception:
+            log.exception("engine %s: warming batch %d failed; warming stops", self.name, batch)
+            self._warm_jobs.clear()
+            return
+        log.debug("engine %s: batch %d warmed in %.2f s", self.name, batch, seconds)
+        if not self._warm_jobs:
+            log.info("engine %s: batch shapes up to %d warmed", self.name, self.config.max_concurrent_requests)
 
     def _elsewhere(self) -> int:
         measure = self.memory_elsewhere
@@ -334,6 +365,9 @@ class EngineCore:
                 if not self.scheduler.has_work():
                     if self._closed:
                         return
+                    if self._warm_jobs:  # one at a time: a request waits for one job at most
+                        await loop.run_in_executor(self._worker, self._warm_next)
+                        continue
                     self._wake.clear()
                     if not self.scheduler.has_work() and not self._closed:
                         await self._wake.wait()  # idle costs nothing
@@ -344,45 +378,79 @@ class EngineCore:
             # dispatches and hands it more work (~10 % of a small model's decode on a GPU).
             current = ahead
             ahead = loop.run_in_executor(self._worker, self._burst) if self.scheduler.has_work() else None
-            self._dispatch(await current)
+            await current
+            self._drain()
             self._reap_orphans()
             self._maybe_log()
 
-    def _burst(self) -> list[RequestOutput]:
-        """Worker thread: a burst of steps. A step that raises fails what was in
-        flight right here, before any queued burst can step the broken batch."""
+    def _burst(self) -> None:
+        """Worker thread: a burst of steps, its outputs posted (`_post`). A step
+        that raises fails what was in flight right here, before any queued burst
+        can step the broken batch."""
         self._burst_started = time.monotonic()
         try:
-            return self._steps()
+            self._steps()
         except Exception as e:
             log.exception("engine %s step failed", self.name)
             self.failed_bursts += 1
             self.last_failure = f"{type(e).__name__}: {e}"
             self.scheduler.fail_running(f"generation failed: {e}")
-            return self.scheduler.take_outputs()
         finally:
             self._burst_started = None
+            self._post(wake=False)  # the loop routes them when the burst's future resolves
 
-    def _steps(self) -> list[RequestOutput]:
+    def _steps(self) -> None:
         """Scheduler steps until the time budget is spent, or until something the
-        client waits for happens (a first token, a finish)."""
+        client waits for happens (a first token, a finish). The tokens made so far
+        go out every `stream_flush_ms` (per 8 running) without ending the burst."""
         scheduler = self.scheduler
         if not scheduler.has_work():  # a burst queued ahead, after the work ran out
-            return []
+            return
         steps_before = scheduler.counters.steps
-        budget_ms = self._burst_budget_ms(len(scheduler.running))
-        deadline = time.perf_counter() + budget_ms / 1000
-        # The scheduler keeps one output per request until the burst ends: the event
-        # loop's work, and its turns at the GIL that the worker then waits for, grow
-        # with the number of outputs it is handed.
+        running = len(scheduler.running)
+        budget_ms = self._burst_budget_ms(running)
+        flush_s = self._flush_interval_ms(running) / 1000
+        now = time.perf_counter()
+        deadline, next_flush = now + budget_ms / 1000, now + flush_s
         while True:
             scheduler.step()
-            if scheduler.urgent or budget_ms <= 0 or time.perf_counter() >= deadline or not scheduler.has_work():
+            now = time.perf_counter()
+            if scheduler.urgent or budget_ms <= 0 or now >= deadline or not scheduler.has_work():
                 # a hand-off that only stored the last step's blocks ran no model step
                 if scheduler.counters.steps > steps_before:
                     self.bursts += 1
                     self.failed_bursts = 0  # a model step worked
-                return scheduler.take_outputs()
+                return
+            if now >= next_flush:
+                # The scheduler keeps one output per request between two posts: the
+                # loop's work, and its turns at the GIL that the worker then waits
+                # for, grow with the number of posts times the requests running.
+                self._post(wake=True)
+                next_flush = now + flush_s
+
+    def _post(self, wake: bool) -> None:
+        """Worker thread: the outputs made since the last post go to the loop's
+        outbox; `wake`: the loop routes them now rather than at the burst's end."""
+        outputs = self.scheduler.take_outputs()
+        if not outputs:
+            return
+        self._posted.append(outputs)
+        if wake:
+            try:
+                self._loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the loop is closed: nobody reads them any more
+                pass
+
+    def _drain(self) -> None:
+        """Event loop: route every posted output, oldest first."""
+        while self._posted:
+            self._dispatch(self._posted.popleft())
+
+    def _flush_interval_ms(self, running: int) -> float:
+        """stream_flush_ms per 8 requests running: the loop's work per post grows
+        with the batch, and serialized with the worker's steps by the GIL it slows
+        them when they are CPU-bound (a small model on a GPU)."""
+        return self.config.stream_flush_ms * max(1.0, running / 8)
 
     def _burst_budget_ms(self, running: int) -> float:
         """With one request, decode_burst_ms. With several, decode_burst_ms_batched

@@ -1,0 +1,64 @@
+"""Batch shapes run once while the engine is idle, so that the first requests at
+a new concurrency are as fast as the next ones.
+
+MLX's CUDA backend compiles a kernel the first time a shape needs it (about a
+second each, measured on an H200: the first request of a fresh machine took 13 s,
+the first batch of nine 3.9 s) and keeps it on disk (`kernel_cache_dir`). A warm
+shape is a few tiny requests through a BatchGenerator of its own: prefill and a
+few decode steps, greedy and sampled, and nothing of it reaches the prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from tierlm.engine.request import SamplingParams
+from tierlm.engine.sampling import make_request_sampler
+
+log = logging.getLogger(__name__)
+
+LONG_PROMPT = 512  # one prompt this long at batch 1: the prefill kernels of a long chunk
+SHORT_PROMPT = 16
+DECODE_STEPS = 3
+
+
+def batch_sizes(max_running: int) -> list[int]:
+    """1, each power of two and the size after it, and the largest: kernels change
+    at such bounds (eight rows and nine took different ones on the H200), and the
+    sizes between share theirs."""
+    sizes, k = {1, max_running}, 2
+    while k <= max_running:
+        sizes.update({k, min(k + 1, max_running)})
+        k *= 2
+    return sorted(sizes)
+
+
+def warm_shapes(max_running: int) -> list[tuple[int, int]]:
+    """(batch, prompt length) of each warm job, in the order they run."""
+    return [(1, LONG_PROMPT)] + [(b, SHORT_PROMPT) for b in batch_sizes(max_running)]
+
+
+def run_shape(model, stream, batch: int, prompt_len: int, prefill_step: int) -> float:
+    """Worker thread: `batch` requests of `prompt_len` tokens, a few tokens each,
+    every other one sampled at a temperature; the seconds it took."""
+    tic = time.perf_counter()
+    gen = BatchGenerator(model, completion_batch_size=batch, prefill_batch_size=min(8, batch),
+                         prefill_step_size=prefill_step, stream=stream)
+    try:
+        sampled = make_request_sampler(SamplingParams(temperature=0.7, seed=0), lambda message: None)
+        greedy = make_request_sampler(SamplingParams(temperature=0), lambda message: None)
+        prompts = [[(7 * i + j) % 97 + 3 for j in range(prompt_len)] for i in range(batch)]
+        gen.insert(prompts, max_tokens=[DECODE_STEPS] * batch,
+                   samplers=[sampled if i % 2 else greedy for i in range(batch)])
+        pending = batch
+        while pending:
+            _, responses = gen.next()
+            pending -= sum(r.finish_reason is not None for r in responses)
+    finally:
+        gen.close()
+        mx.synchronize(stream)
+    return time.perf_counter() - tic
