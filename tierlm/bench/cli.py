@@ -66,6 +66,15 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", default=None, help="write results here")
     p.set_defaults(func=cmd_engine)
 
+    p = bsub.add_parser("streaming", help="ITL against TPOT per concurrency (before/after), and cold starts")
+    p.add_argument("--model", default=None, help="MLX model folder (default: the default model)")
+    p.add_argument("--base-tree", default=None, help="a checkout of another commit, served first, for a before/after")
+    p.add_argument("--cold", default="8,32", help="concurrencies of the cold-start runs (empty: none)")
+    p.add_argument("--cold-kernels", default="fresh,kept", help="fresh and/or kept: the kernel folder per start")
+    p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
+    _add_load_args(p, default_concurrency="1,4,32")
+    p.set_defaults(func=cmd_streaming)
+
     p = bsub.add_parser("constrained", help="one JSON-schema-constrained request in a batch vs none, in process")
     p.add_argument("--model", default=None)
     p.add_argument("--batch", default="1,8", help="comma list of batch sizes")
@@ -270,6 +279,17 @@ def cmd_engine(args) -> int:
     )
     if args.json:
         write_json(args.json, "engine", result, runs.command_line())
+    return 0
+
+
+def cmd_streaming(args) -> int:
+    from tierlm.bench import runs, streaming
+    from tierlm.bench.report import console, write_json
+
+    result = streaming.run_streaming(args)
+    console.print(streaming.markdown(result))
+    if args.json:
+        write_json(args.json, "streaming", result, runs.command_line())
     return 0
 
 

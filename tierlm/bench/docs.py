@@ -21,9 +21,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierlm.bench import constrained, models_bench
+from tierlm.bench import constrained, models_bench, streaming
 from tierlm.bench.compare import compare_rows
 from tierlm.bench.engine_overhead import pair_ratios, step_ratios
+from tierlm.bench.metrics import geometric_mean_se
 from tierlm.bench.report import markdown_table, ms, num, pairs_cell, ratio, serve_rows
 
 HEADER = """# Benchmarks
@@ -83,13 +84,15 @@ decodes (after the last first token, before the first finish); *total* is all
 output tokens over submit-to-last-token, prefill included. *Ratio per round*:
 the lowest and highest engine ÷ bare of the rounds, each pair run back to back:
 how much the machine moved between runs; *pairs*: the geometric mean of those
-ratios and its standard error. *Step-accounted*: each pair again, from the model
-steps timed inside the runs, so the machine's drift between the two runs drops
-out: the engine's step as measured (model step plus everything between two
-steps) against the same model step less the event loop thread's whole CPU time,
-plus the bare loop's time between steps (`tierlm/bench/step_timing.py`).
-*≥ 0.97* checks the step-accounted ratio where a file has step timings of two
-rounds or more, the median ratio otherwise.
+ratios and its standard error. *≥ 0.97*, the target, checks the wall-clock
+decode ratio: the pairs' geometric mean where a file has two rounds or more,
+the median ratio otherwise. *Step-accounted* is a diagnostic, not the target:
+each pair again, from the model steps timed inside the runs, so the machine's
+drift between the two runs drops out: the engine's step as measured (model step
+plus everything between two steps) against the same model step less the event
+loop thread's whole CPU time, plus the bare loop's time between steps
+(`tierlm/bench/step_timing.py`). Where it says more than the wall clock, the
+engine loses time outside its steps.
 """
 
 COUNTS = ("num_prompts", "num_conversations", "suffixes_per_prefix")  # how many, not what
@@ -278,7 +281,7 @@ def render_engine(doc: dict, path: Path) -> str:
         "≥ 0.97",
         "ratio per round",
         "pairs: geo-mean ± s.e.",
-        "step-accounted",
+        "step-accounted (diagnostic)",
         "bare total tok/s",
         "engine total tok/s",
         "ratio",
@@ -286,8 +289,8 @@ def render_engine(doc: dict, path: Path) -> str:
     rows = []
     for s in doc["summary"]:
         pairs = pair_ratios(doc["runs"], s["batch"])
-        accounted = s.get("step_ratio", math.nan)  # files before step timings have none
-        checked = s["decode_ratio"] if math.isnan(accounted) else accounted
+        wall, _ = geometric_mean_se(pairs)
+        checked = s["decode_ratio"] if math.isnan(wall) else wall
         rows.append([
             str(s["batch"]),
             num(s["bare"]["decode_tok_s"]),
@@ -323,6 +326,10 @@ def render_engine(doc: dict, path: Path) -> str:
 
 def render_constrained(doc: dict, path: Path) -> str:
     return "\n".join([f"### {constrained.title(doc)}\n", _provenance(doc, path), constrained.markdown(doc)])
+
+
+def render_streaming(doc: dict, path: Path) -> str:
+    return "\n".join([f"### {streaming.title(doc)}\n", _provenance(doc, path), streaming.markdown(doc)])
 
 
 def render_models(doc: dict, path: Path) -> str:
@@ -444,6 +451,8 @@ def benchmarks(results: list[Result]) -> tuple[list[Benchmark], list[Path]]:
             found.setdefault((4, constrained.title(r.doc)), []).append({r.kind: r})
         elif r.kind == "models":
             found.setdefault((5, models_bench.title(r.doc)), []).append({r.kind: r})
+        elif r.kind == "streaming":
+            found.setdefault((6, streaming.title(r.doc)), []).append({r.kind: r})
     shown = {r.path for files_list in found.values() for files in files_list for r in files.values()}
     others = [r.path for r in results if r.path not in shown]
     return [Benchmark(order, title, _newest_first(found[order, title])) for order, title in sorted(found)], others
@@ -456,7 +465,8 @@ def render_benchmark(bench: Benchmark) -> str:
     else:
         (r,) = files.values()
         render = {"compare": render_compare, "engine": render_engine, "serve": render_serve,
-                  "constrained": render_constrained, "models": render_models}[r.kind]
+                  "constrained": render_constrained, "models": render_models,
+                  "streaming": render_streaming}[r.kind]
         text = render(r.doc, r.path)
     if bench.older_files:
         names = ", ".join(f"`{p.name}`" for p in sorted(bench.older_files))

@@ -33,6 +33,7 @@ class ServerSpec:
     env: dict = field(default_factory=dict)
     ready_path: str = "/v1/models"
     model_id: str | None = None  # what requests name; None: the first id of /v1/models
+    cwd: str | None = None  # where it starts (`python -m` puts this folder first on the path)
 
 
 def tierlm_server(model: Path, max_concurrency: int, extra: list[str] = ()) -> ServerSpec:
@@ -141,6 +142,7 @@ class RunningServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **self.spec.env},
+            cwd=self.spec.cwd,
             start_new_session=True,
         )
         deadline = time.monotonic() + timeout_s

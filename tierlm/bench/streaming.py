@@ -1,0 +1,127 @@
+"""How tokens reach a client, and how the first requests after a start fare:
+`tierlm bench streaming`.
+
+- *Smoothness*: for each tree (this one, and `--base-tree` for a before/after in
+  one run), one `tierlm serve` and the workload at each concurrency: the median
+  gap between two streamed chunks (ITL p50) against the time per output token
+  (TPOT p50). A server that streams every token has ITL ≈ TPOT; one that hands
+  out a burst of tokens at a time has ITL ≈ burst.
+- *Cold start*: at each `--cold` concurrency, a fresh `tierlm serve` and the same
+  requests twice, the first as soon as it is ready: first ÷ second output tok/s.
+  `--cold-kernels fresh` gives each start an empty kernel folder (the first start
+  on a machine); `kept` leaves the server its own (`kernel_cache_dir`), filled by
+  the starts before (a restart).
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from pathlib import Path
+
+from tierlm.bench import runs, servers
+from tierlm.bench.report import console, markdown_table, ms, num, ratio
+
+def _spec(args, tree: Path | None, top: int, kernels: str | None) -> servers.ServerSpec:
+    model = Path(args.model).expanduser() if args.model else servers.default_model_folder()
+    spec = servers.tierlm_server(model, top, args.tierlm_args.split())
+    env = {}
+    if tree is not None:  # the other tree's tierlm first on the path (this one is installed)
+        env["PYTHONPATH"], spec.cwd = str(tree), str(tree)
+    if kernels is not None:
+        env["MLX_PTX_CACHE_DIR"] = kernels
+    spec.env = env
+    spec.name = "base" if tree is not None else "this"
+    return spec
+
+
+def _row(run: dict) -> dict:
+    s = run["summary"]
+    return {
+        "concurrency": run["concurrency"],
+        "output_tok_s": s["output_tok_s"],
+        "ttft_p50": s["ttft_s"]["p50"],
+        "tpot_p50": s["tpot_s"]["p50"],
+        "itl_p50": s["itl_s"]["p50"],
+        "itl_p99": s["itl_s"]["p99"],
+        "failed": s["failed"],
+    }
+
+
+def smoothness(args, tree: Path | None, concurrencies: list[int], tokenizer: str) -> list[dict]:
+    spec = _spec(args, tree, max(concurrencies), None)
+    console.print(f"smoothness: starting tierlm ({spec.name} tree)")
+    rows = []
+    with servers.RunningServer(spec) as server:
+        for c in concurrencies:
+            row = _row(runs.run_one(args, server.base_url, tokenizer, c, label=spec.name))
+            rows.append(row)
+            console.print(f"  c={c}: ITL p50 {ms(row['itl_p50'])} ms, TPOT p50 {ms(row['tpot_p50'])} ms, "
+                          f"{num(row['output_tok_s'])} out tok/s")
+    return rows
+
+
+def cold_start(args, concurrency: int, kernels: str, tokenizer: str) -> dict:
+    folder = tempfile.mkdtemp(prefix="tierlm-kernels-") if kernels == "fresh" else None
+    spec = _spec(args, None, concurrency, folder)
+    cold_args = copy.copy(args)
+    cold_args.warmup = 0  # the first request timed is the first the server sees
+    with servers.RunningServer(spec) as server:
+        first = _row(runs.run_one(cold_args, server.base_url, tokenizer, concurrency, label="first"))
+        second = _row(runs.run_one(cold_args, server.base_url, tokenizer, concurrency, label="second"))
+    result = {"concurrency": concurrency, "kernels": kernels, "first": first, "second": second,
+              "ratio": ratio(first["output_tok_s"], second["output_tok_s"])}
+    console.print(f"  cold start c={concurrency} ({kernels} kernels): first ÷ second {num(result['ratio'], 2)}")
+    return result
+
+
+def run_streaming(args) -> dict:
+    tokenizer = runs.default_tokenizer(args)
+    concurrencies = runs.concurrencies(args.concurrency)
+    trees = ([Path(args.base_tree).resolve()] if args.base_tree else []) + [None]
+    smooth = {("base" if t else "this"): smoothness(args, t, concurrencies, tokenizer)
+              for t in trees if concurrencies}
+    cold = [cold_start(args, c, k, tokenizer)
+            for k in args.cold_kernels.split(",") if k for c in runs.concurrencies(args.cold)]
+    return {"model": args.model, "base_tree": args.base_tree, "shape": {"input_len": args.input_len,
+            "output_len": args.output_len}, "smoothness": smooth, "cold_start": cold}
+
+
+def title(doc: dict) -> str:
+    shape = doc.get("shape", {})
+    return (f"Streaming and cold start: `{Path(doc.get('model') or 'default model').name}`, "
+            f"{shape.get('input_len', '?')}-token prompts, {shape.get('output_len', '?')} tokens out")
+
+
+def markdown(doc: dict) -> str:
+    out = []
+    smooth = doc.get("smoothness", {})
+    if smooth:
+        header = ["streams"]
+        for name in smooth:
+            header += [f"{name}: ITL p50", "TPOT p50", "ITL ÷ TPOT", "out tok/s"]
+        if "base" in smooth:
+            header += ["tok/s this ÷ base"]
+        rows = []
+        for i, first in enumerate(next(iter(smooth.values()))):
+            row = [str(first["concurrency"])]
+            for runs_of in smooth.values():
+                r = runs_of[i]
+                row += [ms(r["itl_p50"]), ms(r["tpot_p50"]), num(ratio(r["itl_p50"], r["tpot_p50"]), 2),
+                        num(r["output_tok_s"])]
+            if "base" in smooth:
+                row.append(num(ratio(smooth["this"][i]["output_tok_s"], smooth["base"][i]["output_tok_s"]), 2))
+            rows.append(row)
+        out += ["Times in ms. Target: ITL p50 ≤ 2 × TPOT p50 at 1 and 4 streams, "
+                "aggregate tok/s at 32 streams no lower than before.\n", markdown_table(header, rows), ""]
+    cold = doc.get("cold_start", [])
+    if cold:
+        header = ["streams", "kernel folder", "first run tok/s", "second run tok/s", "first ÷ second",
+                  "first TTFT p50", "second TTFT p50"]
+        rows = [[str(c["concurrency"]), c["kernels"], num(c["first"]["output_tok_s"]),
+                 num(c["second"]["output_tok_s"]), num(c["ratio"], 2), ms(c["first"]["ttft_p50"]),
+                 ms(c["second"]["ttft_p50"])] for c in cold]
+        out += ["Cold start (target: first ÷ second ≥ 0.9). *fresh*: an empty kernel folder, as at "
+                "the first start on a machine; *kept*: the folder of the starts before, as at a restart.\n",
+                markdown_table(header, rows), ""]
+    return "\n".join(out)
