@@ -54,6 +54,10 @@ _STOP = object()
 PAUSE_POINTS = ("partial", "written", "renamed")  # half the temp file; whole and fsynced; renamed
 READ_THREADS = min(16, max(4, 2 * (os.cpu_count() or 1)))  # reads wait on the disk, not the CPU
 READ_AHEAD_BYTES = 256 * 2**20  # a chain's files read ahead of the worker, at most
+# Reads of a file in pieces: the kernel reads ahead of the next piece while this
+# one is copied (8 MiB files from a cold page cache, 8 threads, this project's CPU
+# machine: 1.15 GB/s in one read a file, 1.6 in 1 MiB pieces, 1.8 in 256 KiB)
+READ_CHUNK = 256 * 2**10
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -263,7 +267,7 @@ class SSDTier:
                 size = os.fstat(f.fileno()).st_size
                 buf = self._buffers.take(size)
                 view, got = memoryview(buf), 0
-                while got < size and (n := f.readinto(view[got:])):
+                while got < size and (n := f.readinto(view[got : got + READ_CHUNK])):
                     got += n
             try:
                 os.utime(path)  # recently used: evicted last
