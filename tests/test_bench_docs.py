@@ -95,3 +95,26 @@ def test_only_the_newest_result_of_each_benchmark_is_shown(tmp_path):
     assert "kept as data: `engine-r1.json`, `serve-r1.json`." in served
 
     assert "Other files here, of no benchmark above (kept as data): `engine-once.json`." in text
+
+
+def smooth_row(c: int, itl: float, tpot: float, tok_s: float) -> dict:
+    return {"concurrency": c, "output_tok_s": tok_s, "ttft_p50": 0.2, "tpot_p50": tpot, "itl_p50": itl,
+            "itl_p99": itl, "failed": 0}
+
+
+def test_streaming_results_show_itl_against_tpot_and_cold_starts(tmp_path):
+    cold = {"concurrency": 8, "kernels": "kept", "first": smooth_row(8, 0.01, 0.01, 900.0),
+            "second": smooth_row(8, 0.01, 0.01, 1000.0), "ratio": 0.9,
+            "warmup_at_ready": {"shapes_left": 2, "seconds": 4.25}, "warmup_after": None}
+    doc = {"kind": "streaming", "date": "2026-01-01 10:00:00 UTC", "command": "tierlm bench streaming",
+           "machine": {}, "model": "/m/llama-1b", "shape": {"input_len": 500, "output_len": 256},
+           "smoothness": {"base": [smooth_row(1, 0.100, 0.004, 230.0)], "this": [smooth_row(1, 0.005, 0.005, 240.0)]},
+           "cold_start": [cold]}
+    machine = tmp_path / "results" / "gpu"
+    machine.mkdir(parents=True)
+    (machine / "streaming-llama-1b.json").write_text(json.dumps(doc))
+    text = render_docs(tmp_path / "results", tmp_path / "benchmarks.md").read_text()
+    (section,) = sections(text).values()
+    assert section.startswith("Streaming and cold start: `llama-1b`, 500-token prompts, 256 tokens out")
+    assert "| 1 | 100.0 | 4.0 | 25.00 | 230.0 | 5.0 | 5.0 | 1.00 | 240.0 | 1.04 |" in section
+    assert "| 8 | kept | 900.0 | 1000.0 | 0.90 | 200.0 | 200.0 | 4.2 s | 2 |" in section

@@ -145,7 +145,7 @@ def test_tokens_stream_out_during_a_burst(loaded):
 
 def test_flush_interval_grows_with_the_batch():
     engine = EngineCore("x", lambda: None, Settings(stream_flush_ms=2))
-    assert [engine._flush_interval_ms(n) for n in (1, 8, 16, 32)] == [2, 2, 4, 8]
+    assert [engine._flush_interval_ms(n) for n in (1, 4, 8, 32)] == [2, 2, 4, 16]
 
 
 def test_warm_batch_sizes_cover_each_power_of_two_and_the_size_after():
@@ -169,9 +169,22 @@ def test_warming_runs_while_idle_and_leaves_the_cache_and_answers_alone(loaded):
         return jobs, answer.text, blocks
 
     cold_jobs, expected, cold_blocks = run(answer_and_blocks(warmup=False))
-    jobs, text, blocks = run(answer_and_blocks(warmup=True, max_concurrent_requests=4))
+    jobs, text, blocks = run(answer_and_blocks(warmup=True, warmup_wait_s=0, max_concurrent_requests=4))
     assert cold_jobs == [] and jobs == warmup.warm_shapes(4)
     assert text == expected and blocks == cold_blocks
+
+
+def test_warming_before_ready_within_its_wait(loaded):
+    """With time enough, every shape is warm when the engine reports ready."""
+
+    async def go():
+        engine = await started(loaded, warmup=True, warmup_wait_s=120, max_concurrent_requests=3)
+        warming, stats = engine.warming, engine.get_stats()["warmup"]
+        await engine.close()
+        return warming, stats
+
+    warming, stats = run(go())
+    assert not warming and stats["shapes_left"] == 0 and stats["seconds"] > 0
 
 
 def test_burst_and_no_burst_give_the_same_text(loaded):

@@ -102,12 +102,14 @@ class Settings:
     decode_burst_ms_batched: float = setting(20.0, "the same per 8 requests running, with several (up to "
                                                    "the larger of the two)", per_model=True)
     stream_flush_ms: float = setting(2.0, "during a decode burst, new tokens go out to the streams at most "
-                                          "this often, per 8 requests running (0: after every step)",
+                                          "this often, per 4 requests running (0: after every step)",
                                      per_model=True, check=_at_least(0))
     stream_interval: int = setting(1, "tokens per streamed chunk", per_model=True)
     warmup: bool | None = setting(None, "while idle after start, run each batch shape once, so that the "
                                         "first requests at a new concurrency do not wait for kernels to "
                                         "compile (default: on a GPU)", per_model=True)
+    warmup_wait_s: float = setting(5.0, "at start, seconds the engine may spend warming before it reports "
+                                        "ready; the rest warms while idle", per_model=True, check=_at_least(0))
     kernel_cache_dir: str = setting(str(HOME / "kernels"), "where MLX's CUDA backend keeps the kernels it "
                                                            "compiles, across restarts (MLX's own default "
                                                            "is under /tmp; MLX_PTX_CACHE_DIR wins)")

@@ -16,8 +16,12 @@
 from __future__ import annotations
 
 import copy
+import os
 import tempfile
+import time
 from pathlib import Path
+
+import httpx
 
 from tierlm.bench import runs, servers
 from tierlm.bench.report import console, markdown_table, ms, num, ratio
@@ -27,7 +31,8 @@ def _spec(args, tree: Path | None, top: int, kernels: str | None) -> servers.Ser
     spec = servers.tierlm_server(model, top, args.tierlm_args.split())
     env = {}
     if tree is not None:  # the other tree's tierlm first on the path (this one is installed)
-        env["PYTHONPATH"], spec.cwd = str(tree), str(tree)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
+        spec.cwd = str(tree)
     if kernels is not None:
         env["MLX_PTX_CACHE_DIR"] = kernels
     spec.env = env
@@ -48,11 +53,31 @@ def _row(run: dict) -> dict:
     }
 
 
+def _health(server) -> dict:
+    return httpx.get(server.base_url + "/health", timeout=10).json()
+
+
+def _warmup_of(server) -> dict | None:
+    """What the served engine says of its warming (None: a tree before it)."""
+    engines = httpx.get(server.base_url + "/stats", timeout=10).json().get("engines") or [{}]
+    return engines[0].get("warmup")
+
+
+def wait_warm(server, timeout_s: float = 300.0) -> float:
+    """Until the server no longer says it is warming; the seconds waited."""
+    tic = time.monotonic()
+    while _health(server).get("warming") and time.monotonic() - tic < timeout_s:
+        time.sleep(0.5)
+    return time.monotonic() - tic
+
+
 def smoothness(args, tree: Path | None, concurrencies: list[int], tokenizer: str) -> list[dict]:
+    """Steady state: timed once the server has warmed its batch shapes."""
     spec = _spec(args, tree, max(concurrencies), None)
     console.print(f"smoothness: starting tierlm ({spec.name} tree)")
     rows = []
     with servers.RunningServer(spec) as server:
+        console.print(f"  warmed after {wait_warm(server):.1f} s more")
         for c in concurrencies:
             row = _row(runs.run_one(args, server.base_url, tokenizer, c, label=spec.name))
             rows.append(row)
@@ -67,10 +92,13 @@ def cold_start(args, concurrency: int, kernels: str, tokenizer: str) -> dict:
     cold_args = copy.copy(args)
     cold_args.warmup = 0  # the first request timed is the first the server sees
     with servers.RunningServer(spec) as server:
+        at_ready = _warmup_of(server)
         first = _row(runs.run_one(cold_args, server.base_url, tokenizer, concurrency, label="first"))
         second = _row(runs.run_one(cold_args, server.base_url, tokenizer, concurrency, label="second"))
+        after = _warmup_of(server)
     result = {"concurrency": concurrency, "kernels": kernels, "first": first, "second": second,
-              "ratio": ratio(first["output_tok_s"], second["output_tok_s"])}
+              "ratio": ratio(first["output_tok_s"], second["output_tok_s"]),
+              "warmup_at_ready": at_ready, "warmup_after": after}
     console.print(f"  cold start c={concurrency} ({kernels} kernels): first ÷ second {num(result['ratio'], 2)}")
     return result
 
@@ -85,6 +113,10 @@ def run_streaming(args) -> dict:
             for k in args.cold_kernels.split(",") if k for c in runs.concurrencies(args.cold)]
     return {"model": args.model, "base_tree": args.base_tree, "shape": {"input_len": args.input_len,
             "output_len": args.output_len}, "smoothness": smooth, "cold_start": cold}
+
+
+def _warm_cell(warm: dict | None, key: str, unit: str) -> str:
+    return "-" if not warm else f"{num(warm[key], 1 if unit else 0)}{unit}"
 
 
 def title(doc: dict) -> str:
@@ -117,10 +149,11 @@ def markdown(doc: dict) -> str:
     cold = doc.get("cold_start", [])
     if cold:
         header = ["streams", "kernel folder", "first run tok/s", "second run tok/s", "first ÷ second",
-                  "first TTFT p50", "second TTFT p50"]
+                  "first TTFT p50", "second TTFT p50", "warming before ready", "shapes left at ready"]
         rows = [[str(c["concurrency"]), c["kernels"], num(c["first"]["output_tok_s"]),
                  num(c["second"]["output_tok_s"]), num(c["ratio"], 2), ms(c["first"]["ttft_p50"]),
-                 ms(c["second"]["ttft_p50"])] for c in cold]
+                 ms(c["second"]["ttft_p50"]), _warm_cell(c.get("warmup_at_ready"), "seconds", " s"),
+                 _warm_cell(c.get("warmup_at_ready"), "shapes_left", "")] for c in cold]
         out += ["Cold start (target: first ÷ second ≥ 0.9). *fresh*: an empty kernel folder, as at "
                 "the first start on a machine; *kept*: the folder of the starts before, as at a restart.\n",
                 markdown_table(header, rows), ""]
