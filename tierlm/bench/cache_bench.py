@@ -26,6 +26,7 @@ weights, as after a restart: the SSD folder is all they share.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import random
@@ -337,6 +338,19 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder (default: the default model)")
+    p.add_argument("--prefix", type=int, nargs="+", default=[8192, 20480, 61440],
+                   help="prompt sizes, tokens (rounded down to whole 256-token blocks)")
+    p.add_argument("--ssd-dir", default=None, help="a folder on the disk to measure (default: the temp folder)")
+    p.add_argument("--hot-cache-size", default="8GiB", help="hot tier size: the largest prompt's KV must fit")
+    p.add_argument("--ssd-cache-size", default="16GiB")
+    p.add_argument("--disk-bytes", type=int, default=2 * 2**30, help="size of the disk-rate test file")
+    p.add_argument("--write-turns", type=int, default=1, help="writer test: turns stored at once (0: skip)")
+    p.add_argument("--write-turn-tokens", type=int, default=20000, help="writer test: new tokens a turn")
+    p.add_argument("--json", default=None, help="write results here")
+
+
 def cmd_cache(args) -> int:
     from tierlm.bench import runs
     from tierlm.bench.report import write_json
@@ -349,3 +363,9 @@ def cmd_cache(args) -> int:
     if args.json:
         print(write_json(args.json, "cache", result, runs.command_line()))
     return 0
+
+
+if __name__ == "__main__":  # also runs on a tree without the `cache` subcommand (a before/after)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    raise SystemExit(cmd_cache(parser.parse_args()))

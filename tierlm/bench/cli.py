@@ -152,16 +152,9 @@ def add_bench_parser(sub) -> None:
 
     p = bsub.add_parser("cache", help="prefix-cache tiers: TTFT cold / hot / SSD, restore and write rates "
                                       "beside the disk's")
-    p.add_argument("--model", default=None, help="model folder (default: the default model)")
-    p.add_argument("--prefix", type=int, nargs="+", default=[8192, 20480, 61440],
-                   help="prompt sizes, tokens (rounded down to whole 256-token blocks)")
-    p.add_argument("--ssd-dir", default=None, help="a folder on the disk to measure (default: the temp folder)")
-    p.add_argument("--hot-cache-size", default="8GiB", help="hot tier size: the largest prompt's KV must fit")
-    p.add_argument("--ssd-cache-size", default="16GiB")
-    p.add_argument("--disk-bytes", type=int, default=2 * 2**30, help="size of the disk-rate test file")
-    p.add_argument("--write-turns", type=int, default=1, help="writer test: turns stored at once (0: skip)")
-    p.add_argument("--write-turn-tokens", type=int, default=20000, help="writer test: new tokens a turn")
-    p.add_argument("--json", default=None, help="write results here")
+    from tierlm.bench.cache_bench import add_arguments  # standard library only: cheap to import
+
+    add_arguments(p)
     p.set_defaults(func=_cache)
 
 
