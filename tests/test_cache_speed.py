@@ -17,7 +17,7 @@ from safetensors.numpy import load as st_load
 
 from tierlm.cache import block_file, ssd_tier
 from tierlm.cache.codecs import codecs_for
-from tierlm.cache.prefix_cache import PrefixCache
+from tierlm.cache.prefix_cache import PrefixCache, rebuild_packed
 from tierlm.models.random_model import tiny_model
 
 BLOCK = 16
@@ -85,6 +85,22 @@ def test_a_chain_half_in_memory_half_on_ssd_is_read_from_both(model, written):
     rebuilt = pc.rebuild(lookup.blocks)
     assert all(mx.array_equal(got.keys, want.keys[..., : N * BLOCK, :]).item() for got, want in zip(rebuilt, live))
     pc.close()
+
+
+def test_both_ways_of_rebuilding_packed_blocks_continue_exactly(model):
+    """One concatenation and views (what a GPU runs) and one concatenation a layer
+    (the CPU) give the same caches, and the next tokens' logits of a full prefill."""
+    tokens = [int(t) for t in mx.random.randint(0, 256, (N * BLOCK + 5,)).tolist()]
+    live = make_prompt_cache(model)
+    model(mx.array([tokens[: N * BLOCK]]), cache=live)
+    pc = PrefixCache(b"fingerprint", codecs_for(make_prompt_cache(model)), BLOCK, 2**30)
+    pc.store(tokens[: N * BLOCK], [], live, 0)
+    blocks = pc.lookup(tokens).blocks
+    expected = model(mx.array([tokens[N * BLOCK :]]), cache=live)
+    for one_op in (True, False):
+        rebuilt = rebuild_packed([b.packed for b in blocks], one_op)
+        got = model(mx.array([tokens[N * BLOCK :]]), cache=rebuilt)
+        assert mx.allclose(expected, got, atol=1e-5).item(), one_op
 
 
 @pytest.mark.parametrize("where", ["data", "header"])

@@ -4,10 +4,11 @@ blocks. Runs on the engine's worker thread only.
 
 Packed blocks: when every layer's cache is plain attention KV of one shape and
 dtype (most decoder-only models), a block holds all of its KV in one array,
-(2 x layers, kv heads, block tokens, head dim), and a hit is rebuilt with one
-concatenation over the blocks, each layer's keys and values then being views of
-the result: the cost of a hit grows with its bytes, not with blocks x layers
-array operations. Other layouts keep one payload per layer (codecs.py).
+(2 x layers, kv heads, block tokens, head dim). On a GPU a hit is rebuilt with
+one concatenation over the blocks, each layer's keys and values then being
+views of the result: the cost of a hit grows with its bytes, not with blocks x
+layers copy kernels. On the CPU each layer is concatenated on its own
+(rebuild_packed). Other layouts keep one payload per layer (codecs.py).
 """
 
 from __future__ import annotations
@@ -50,6 +51,27 @@ class PrefixCacheStats:
     stored_blocks: int = 0
     collisions: int = 0
     ssd_hit_tokens: int = 0
+
+
+def rebuild_packed(packed: list, one_op: bool) -> list:
+    """Per-layer KVCaches from packed blocks (2 x layers, heads, tokens, dim)."""
+    rows = packed[0].shape[0]
+    if one_op:
+        # a GPU: one copy of every byte in one operation (a kernel a block, not one a
+        # block and layer); each layer's keys and values are views of it
+        kv = packed[0] if len(packed) == 1 else mx.concatenate(packed, axis=2)
+        arrays = [kv[r : r + 1] for r in range(rows)]
+    else:
+        # the CPU has no launches to save, and one big fresh buffer costs page faults
+        # that the allocator's reused per-layer buffers do not
+        arrays = [mx.concatenate([p[r : r + 1] for p in packed], axis=2) for r in range(rows)]
+    caches = []
+    for layer in range(rows // 2):
+        cache = KVCache()
+        cache.keys, cache.values = arrays[2 * layer], arrays[2 * layer + 1]
+        cache.offset = cache.keys.shape[2]
+        caches.append(cache)
+    return caches
 
 
 class PrefixCache:
@@ -152,16 +174,7 @@ class PrefixCache:
         packed = [b.packed for b in blocks]
         if packed and all(p is not None for p in packed) and len({(p.shape[:2], p.shape[3:], p.dtype)
                                                                   for p in packed}) == 1:
-            # one copy of every byte, in one operation; each layer's keys and values
-            # are views of it (rows 2l and 2l + 1), as a KVCache holds them
-            kv = packed[0] if len(packed) == 1 else mx.concatenate(packed, axis=2)
-            caches = []
-            for layer in range(kv.shape[0] // 2):
-                cache = KVCache()
-                cache.keys, cache.values = kv[2 * layer : 2 * layer + 1], kv[2 * layer + 1 : 2 * layer + 2]
-                cache.offset = kv.shape[2]
-                caches.append(cache)
-            return caches
+            return rebuild_packed(packed, one_op=mx.default_device() == mx.gpu)
         layers = [self._layers(b) for b in blocks]
         return [codec.rebuild([b[i] for b in layers]) for i, codec in enumerate(self.codecs)]
 
