@@ -62,6 +62,10 @@ Tools (each writes result files; `tierlm bench docs` renders them here):
   engine against a bare `BatchGenerator` (`tierlm bench engine --queue-factor
   4`) and `tierlm serve` under `tierlm bench serve`. Copy the JSON from `OUT`
   into `{results}/<machine>/`, then `tierlm bench docs`.
+- `tierlm bench streaming`: how tokens reach a client, per concurrency (ITL p50
+  against TPOT p50; `--base-tree` serves another checkout first, for a
+  before/after in one run), and cold starts (`--cold`: the same requests twice
+  right after a start, with an empty or the kept kernel folder).
 - `python scripts/profile_engine_steps.py MODEL [BATCHES]`: microseconds per
   scheduler step in each part of the engine's worker against a bare loop's
   step (`--steps-only`, `--no-prefix-cache`, `--both`, `--json OUT`); a
