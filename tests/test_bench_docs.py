@@ -115,6 +115,6 @@ def test_streaming_results_show_itl_against_tpot_and_cold_starts(tmp_path):
     (machine / "streaming-llama-1b.json").write_text(json.dumps(doc))
     text = render_docs(tmp_path / "results", tmp_path / "benchmarks.md").read_text()
     (section,) = sections(text).values()
-    assert section.startswith("Streaming and cold start: `llama-1b`, 500-token prompts, 256 tokens out")
+    assert section.startswith("Streaming and cold start: `llama-1b`, 500-token prompts, 256 tokens out, at 1 streams")
     assert "| 1 | 100.0 | 4.0 | 25.00 | 230.0 | 5.0 | 5.0 | 1.00 | 240.0 | 1.04 |" in section
     assert "| 8 | kept | 900.0 | 1000.0 | 0.90 | 200.0 | 200.0 | 4.2 s | 2 |" in section

@@ -111,7 +111,8 @@ def run_streaming(args) -> dict:
               for t in trees if concurrencies}
     cold = [cold_start(args, c, k, tokenizer)
             for k in args.cold_kernels.split(",") if k for c in runs.concurrencies(args.cold)]
-    return {"model": args.model, "base_tree": args.base_tree, "shape": {"input_len": args.input_len,
+    return {"model": args.model, "base_tree": args.base_tree, "tierlm_args": args.tierlm_args,
+            "shape": {"input_len": args.input_len,
             "output_len": args.output_len}, "smoothness": smooth, "cold_start": cold}
 
 
@@ -120,13 +121,18 @@ def _warm_cell(warm: dict | None, key: str, unit: str) -> str:
 
 
 def title(doc: dict) -> str:
+    """Runs of other concurrencies or other server flags are benchmarks of their own."""
     shape = doc.get("shape", {})
+    smooth = next(iter(doc.get("smoothness", {}).values()), [])
+    streams = ", ".join(str(r["concurrency"]) for r in smooth)
     return (f"Streaming and cold start: `{Path(doc.get('model') or 'default model').name}`, "
-            f"{shape.get('input_len', '?')}-token prompts, {shape.get('output_len', '?')} tokens out")
+            f"{shape.get('input_len', '?')}-token prompts, {shape.get('output_len', '?')} tokens out"
+            + (f", at {streams} streams" if streams else "")
+            + (f", `{doc['tierlm_args']}`" if doc.get("tierlm_args") else ""))
 
 
 def markdown(doc: dict) -> str:
-    out = []
+    out = [doc["note"], ""] if doc.get("note") else []
     smooth = doc.get("smoothness", {})
     if smooth:
         header = ["streams"]
