@@ -65,7 +65,8 @@ def test_names_and_types(srv):
                        ("tierlm:prefix_cache_queries", "counter"), ("tierlm:prefix_cache_hits", "counter"),
                        ("tierlm:prefix_cache_bytes", "gauge"), ("tierlm:prefix_cache_blocks", "gauge"),
                        ("tierlm:ssd_writes", "counter"), ("tierlm:ssd_write_drops", "counter"),
-                       ("tierlm:ssd_errors", "counter"), ("tierlm:model_loads", "counter"),
+                       ("tierlm:ssd_errors", "counter"), ("tierlm:ssd_read_seconds", "counter"),
+                       ("tierlm:ssd_write_seconds", "counter"), ("tierlm:model_loads", "counter"),
                        ("tierlm:model_unloads", "counter"), ("tierlm:model_evictions", "counter"),
                        ("tierlm:model_load_seconds", "histogram"), ("tierlm:process_memory_bytes", "gauge"),
                        ("tierlm:model_memory_budget_bytes", "gauge")]:
@@ -111,6 +112,7 @@ def test_counters_move_with_requests_and_match_stats(srv):
     assert value(after, "tierlm:prefix_cache_blocks", tier="hot") == cache["blocks"]
     assert value(after, "tierlm:prefix_cache_bytes", tier="hot") == cache["bytes"] > 0
     assert value(after, "tierlm:ssd_writes_total") >= 1
+    assert value(after, "tierlm:ssd_write_seconds_total") > 0  # the writer's rate: bytes over these
     assert value(after, "tierlm:prefix_cache_blocks", tier="ssd") >= 1
     whole = httpx.get(srv.base_url + "/stats", timeout=30).json()
     assert after[("tierlm:model_memory_budget_bytes", ())] == whole["budget_bytes"]

@@ -119,6 +119,7 @@ def _engine_counters(rec: EngineRecord) -> dict[str, float]:
         s = rec.ssd_stats
         out.update({"ssd_writes": s.writes, "ssd_write_bytes": s.write_bytes, "ssd_write_drops": s.write_drops,
                     "ssd_errors": s.errors, "ssd_reads": s.reads, "ssd_read_bytes": s.read_bytes,
+                    "ssd_read_seconds": s.read_seconds, "ssd_write_seconds": s.write_seconds,
                     "cache_evictions|ssd": s.evictions})
     return out
 
@@ -143,6 +144,9 @@ COUNTERS = {
     "ssd_errors": ("ssd_errors", "SSD tier files that failed to write or to load", None),
     "ssd_reads": ("ssd_reads", "blocks read from the SSD tier", None),
     "ssd_read_bytes": ("ssd_read_bytes", "bytes read from the SSD tier", None),
+    # bytes over seconds: the tiers' rates (a restore, read-ahead waits included; the writer's own time)
+    "ssd_read_seconds": ("ssd_read_seconds", "engine time spent restoring blocks from the SSD tier", None),
+    "ssd_write_seconds": ("ssd_write_seconds", "the SSD writer's time writing blocks (fsync included)", None),
 }
 
 
