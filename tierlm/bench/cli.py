@@ -279,10 +279,13 @@ def cmd_streaming(args) -> int:
     from tierlm.bench import runs, streaming
     from tierlm.bench.report import console, write_json
 
-    result = streaming.run_streaming(args)
+    def save(result: dict) -> None:
+        if args.json:
+            write_json(args.json, "streaming", result, runs.command_line())
+
+    result = streaming.run_streaming(args, save)
     console.print(streaming.markdown(result))
-    if args.json:
-        write_json(args.json, "streaming", result, runs.command_line())
+    save(result)
     return 0
 
 

@@ -103,17 +103,24 @@ def cold_start(args, concurrency: int, kernels: str, tokenizer: str) -> dict:
     return result
 
 
-def run_streaming(args) -> dict:
+def run_streaming(args, save=lambda result: None) -> dict:
+    """The whole run's result; `save(result so far)` after each part, so a run cut
+    short (a time limit on a lent machine) still leaves what it measured."""
     tokenizer = runs.default_tokenizer(args)
     concurrencies = runs.concurrencies(args.concurrency)
     trees = ([Path(args.base_tree).resolve()] if args.base_tree else []) + [None]
-    smooth = {("base" if t else "this"): smoothness(args, t, concurrencies, tokenizer)
-              for t in trees if concurrencies}
-    cold = [cold_start(args, c, k, tokenizer)
-            for k in args.cold_kernels.split(",") if k for c in runs.concurrencies(args.cold)]
-    return {"model": args.model, "base_tree": args.base_tree, "tierlm_args": args.tierlm_args,
-            "shape": {"input_len": args.input_len,
-            "output_len": args.output_len}, "smoothness": smooth, "cold_start": cold}
+    result = {"model": args.model, "base_tree": args.base_tree, "tierlm_args": args.tierlm_args,
+              "shape": {"input_len": args.input_len, "output_len": args.output_len},
+              "smoothness": {}, "cold_start": [], "complete": False}
+    for tree in trees if concurrencies else []:
+        result["smoothness"]["base" if tree else "this"] = smoothness(args, tree, concurrencies, tokenizer)
+        save(result)
+    for kernels in filter(None, args.cold_kernels.split(",")):
+        for c in runs.concurrencies(args.cold):
+            result["cold_start"].append(cold_start(args, c, kernels, tokenizer))
+            save(result)
+    result["complete"] = True
+    return result
 
 
 def _warm_cell(warm: dict | None, key: str, unit: str) -> str:
@@ -133,6 +140,8 @@ def title(doc: dict) -> str:
 
 def markdown(doc: dict) -> str:
     out = [doc["note"], ""] if doc.get("note") else []
+    if doc.get("complete") is False:
+        out += ["This run was cut short: what it measured before that.", ""]
     smooth = doc.get("smoothness", {})
     if smooth:
         header = ["streams"]
