@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import tempfile
@@ -25,6 +26,12 @@ import httpx
 
 from tierlm.bench import runs, servers
 from tierlm.bench.report import console, markdown_table, ms, num, ratio
+
+SMOOTH_TARGET = ("Times in ms. Target: ITL p50 ≤ 2 × TPOT p50 at 1 and 4 streams, aggregate tok/s at 32 "
+                 "streams no lower than before.\n")
+COLD_TARGET = ("Cold start (target: first ÷ second ≥ 0.9). *fresh*: an empty kernel folder, as at the first "
+               "start on a machine; *kept*: the folder of the starts before, as at a restart.\n")
+
 
 def _spec(args, tree: Path | None, top: int, kernels: str | None) -> servers.ServerSpec:
     model = Path(args.model).expanduser() if args.model else servers.default_model_folder()
@@ -87,11 +94,11 @@ def smoothness(args, tree: Path | None, concurrencies: list[int], tokenizer: str
 
 
 def cold_start(args, concurrency: int, kernels: str, tokenizer: str) -> dict:
-    folder = tempfile.mkdtemp(prefix="tierlm-kernels-") if kernels == "fresh" else None
-    spec = _spec(args, None, concurrency, folder)
+    fresh = tempfile.TemporaryDirectory(prefix="tierlm-kernels-") if kernels == "fresh" else None
+    spec = _spec(args, None, concurrency, fresh.name if fresh else None)
     cold_args = copy.copy(args)
     cold_args.warmup = 0  # the first request timed is the first the server sees
-    with servers.RunningServer(spec) as server:
+    with fresh or contextlib.nullcontext(), servers.RunningServer(spec) as server:
         at_ready = _warmup_of(server)
         first = _row(runs.run_one(cold_args, server.base_url, tokenizer, concurrency, label="first"))
         second = _row(runs.run_one(cold_args, server.base_url, tokenizer, concurrency, label="second"))
@@ -159,8 +166,7 @@ def markdown(doc: dict) -> str:
             if "base" in smooth:
                 row.append(num(ratio(smooth["this"][i]["output_tok_s"], smooth["base"][i]["output_tok_s"]), 2))
             rows.append(row)
-        out += ["Times in ms. Target: ITL p50 ≤ 2 × TPOT p50 at 1 and 4 streams, "
-                "aggregate tok/s at 32 streams no lower than before.\n", markdown_table(header, rows), ""]
+        out += [SMOOTH_TARGET, markdown_table(header, rows), ""]
     cold = doc.get("cold_start", [])
     if cold:
         header = ["streams", "kernel folder", "first run tok/s", "second run tok/s", "first ÷ second",
@@ -169,7 +175,5 @@ def markdown(doc: dict) -> str:
                  num(c["second"]["output_tok_s"]), num(c["ratio"], 2), ms(c["first"]["ttft_p50"]),
                  ms(c["second"]["ttft_p50"]), _warm_cell(c.get("warmup_at_ready"), "seconds", " s"),
                  _warm_cell(c.get("warmup_at_ready"), "shapes_left", "")] for c in cold]
-        out += ["Cold start (target: first ÷ second ≥ 0.9). *fresh*: an empty kernel folder, as at "
-                "the first start on a machine; *kept*: the folder of the starts before, as at a restart.\n",
-                markdown_table(header, rows), ""]
+        out += [COLD_TARGET, markdown_table(header, rows), ""]
     return "\n".join(out)

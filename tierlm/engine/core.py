@@ -147,8 +147,8 @@ class EngineCore:
                          self._relieve)
 
     def _warms(self, device) -> bool:
-        """Whether batch shapes are warmed while idle: `warmup`, by default on a GPU
-        (MLX's CPU backend compiles nothing per shape)."""
+        """Whether batch shapes are warmed (before ready, then while idle): `warmup`,
+        by default on a GPU (MLX's CPU backend compiles nothing per shape)."""
         return self.config.warmup if self.config.warmup is not None else device != mx.cpu
 
     @property
