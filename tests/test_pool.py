@@ -179,9 +179,10 @@ def test_unload_waits_for_requests_in_flight_or_aborts_them(pool_server):
     ask(pool_server, "tiny1")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         stream = pool.submit(lambda: list(client.chat.completions.create(
-            model="tiny1", messages=ASK, max_tokens=400, stream=True, extra_body={"ignore_eos": True})))
+            model="tiny1", messages=ASK, max_tokens=4000, stream=True, extra_body={"ignore_eos": True})))
         wait_until(lambda: models(pool_server)["tiny1"]["in_flight"] == 1, timeout=10)
-        time.sleep(0.3)  # a few tokens streamed
+        time.sleep(0.3)  # a few tokens streamed; 4000 take seconds, so the unload comes first even
+        # on a loaded machine (400 could all stream out before it arrived: a flaky "length")
         unloaded = httpx.post(pool_server.v1 + "/models/tiny1/unload", params={"force": True}, timeout=60)
         chunks = stream.result(timeout=60)
     assert unloaded.status_code == 200 and unloaded.json()["state"] == "available"
