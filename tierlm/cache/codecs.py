@@ -21,14 +21,19 @@ class KVCodec:
         return (mx.contiguous(cache.keys[..., start:end, :]), mx.contiguous(cache.values[..., start:end, :]))
 
     def rebuild(self, payloads: list[tuple]) -> KVCache:
-        cache = KVCache()
         keys = mx.concatenate([p[0] for p in payloads], axis=2)
         values = mx.concatenate([p[1] for p in payloads], axis=2)
-        cache.keys, cache.values, cache.offset = keys, values, keys.shape[2]
-        return cache
+        return kv_cache(keys, values)
 
     def arrays(self, payload: tuple) -> list[mx.array]:
         return list(payload)
+
+
+def kv_cache(keys: mx.array, values: mx.array) -> KVCache:
+    """A layer's KVCache holding these keys and values (batch, heads, tokens, dim)."""
+    cache = KVCache()
+    cache.keys, cache.values, cache.offset = keys, values, keys.shape[2]
+    return cache
 
 
 class SnapshotCodec:

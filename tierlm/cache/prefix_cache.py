@@ -7,8 +7,11 @@ dtype (most decoder-only models), a block holds all of its KV in one array,
 (2 x layers, kv heads, block tokens, head dim). On a GPU a hit is rebuilt with
 one concatenation over the blocks, each layer's keys and values then being
 views of the result: the cost of a hit grows with its bytes, not with blocks x
-layers copy kernels. On the CPU each layer is concatenated on its own
-(rebuild_packed). Other layouts keep one payload per layer (codecs.py).
+layers copy kernels (rebuild_packed). On the CPU each layer is concatenated on
+its own, from views of the packed arrays, as for unpacked blocks (the CPU has
+no launches to save, and one big fresh buffer costs page faults that the
+allocator's reused per-layer buffers do not). Other layouts keep one payload
+per layer (codecs.py).
 """
 
 from __future__ import annotations
@@ -18,10 +21,9 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from tierlm.cache.block_hash import block_keys
-from tierlm.cache.codecs import KVCodec, signature
+from tierlm.cache.codecs import KVCodec, kv_cache, signature
 from tierlm.cache.hot_tier import Block, HotTier, materialize, payload_bytes
 from tierlm.cache.ssd_tier import SSDTier
 
@@ -53,25 +55,12 @@ class PrefixCacheStats:
     ssd_hit_tokens: int = 0
 
 
-def rebuild_packed(packed: list, one_op: bool) -> list:
-    """Per-layer KVCaches from packed blocks (2 x layers, heads, tokens, dim)."""
-    rows = packed[0].shape[0]
-    if one_op:
-        # a GPU: one copy of every byte in one operation (a kernel a block, not one a
-        # block and layer); each layer's keys and values are views of it
-        kv = packed[0] if len(packed) == 1 else mx.concatenate(packed, axis=2)
-        arrays = [kv[r : r + 1] for r in range(rows)]
-    else:
-        # the CPU has no launches to save, and one big fresh buffer costs page faults
-        # that the allocator's reused per-layer buffers do not
-        arrays = [mx.concatenate([p[r : r + 1] for p in packed], axis=2) for r in range(rows)]
-    caches = []
-    for layer in range(rows // 2):
-        cache = KVCache()
-        cache.keys, cache.values = arrays[2 * layer], arrays[2 * layer + 1]
-        cache.offset = cache.keys.shape[2]
-        caches.append(cache)
-    return caches
+def rebuild_packed(packed: list) -> list:
+    """Per-layer KVCaches from packed blocks (2 x layers, heads, tokens, dim), for a
+    GPU: one copy of every byte in one operation (a kernel a block, not one a block
+    and layer); each layer's keys and values are views of it."""
+    kv = packed[0] if len(packed) == 1 else mx.concatenate(packed, axis=2)
+    return [kv_cache(kv[r : r + 1], kv[r + 1 : r + 2]) for r in range(0, kv.shape[0], 2)]
 
 
 class PrefixCache:
@@ -172,9 +161,9 @@ class PrefixCache:
     def rebuild(self, blocks: list[Block]) -> list:
         """The model's per-layer cache objects holding these blocks' tokens."""
         packed = [b.packed for b in blocks]
-        if packed and all(p is not None for p in packed) and len({(p.shape[:2], p.shape[3:], p.dtype)
-                                                                  for p in packed}) == 1:
-            return rebuild_packed(packed, one_op=mx.default_device() == mx.gpu)
+        if mx.default_device() == mx.gpu and packed and all(p is not None for p in packed) \
+                and len({(p.shape[:2], p.shape[3:], p.dtype) for p in packed}) == 1:
+            return rebuild_packed(packed)
         layers = [self._layers(b) for b in blocks]
         return [codec.rebuild([b[i] for b in layers]) for i, codec in enumerate(self.codecs)]
 
