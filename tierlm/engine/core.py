@@ -165,12 +165,11 @@ class EngineCore:
         if self._warm_jobs:
             log.info("engine %s: %d batch shapes left to warm while idle", self.name, len(self._warm_jobs))
 
-    def _warm_next(self, prefill_step: int | None = None) -> None:
+    def _warm_next(self, prefill_step: int) -> None:
         """Worker thread: the next warm job; a failing one ends warming (logged)."""
         batch, prompt_len = self._warm_jobs.pop(0)
         try:
-            seconds = warmup.run_shape(self.model, self._stream, batch, prompt_len,
-                                       prefill_step or self.scheduler.config.prefill_step_size)
+            seconds = warmup.run_shape(self.model, self._stream, batch, prompt_len, prefill_step)
         except Exception:
             log.exception("engine %s: warming batch %d failed; warming stops", self.name, batch)
             self._warm_jobs.clear()
@@ -384,7 +383,8 @@ class EngineCore:
                     if self._closed:
                         return
                     if self._warm_jobs:  # one at a time: a request waits for one job at most
-                        await loop.run_in_executor(self._worker, self._warm_next)
+                        await loop.run_in_executor(self._worker, self._warm_next,
+                                                   self.scheduler.config.prefill_step_size)
                         continue
                     self._wake.clear()
                     if not self.scheduler.has_work() and not self._closed:
