@@ -225,7 +225,7 @@ def _whole(path: Path) -> bool:
     try:
         data, meta = path.read_bytes(), _metadata(path)
         tokens = tuple(st_load(data)["tokens"].tolist())
-        block_file.decode(data, bytes.fromhex(meta["key"]), tokens, bytes.fromhex(meta["fingerprint"]),
+        block_file.verify(data, bytes.fromhex(meta["key"]), tokens, bytes.fromhex(meta["fingerprint"]),
                           meta["signature"])
     except (OSError, ValueError, KeyError, SafetensorError):  # missing, truncated, garbled
         return False

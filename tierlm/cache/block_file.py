@@ -204,9 +204,3 @@ def to_mlx(verified: Verified):
     """Worker thread: the payload as MLX arrays (one copy of the bytes): a packed
     KV array, or the per-layer payload list."""
     return _unflatten(verified.template, verified.tensors)
-
-
-def decode(data, key: bytes, tokens: tuple[int, ...], fingerprint: bytes, signature: str):
-    """Worker thread: (parent key, payload) of a verified block, or BlockFileError."""
-    verified = verify(data, key, tokens, fingerprint, signature)
-    return verified.parent, to_mlx(verified)

@@ -1,6 +1,6 @@
 """The SSD tier: one safetensors file per block, under a size cap, surviving restarts.
 
-Threads: `read`, `read_chain`, `enqueue` and `flush` are called from the
+Threads: `read_chain`, `enqueue` and `flush` are called from the
 engine's worker thread; a writer thread does the file I/O; a scan thread
 rebuilds the index at start-up without delaying readiness. The index (key ->
 file size, oldest first) is shared under a lock.
@@ -192,10 +192,6 @@ class SSDTier:
         self._enforce_cap()
 
     # ---- reading (worker thread) -----------------------------------------
-
-    def read(self, key: bytes, tokens: tuple[int, ...]) -> Block | None:
-        """The verified block, or None. A file that fails any check is deleted."""
-        return next(self.read_chain([(key, tokens)]), None)
 
     def read_chain(self, wanted: list[tuple[bytes, tuple[int, ...]]]):
         """Worker thread: the verified blocks of `wanted` ((key, token ids) in chain
