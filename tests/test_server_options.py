@@ -3,7 +3,9 @@ first token, stream_interval; and the settings layers."""
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 
 import httpx
 import openai
@@ -112,7 +114,9 @@ def test_sizes():
 def test_health_probes_stay_out_of_the_access_log(server, client):
     client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "hi"}],
                                    max_tokens=1)
-    assert httpx.get(server.base_url + "/health").status_code == 200
+    health = httpx.get(server.base_url + "/health")
+    # ready; on the CPU nothing is warmed (MLX's CPU backend compiles nothing per shape)
+    assert health.status_code == 200 and health.json()["warming"] is False
     log = server.log()
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in log  # the access log is on
     assert "GET /health" not in log  # though the fixture polled it until the model was up
@@ -135,3 +139,14 @@ def test_keepalive_comments_while_a_long_prompt_prefills(model_path, tmp_path):
     first_content = next(i for i, line in enumerate(lines) if is_content(line))
     assert sum(line.startswith(": keep-alive") for line in lines[:first_content]) >= 5
     assert lines[-1] == "data: [DONE]"
+
+
+def test_compiled_kernels_are_kept_in_the_kernel_folder_unless_mlx_is_told_another(monkeypatch, tmp_path):
+    from tierlm.backends import keep_compiled_kernels
+
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
+    keep_compiled_kernels("~/kernels-here")
+    assert os.environ["MLX_PTX_CACHE_DIR"] == str(Path.home() / "kernels-here")
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    keep_compiled_kernels("~/kernels-here")
+    assert os.environ["MLX_PTX_CACHE_DIR"] == str(tmp_path)
