@@ -109,7 +109,7 @@ def test_streaming_results_show_itl_against_tpot_and_cold_starts(tmp_path):
     doc = {"kind": "streaming", "date": "2026-01-01 10:00:00 UTC", "command": "tierlm bench streaming",
            "machine": {}, "model": "/m/llama-1b", "shape": {"input_len": 500, "output_len": 256},
            "smoothness": {"base": [smooth_row(1, 0.100, 0.004, 230.0)], "this": [smooth_row(1, 0.005, 0.005, 240.0)]},
-           "cold_start": [cold]}
+           "cold_start": [cold, {**cold, "ratio": 0.7}, {**cold, "ratio": 1.0}]}
     machine = tmp_path / "results" / "gpu"
     machine.mkdir(parents=True)
     (machine / "streaming-llama-1b.json").write_text(json.dumps(doc))
@@ -118,3 +118,4 @@ def test_streaming_results_show_itl_against_tpot_and_cold_starts(tmp_path):
     assert section.startswith("Streaming and cold start: `llama-1b`, 500-token prompts, 256 tokens out, at 1 streams")
     assert "| 1 | 100.0 | 4.0 | 25.00 | 230.0 | 5.0 | 5.0 | 1.00 | 240.0 | 1.04 |" in section
     assert "| 8 | kept | 900.0 | 1000.0 | 0.90 | 200.0 | 200.0 | 4.2 s | 2 |" in section
+    assert "Median first ÷ second: 8 streams, kept kernels: 0.90 (3 starts, 0.70–1.00)." in section

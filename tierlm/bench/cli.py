@@ -71,6 +71,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--base-tree", default=None, help="a checkout of another commit, served first, for a before/after")
     p.add_argument("--cold", default="8,32", help="concurrencies of the cold-start runs (empty: none)")
     p.add_argument("--cold-kernels", default="fresh,kept", help="fresh and/or kept: the kernel folder per start")
+    p.add_argument("--cold-repeats", type=int, default=3, help="cold starts per concurrency and kernel folder")
     p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
     _add_load_args(p, default_concurrency="1,4,32")
     p.set_defaults(func=cmd_streaming)

@@ -10,7 +10,9 @@
   requests twice, the first as soon as it is ready: first ÷ second output tok/s.
   `--cold-kernels fresh` gives each start an empty kernel folder (the first start
   on a machine); `kept` leaves the server its own (`kernel_cache_dir`), filled by
-  the starts before (a restart).
+  a start that ran the workload once before them (a restart). Each is repeated
+  `--cold-repeats` times: one pair of short runs on a shared machine varies by
+  tens of percent, the median of a few does not.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -110,6 +113,14 @@ def cold_start(args, concurrency: int, kernels: str, tokenizer: str) -> dict:
     return result
 
 
+def prime_kernels(args, concurrency: int, tokenizer: str) -> None:
+    """Before the `kept` starts: a start on the server's own kernel folder that
+    warms and runs the workload once, as the run before a restart would have."""
+    with servers.RunningServer(_spec(args, None, concurrency, None)) as server:
+        wait_warm(server)
+        runs.run_one(args, server.base_url, tokenizer, concurrency, label="prime kernels")
+
+
 def run_streaming(args, save=lambda result: None) -> dict:
     """The whole run's result; `save(result so far)` after each part, so a run cut
     short (a time limit on a lent machine) still leaves what it measured."""
@@ -122,12 +133,25 @@ def run_streaming(args, save=lambda result: None) -> dict:
     for tree in trees if concurrencies else []:
         result["smoothness"]["base" if tree else "this"] = smoothness(args, tree, concurrencies, tokenizer)
         save(result)
+    cold = runs.concurrencies(args.cold)
     for kernels in filter(None, args.cold_kernels.split(",")):
-        for c in runs.concurrencies(args.cold):
-            result["cold_start"].append(cold_start(args, c, kernels, tokenizer))
-            save(result)
+        if kernels == "kept" and cold:
+            prime_kernels(args, max(cold), tokenizer)
+        for c in cold:
+            for _ in range(args.cold_repeats):
+                result["cold_start"].append(cold_start(args, c, kernels, tokenizer))
+                save(result)
     result["complete"] = True
     return result
+
+
+def _cold_medians(cold: list[dict]) -> str:
+    groups: dict[tuple, list[float]] = {}
+    for c in cold:
+        groups.setdefault((c["concurrency"], c["kernels"]), []).append(c["ratio"])
+    cells = [f"{n} streams, {k} kernels: {num(statistics.median(r), 2)} ({len(r)} starts, "
+             f"{num(min(r), 2)}–{num(max(r), 2)})" for (n, k), r in groups.items()]
+    return "Median first ÷ second: " + "; ".join(cells) + "."
 
 
 def _warm_cell(warm: dict | None, key: str, unit: str) -> str:
@@ -175,5 +199,5 @@ def markdown(doc: dict) -> str:
                  num(c["second"]["output_tok_s"]), num(c["ratio"], 2), ms(c["first"]["ttft_p50"]),
                  ms(c["second"]["ttft_p50"]), _warm_cell(c.get("warmup_at_ready"), "seconds", " s"),
                  _warm_cell(c.get("warmup_at_ready"), "shapes_left", "")] for c in cold]
-        out += [COLD_TARGET, markdown_table(header, rows), ""]
+        out += [COLD_TARGET, markdown_table(header, rows), "", _cold_medians(cold), ""]
     return "\n".join(out)
