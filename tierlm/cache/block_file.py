@@ -17,9 +17,11 @@ The work is split by thread (DESIGN: every MLX call on the engine's worker):
 - `encode` (worker): MLX arrays -> numpy, one copy of the block's bytes;
 - `to_bytes` (SSD writer thread): header plus the tensors' own buffers, no
   concatenation; the writer writes them one after another;
-- `verify` (any thread, e.g. the SSD tier's read pool): every check on bytes
-  read from disk, numpy views into them, no copy;
-- `to_mlx` (worker): the verified views -> MLX arrays, one copy.
+- `check_header` (any thread, e.g. the SSD tier's read pool): every check that
+  needs only the header (format, model, key, token count, layout, sizes);
+- `check_loaded` (worker): the checksum and the token ids over the arrays that
+  `mx.load` read straight from the file into MLX memory (no copy of ours);
+- `verify`: both checks over a whole file's bytes (a file read some other way).
 A packed KV block (PrefixCache: every layer plain attention KV of one shape) is
 one array of shape (2 x layers, kv heads, block tokens, head dim); other blocks
 are a tree of per-layer payloads (`layout`).
@@ -70,9 +72,9 @@ def _flatten(state, arrays: list[mx.array]):
     raise TypeError(f"cannot store a {type(state).__name__} in a block file")
 
 
-def _unflatten(template, arrays: dict[str, np.ndarray]):
+def _unflatten(template, arrays: dict[str, mx.array]):
     if "a" in template:
-        array = mx.array(arrays[f"a{template['a']}"])
+        array = arrays[f"a{template['a']}"]
         return array.view(mx.bfloat16) if template["dtype"] == "bfloat16" else array
     if "seq" in template:
         items = [_unflatten(t, arrays) for t in template["items"]]
@@ -140,29 +142,31 @@ def fingerprint_of(path) -> str | None:
         return None
 
 
+def header_length(first: bytes) -> int:
+    """The header's length from a file's first 8 bytes."""
+    return int.from_bytes(first[:8], "little")
+
+
 @dataclass
-class Verified:
-    """A block file that passed every check: numpy views into its bytes."""
+class Header:
+    """A block file's header that passed every check it can answer alone."""
     parent: bytes
-    template: dict
-    tensors: dict[str, np.ndarray]
+    template: dict  # the payload's structure (`layout`)
+    tensors: dict[str, tuple[np.dtype, list[int], int, int]]  # name -> dtype, shape, data start, end
+    head: bytes  # the header as its checksum covers it (its own digits zeroed)
+    checksum: str
     nbytes: int  # the file's size
 
 
-def verify(data, key: bytes, tokens: tuple[int, ...], fingerprint: bytes, signature: str) -> Verified:
-    """Any thread, no MLX: every check of a block file read from disk (format,
-    model, key, token count, layout, checksum, token ids), or BlockFileError.
-    `data`: the file's bytes (bytes, bytearray, memoryview or a uint8 array);
-    the tensors returned are views into it."""
-    buf = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(data)
-    size = buf.nbytes
+def check_header(head: bytes, size: int, key: bytes, tokens: tuple[int, ...], fingerprint: bytes,
+                 signature: str) -> Header:
+    """Any thread, no MLX: the checks of a block file's header (`head`: its first
+    8 + header_length bytes; `size`: the file's), or BlockFileError. The tensors
+    must fill the data after the header exactly, in order, as safetensors lays
+    them out: the checksum over them is then the checksum over the file."""
     try:
-        if size < 8:
-            raise ValueError("shorter than a header")
-        header_len = int.from_bytes(buf[:8], "little")
-        if 8 + header_len > size:
-            raise ValueError(f"header of {header_len} bytes in a file of {size}")
-        head = bytes(buf[: 8 + header_len])
+        if len(head) < 8 or 8 + header_length(head) != len(head) or len(head) > size:
+            raise ValueError(f"header of {len(head)} bytes in a file of {size}")
         header = json.loads(head[8:])
         meta = header.pop("__metadata__")
     except Exception as e:  # truncated, garbled, not safetensors at all
@@ -176,31 +180,60 @@ def verify(data, key: bytes, tokens: tuple[int, ...], fingerprint: bytes, signat
     if not (checksum.startswith(_CHECKSUM_PREFIX) and len(checksum) == len(_PLACEHOLDER)
             and head.count(checksum.encode()) == 1):
         raise BlockFileError(f"checksum field {checksum!r} malformed")
-    h = xxhash.xxh3_128(head.replace(checksum.encode(), _PLACEHOLDER.encode()))
-    h.update(buf[8 + header_len :])
-    if _CHECKSUM_PREFIX + h.hexdigest() != checksum:
-        raise BlockFileError("checksum mismatch")
-    # the checksum covers the header: what follows only guards against a writer's bug
-    data_start, tensors = 8 + header_len, {}
     try:
-        for name, info in header.items():
-            dtype = _NP_DTYPE[info["dtype"]]
-            start, end = info["data_offsets"]
+        tensors, at = {}, 0
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            dtype, (start, end) = _NP_DTYPE[info["dtype"]], info["data_offsets"]
             count = int(np.prod(info["shape"], dtype=np.int64))
-            if not 0 <= start <= end <= size - data_start or end - start != count * dtype.itemsize:
-                raise ValueError(f"tensor {name}: offsets {start}..{end} do not fit")
-            tensors[name] = np.frombuffer(buf, dtype, count, data_start + start).reshape(info["shape"])
+            if start != at or end - start != count * dtype.itemsize:
+                raise ValueError(f"tensor {name}: offsets {start}..{end} do not follow {at}")
+            tensors[name], at = (dtype, list(info["shape"]), start, end), end
+        if len(head) + at != size:
+            raise ValueError(f"the tensors end at {len(head) + at}, the file at {size}")
         template = json.loads(meta["layout"])
         parent = bytes.fromhex(meta["parent"])
     except Exception as e:
         raise BlockFileError(f"inconsistent: {e}") from e
-    stored = tensors.get("tokens")
-    if stored is None or not np.array_equal(stored, np.asarray(tokens, dtype=np.uint32)):
+    if "tokens" not in tensors:
+        raise BlockFileError("no token ids")
+    return Header(parent, template, tensors, head.replace(checksum.encode(), _PLACEHOLDER.encode()),
+                  checksum, size)
+
+
+def _check_data(header: Header, parts, stored_tokens: np.ndarray, tokens: tuple[int, ...]) -> None:
+    """The checksum over the header and `parts` (the tensors' bytes in file order),
+    then the stored token ids against the wanted ones."""
+    h = xxhash.xxh3_128(header.head)
+    for part in parts:
+        h.update(part)
+    if _CHECKSUM_PREFIX + h.hexdigest() != header.checksum:
+        raise BlockFileError("checksum mismatch")
+    # the checksum covers the header: what follows only guards against a writer's bug
+    if not np.array_equal(stored_tokens, np.asarray(tokens, dtype=np.uint32)):
         raise BlockFileError("token ids differ")
-    return Verified(parent, template, tensors, size)
 
 
-def to_mlx(verified: Verified):
-    """Worker thread: the payload as MLX arrays (one copy of the bytes): a packed
-    KV array, or the per-layer payload list."""
-    return _unflatten(verified.template, verified.tensors)
+def check_loaded(header: Header, arrays: dict[str, mx.array], tokens: tuple[int, ...]):
+    """Worker thread: the checks over the arrays `mx.load` read from the file (on
+    a CPU stream: host memory, read in place through the buffer protocol), then
+    the payload built from them: a packed KV array, or the per-layer payload list."""
+    for name, (dtype, shape, _, _) in header.tensors.items():
+        a = arrays.get(name)
+        if a is None or list(a.shape) != shape or a.itemsize != dtype.itemsize:
+            raise BlockFileError(f"inconsistent: tensor {name} loaded as {None if a is None else a.shape}")
+    parts = [memoryview(arrays[name]).cast("B") for name in header.tensors]
+    _check_data(header, parts, np.frombuffer(memoryview(arrays["tokens"]), np.uint32), tokens)
+    return _unflatten(header.template, arrays)
+
+
+def verify(data, key: bytes, tokens: tuple[int, ...], fingerprint: bytes, signature: str) -> Header:
+    """Any thread, no MLX: every check of a whole block file's bytes (bytes,
+    bytearray, memoryview or a uint8 array), or BlockFileError."""
+    buf = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(data)
+    n = 8 + header_length(bytes(buf[:8])) if buf.nbytes >= 8 else 0
+    header = check_header(bytes(buf[:n]) if 8 <= n <= buf.nbytes else bytes(buf[:8]), buf.nbytes, key, tokens,
+                          fingerprint, signature)
+    _, _, start, end = header.tensors["tokens"]
+    stored = np.frombuffer(buf, np.uint32, (end - start) // 4, n + start)
+    _check_data(header, [buf[n:]], stored, tokens)
+    return header

@@ -5,11 +5,15 @@ engine's worker thread; a writer thread does the file I/O; a scan thread
 rebuilds the index at start-up without delaying readiness. The index (key ->
 file size, oldest first) is shared under a lock.
 
-Reading: a lookup knows every key it will want, so `read_chain` reads a run of
-blocks ahead of need on a pool of reader threads (plain I/O into reused numpy
-buffers, then every check of `block_file.verify`, checksum included); the
-worker only turns verified bytes into MLX arrays (one copy), in chain order,
-while the next files are being read. At most READ_AHEAD_BYTES are read ahead.
+Reading: a lookup knows every key it will want, so `read_chain` works ahead of
+need on a run of blocks: reader threads read and check each file's header; the
+worker has MLX load each file whose header passed (`mx.load` on a CPU stream:
+MLX's own I/O threads read the tensors straight into MLX memory, no numpy in
+between, while the worker goes on), and when the block's turn comes checks its
+checksum and token ids over that memory in place. At most READ_AHEAD_BYTES are
+loaded ahead. On a GPU the loaded blocks are unified memory, moved to the GPU by
+their first use (the hit's one concatenation). (Asking the kernel to read the
+files ahead, posix_fadvise WILLNEED, made reads from the disk slower here.)
 
 Queue policy: blocks wait for the writer in a queue bounded by bytes
 (`max_pending_bytes`). When it is full a new block is dropped (counted in
@@ -35,12 +39,11 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from tierlm.cache import block_file
 from tierlm.cache.hot_tier import Block
@@ -52,12 +55,8 @@ _STOP = object()
 # Test hook: TIERLM_TEST_SSD_PAUSE=<point>[:<n>] stops the writer for good at that point
 # of its n-th write (default the first), so a test can SIGKILL the process there.
 PAUSE_POINTS = ("partial", "written", "renamed")  # half the temp file; whole and fsynced; renamed
-READ_THREADS = min(16, max(4, 2 * (os.cpu_count() or 1)))  # reads wait on the disk, not the CPU
-READ_AHEAD_BYTES = 256 * 2**20  # a chain's files read ahead of the worker, at most
-# Reads of a file in pieces: the kernel reads ahead of the next piece while this
-# one is copied (8 MiB files from a cold page cache, 8 threads, this project's CPU
-# machine: 1.15 GB/s in one read a file, 1.6 in 1 MiB pieces, 1.8 in 256 KiB)
-READ_CHUNK = 256 * 2**10
+READ_THREADS = min(16, max(4, 2 * (os.cpu_count() or 1)))  # header reads wait on the disk
+READ_AHEAD_BYTES = 256 * 2**20  # a chain's files loaded ahead of the worker, at most
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -98,26 +97,15 @@ class SSDStats:
     evictions: int = 0
 
 
-class _Buffers:
-    """Read buffers handed back after use: a fresh allocation costs page faults
-    (on some machines slower than the disk), a reused one does not."""
-
-    def __init__(self, cap_bytes: int):
-        self.cap, self._free, self._bytes, self._lock = cap_bytes, {}, 0, threading.Lock()
-
-    def take(self, size: int) -> np.ndarray:
-        with self._lock:
-            free = self._free.get(size)
-            if free:
-                self._bytes -= size
-                return free.pop()
-        return np.empty(size, dtype=np.uint8)
-
-    def give(self, buf: np.ndarray) -> None:
-        with self._lock:
-            if self._bytes + buf.nbytes <= self.cap:
-                self._free.setdefault(buf.nbytes, []).append(buf)
-                self._bytes += buf.nbytes
+@dataclass
+class _Ahead:
+    """A block of the chain being read: its header's check on a reader thread,
+    then its arrays being loaded by MLX."""
+    key: bytes
+    tokens: tuple[int, ...]
+    size: int
+    header: Future  # -> (Header, None), (None, why) for a bad file, (None, None) for one gone
+    arrays: dict | None = None
 
 
 class SSDTier:
@@ -140,7 +128,6 @@ class SSDTier:
             raise ValueError(f"TIERLM_TEST_SSD_PAUSE: {self._pause_at!r} is none of {PAUSE_POINTS}")
         self._pause_nth, self._writes_begun = int(nth or 1), 0
         self._readers: ThreadPoolExecutor | None = None  # started on the first read
-        self._buffers = _Buffers(2 * READ_AHEAD_BYTES)
         self._writer = threading.Thread(target=self._write_loop, name="ssd-writer", daemon=True)
         self._writer.start()
         threading.Thread(target=self._scan, name="ssd-scan", daemon=True).start()
@@ -196,13 +183,13 @@ class SSDTier:
     def read_chain(self, wanted: list[tuple[bytes, tuple[int, ...]]]):
         """Worker thread: the verified blocks of `wanted` ((key, token ids) in chain
         order), one by one, stopping before the first that is missing or fails a
-        check (that file is deleted). Files are read ahead on the reader threads;
-        closing the generator early cancels the reads not started."""
+        check (that file is deleted). Files are worked on ahead (module docstring);
+        closing the generator early cancels the header reads not started."""
         if not wanted:
             return
         if self._readers is None:
             self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ssd-read")
-        ahead: deque = deque()
+        ahead: deque[_Ahead] = deque()
         items = iter(wanted)
         ahead_bytes = 0
         tic = time.perf_counter()
@@ -212,71 +199,94 @@ class SSDTier:
             while not ahead or (ahead_bytes < READ_AHEAD_BYTES and len(ahead) < 4 * READ_THREADS):
                 item = next(items, None)
                 if item is None:
-                    return
+                    break
                 with self._lock:
                     size = self._index.get(item[0].hex(), 0)
-                ahead.append((item, size, self._readers.submit(self._load, *item)))
+                ahead.append(_Ahead(*item, size, self._readers.submit(self._open, *item)))
                 ahead_bytes += size
+            for block in ahead:  # loads start in chain order, from checked headers only
+                if block.arrays is None:
+                    if not block.header.done() or block.header.result()[0] is None:
+                        break
+                    block.arrays = self._start_load(block.key)
 
         try:
             fill()
             while ahead:
-                (key, tokens), size, future = ahead.popleft()
-                ahead_bytes -= size
-                fill()  # keep the readers busy while this block is converted
-                verified, buf, error = future.result()
-                hex_key = key.hex()
-                if verified is None:
-                    if error is not None:
-                        log.warning("SSD block %s rejected (%s): deleted, its tokens will be computed",
-                                    hex_key[:16], error)
-                        self.stats.errors += 1
-                        self.path_for(hex_key).unlink(missing_ok=True)
-                    self._index_drop(hex_key)
+                block = ahead.popleft()
+                ahead_bytes -= block.size
+                header, error = block.header.result()
+                payload = None
+                if header is not None:
+                    try:
+                        if block.arrays is None:
+                            block.arrays = self._start_load(block.key)
+                        fill()  # the next loads go on while this one is waited for and used
+                        mx.eval(list(block.arrays.values()))
+                        payload = block_file.check_loaded(header, block.arrays, block.tokens)
+                    except (block_file.BlockFileError, RuntimeError, ValueError) as e:
+                        error = str(e)
+                if payload is None:
+                    self._reject(block.key, error)
                     return
-                payload = block_file.to_mlx(verified)  # copies: the buffer can be reused
-                self._buffers.give(buf)
                 self.stats.reads += 1
-                self.stats.read_bytes += verified.nbytes
+                self.stats.read_bytes += header.nbytes
                 with self._lock:
-                    if hex_key in self._index:
-                        self._index.move_to_end(hex_key)
-                if isinstance(payload, mx.array):
-                    block = Block(key, verified.parent, tokens, None, nbytes=0, packed=payload)
-                else:
-                    block = Block(key, verified.parent, tokens, payload, nbytes=0)
+                    if block.key.hex() in self._index:
+                        self._index.move_to_end(block.key.hex())
+                packed = payload if isinstance(payload, mx.array) else None
                 self.stats.read_seconds += time.perf_counter() - tic
-                yield block
+                yield Block(block.key, header.parent, block.tokens, None if packed is not None else payload,
+                            nbytes=0, packed=packed)
                 tic = time.perf_counter()
         finally:
-            for _, _, future in ahead:
-                future.cancel()
+            for block in ahead:
+                block.header.cancel()
             self.stats.read_seconds += time.perf_counter() - tic
 
-    def _load(self, key: bytes, tokens: tuple[int, ...]):
-        """A reader thread, plain I/O and CPU: (verified, its buffer, None), or
-        (None, None, why) for a file that fails a check, (None, None, None) for
-        one that is gone."""
+    def _start_load(self, key: bytes) -> dict:
+        """Worker thread: MLX reads the file's tensors on its I/O threads, from now."""
+        arrays = mx.load(str(self.path_for(key.hex())), stream=mx.cpu)
+        mx.async_eval(list(arrays.values()))
+        return arrays
+
+    def _reject(self, key: bytes, error: str | None) -> None:
+        """A block of the chain that is gone (`error` None) or failed a check (its
+        file is deleted: its tokens will be computed again)."""
+        hex_key = key.hex()
+        if error is not None:
+            log.warning("SSD block %s rejected (%s): deleted, its tokens will be computed", hex_key[:16], error)
+            self.stats.errors += 1
+            self.path_for(hex_key).unlink(missing_ok=True)
+        self._index_drop(hex_key)
+
+    def _open(self, key: bytes, tokens: tuple[int, ...]):
+        """A reader thread, plain I/O: the file's checked header, the rest of the
+        file on its way into the page cache."""
         path = self.path_for(key.hex())
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                buf = self._buffers.take(size)
-                view, got = memoryview(buf), 0
-                while got < size and (n := f.readinto(view[got : got + READ_CHUNK])):
-                    got += n
-            try:
-                os.utime(path)  # recently used: evicted last
-            except FileNotFoundError:
-                pass
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            return None, None, None
+            return None, None
         except OSError as e:
-            return None, None, f"unreadable: {e}"
+            return None, f"unreadable: {e}"
         try:
-            return block_file.verify(buf[:got], key, tokens, self.fingerprint, self.signature), buf, None
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, 8, 0)
+            length = block_file.header_length(head)
+            head += os.pread(fd, length, 8) if len(head) == 8 and 8 + length <= size else b""
+            header = block_file.check_header(head, size, key, tokens, self.fingerprint, self.signature)
         except block_file.BlockFileError as e:
-            return None, None, str(e)
+            return None, str(e)
+        except OSError as e:
+            return None, f"unreadable: {e}"
+        finally:
+            os.close(fd)
+        try:
+            os.utime(path)  # recently used: evicted last
+        except FileNotFoundError:
+            pass
+        return header, None
 
     # ---- writing ----------------------------------------------------------
 
