@@ -9,7 +9,9 @@ In process, on one model (no server, no network):
   them, reads ahead included; and over the extra time to first token of an SSD
   hit beside a hot one), beside the rates of the same folder's disk: one big
   file written, the page cache dropped, read back in 16 MiB reads in one
-  thread, then read again from the page cache;
+  thread, then read again from the page cache (into one reused buffer, and
+  into new memory a piece: what any restore into memory not touched before
+  pays, as the first hit after a restart does);
 - the SSD writer: its rate (file bytes over its time serializing, writing and
   fsyncing), and whether its queue drops blocks when an agent session stores a
   whole turn of 20k tokens at once (write-through: every block enqueued when
@@ -36,6 +38,7 @@ import time
 from pathlib import Path
 
 DISK_CHUNK = 16 * 2**20
+FRESH_PIECE = 8 * 2**20  # a block of a 1B model's KV
 BLOCK = 256  # the default cache block size, which the engines here use
 
 
@@ -87,12 +90,20 @@ def disk_rates(folder: Path, nbytes: int) -> dict:
                     pass
             return time.perf_counter() - tic
 
+        def read_into_new() -> float:
+            tic, kept = time.perf_counter(), []
+            with open(path, "rb", buffering=0) as f:
+                while f.readinto(piece := bytearray(FRESH_PIECE)):  # calloc'd: untouched pages
+                    kept.append(piece)
+            return time.perf_counter() - tic
+
         disk_s = read()
         cached_s = min(read() for _ in range(2))
+        fresh_s = min(read_into_new() for _ in range(2))
     finally:
         path.unlink(missing_ok=True)
     return {"file_bytes": size, "read_gbs": size / disk_s / 1e9, "page_cache_gbs": size / cached_s / 1e9,
-            "write_gbs": size / write_s / 1e9, "drop": how}
+            "page_cache_new_memory_gbs": size / fresh_s / 1e9, "write_gbs": size / write_s / 1e9, "drop": how}
 
 
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -282,7 +293,7 @@ async def run(args) -> dict:
         result["disk"] = disk_rates(work, args.disk_bytes)
         d = result["disk"]
         print(f"  sequential read {d['read_gbs']:.2f} GB/s from disk, {d['page_cache_gbs']:.2f} GB/s from the "
-              f"page cache; write+fsync {d['write_gbs']:.2f} GB/s (page cache dropped by {d['drop']})", flush=True)
+              f"page cache ({d['page_cache_new_memory_gbs']:.2f} into new memory); write+fsync {d['write_gbs']:.2f} GB/s (page cache dropped by {d['drop']})", flush=True)
         if args.write_turns:
             w = result["writer"] = writer_burst(loaded, work, args.write_turn_tokens, args.write_turns)
             if "skipped" not in w:
@@ -329,8 +340,9 @@ def table(result: dict) -> str:
             f"| {r['tokens']} | {r['kv_bytes'] / 2**20:.0f} MiB | {r['cold_s']:.2f} s | {r['hot_s']:.3f} s | "
             f"{r['ssd_disk_s']:.3f} s | {r['ssd_cached_s']:.3f} s | {_f(r['ssd_disk_restore_gbs'])} GB/s | "
             f"{_f(r['ssd_cached_restore_gbs'])} GB/s |")
+    new = d.get("page_cache_new_memory_gbs")
     lines.append(f"\nDisk (same folder, one 16 MiB-read stream): {d['read_gbs']:.2f} GB/s, page cache "
-                 f"{d['page_cache_gbs']:.2f} GB/s.")
+                 f"{d['page_cache_gbs']:.2f} GB/s" + (f" ({new:.2f} GB/s into new memory)." if new else "."))
     w = result.get("writer")
     if w and "skipped" not in w:
         lines.append(f"Writer: {w['turns']} x {w['turn_tokens']} tokens stored at once, {w['write_drops']} of "
