@@ -19,8 +19,9 @@ The work is split by thread (DESIGN: every MLX call on the engine's worker):
   concatenation; the writer writes them one after another;
 - `check_header` (any thread, e.g. the SSD tier's read pool): every check that
   needs only the header (format, model, key, token count, layout, sizes);
-- `check_loaded` (worker): the checksum and the token ids over the arrays that
-  `mx.load` read straight from the file into MLX memory (no copy of ours);
+- `check_data` (any thread): the checksum and the token ids, here over the
+  memory of the arrays that `mx.load` read straight from the file into MLX
+  (`loaded_parts`, worker: no copy of ours), then `payload_of` (worker);
 - `verify`: both checks over a whole file's bytes (a file read some other way).
 A packed KV block (PrefixCache: every layer plain attention KV of one shape) is
 one array of shape (2 x layers, kv heads, block tokens, head dim); other blocks
@@ -200,9 +201,9 @@ def check_header(head: bytes, size: int, key: bytes, tokens: tuple[int, ...], fi
                   checksum, size)
 
 
-def _check_data(header: Header, parts, stored_tokens: np.ndarray, tokens: tuple[int, ...]) -> None:
-    """The checksum over the header and `parts` (the tensors' bytes in file order),
-    then the stored token ids against the wanted ones."""
+def check_data(header: Header, parts, stored_tokens: np.ndarray, tokens: tuple[int, ...]) -> None:
+    """Any thread, no MLX: the checksum over the header and `parts` (the tensors'
+    bytes in file order), then the stored token ids against the wanted ones."""
     h = xxhash.xxh3_128(header.head)
     for part in parts:
         h.update(part)
@@ -213,16 +214,21 @@ def _check_data(header: Header, parts, stored_tokens: np.ndarray, tokens: tuple[
         raise BlockFileError("token ids differ")
 
 
-def check_loaded(header: Header, arrays: dict[str, mx.array], tokens: tuple[int, ...]):
-    """Worker thread: the checks over the arrays `mx.load` read from the file (on
-    a CPU stream: host memory, read in place through the buffer protocol), then
-    the payload built from them: a packed KV array, or the per-layer payload list."""
+def loaded_parts(header: Header, arrays: dict[str, mx.array]) -> tuple[list[memoryview], np.ndarray]:
+    """Worker thread: what `check_data` needs of the arrays `mx.load` read from the
+    file (evaluated, on a CPU stream: host memory, seen in place through the
+    buffer protocol): their bytes in file order, and the stored token ids."""
     for name, (dtype, shape, _, _) in header.tensors.items():
         a = arrays.get(name)
         if a is None or list(a.shape) != shape or a.itemsize != dtype.itemsize:
             raise BlockFileError(f"inconsistent: tensor {name} loaded as {None if a is None else a.shape}")
     parts = [memoryview(arrays[name]).cast("B") for name in header.tensors]
-    _check_data(header, parts, np.frombuffer(memoryview(arrays["tokens"]), np.uint32), tokens)
+    return parts, np.frombuffer(memoryview(arrays["tokens"]), np.uint32)
+
+
+def payload_of(header: Header, arrays: dict[str, mx.array]):
+    """Worker thread: the payload built from a checked file's arrays: a packed KV
+    array, or the per-layer payload list."""
     return _unflatten(header.template, arrays)
 
 
@@ -235,5 +241,5 @@ def verify(data, key: bytes, tokens: tuple[int, ...], fingerprint: bytes, signat
                           fingerprint, signature)
     _, _, start, end = header.tensors["tokens"]
     stored = np.frombuffer(buf, np.uint32, (end - start) // 4, n + start)
-    _check_data(header, [buf[n:]], stored, tokens)
+    check_data(header, [buf[n:]], stored, tokens)
     return header

@@ -9,11 +9,12 @@ Reading: a lookup knows every key it will want, so `read_chain` works ahead of
 need on a run of blocks: reader threads read and check each file's header; the
 worker has MLX load each file whose header passed (`mx.load` on a CPU stream:
 MLX's own I/O threads read the tensors straight into MLX memory, no numpy in
-between, while the worker goes on), and when the block's turn comes checks its
-checksum and token ids over that memory in place. At most READ_AHEAD_BYTES are
-loaded ahead. On a GPU the loaded blocks are unified memory, moved to the GPU by
-their first use (the hit's one concatenation). (Asking the kernel to read the
-files ahead, posix_fadvise WILLNEED, made reads from the disk slower here.)
+between, while the worker goes on); the checksum and token ids of each loaded
+block are checked over that memory in place, on the reader threads, a few
+blocks ahead of the one the worker hands out. At most READ_AHEAD_BYTES are
+loaded ahead. On a GPU the loaded blocks are unified memory, moved to the GPU
+by their first use (the hit's one concatenation). (Asking the kernel to read
+the files ahead, posix_fadvise WILLNEED, made reads from the disk slower here.)
 
 Queue policy: blocks wait for the writer in a queue bounded by bytes
 (`max_pending_bytes`). When it is full a new block is dropped (counted in
@@ -30,6 +31,7 @@ names a whole file.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -57,6 +59,7 @@ _STOP = object()
 PAUSE_POINTS = ("partial", "written", "renamed")  # half the temp file; whole and fsynced; renamed
 READ_THREADS = min(16, max(4, 2 * (os.cpu_count() or 1)))  # header reads wait on the disk
 READ_AHEAD_BYTES = 256 * 2**20  # a chain's files loaded ahead of the worker, at most
+CHECKS_AHEAD = 4  # blocks loaded and being checked on the reader threads while the worker goes on
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -105,7 +108,9 @@ class _Ahead:
     tokens: tuple[int, ...]
     size: int
     header: Future  # -> (Header, None), (None, why) for a bad file, (None, None) for one gone
-    arrays: dict | None = None
+    arrays: dict | None = None  # loading, then loaded
+    check: Future | None = None  # the checksum and token ids over the loaded arrays
+    error: str | None = None  # why loading or checking it failed
 
 
 class SSDTier:
@@ -213,22 +218,15 @@ class SSDTier:
         try:
             fill()
             while ahead:
+                for block in itertools.islice(ahead, CHECKS_AHEAD):  # checked on the readers meanwhile
+                    if block.check is None and not self._begin_check(block):
+                        break
                 block = ahead.popleft()
                 ahead_bytes -= block.size
-                header, error = block.header.result()
-                payload = None
-                if header is not None:
-                    try:
-                        if block.arrays is None:
-                            block.arrays = self._start_load(block.key)
-                        fill()  # the next loads go on while this one is waited for and used
-                        mx.eval(list(block.arrays.values()))
-                        payload = block_file.check_loaded(header, block.arrays, block.tokens)
-                    except (block_file.BlockFileError, RuntimeError, ValueError) as e:
-                        error = str(e)
+                header, payload = self._finish(block)
                 if payload is None:
-                    self._reject(block.key, error)
                     return
+                fill()
                 self.stats.reads += 1
                 self.stats.read_bytes += header.nbytes
                 with self._lock:
@@ -243,6 +241,36 @@ class SSDTier:
             for block in ahead:
                 block.header.cancel()
             self.stats.read_seconds += time.perf_counter() - tic
+
+    def _begin_check(self, block: _Ahead) -> bool:
+        """Worker thread: wait for the block's arrays, then check them on a reader
+        thread; False if the block cannot get that far (gone, or failed)."""
+        header, _ = block.header.result()
+        if header is None or block.error is not None:
+            return False
+        try:
+            if block.arrays is None:
+                block.arrays = self._start_load(block.key)
+            mx.eval(list(block.arrays.values()))
+            parts, stored = block_file.loaded_parts(header, block.arrays)
+        except (block_file.BlockFileError, RuntimeError, ValueError) as e:
+            block.error = str(e)
+            return False
+        block.check = self._readers.submit(block_file.check_data, header, parts, stored, block.tokens)
+        return True
+
+    def _finish(self, block: _Ahead):
+        """Worker thread: (header, payload) of a block that passed every check; else
+        (header or None, None), the block rejected."""
+        header, error = block.header.result()
+        if header is not None and (block.check is not None or self._begin_check(block)):
+            try:
+                block.check.result()
+                return header, block_file.payload_of(header, block.arrays)
+            except block_file.BlockFileError as e:
+                error = str(e)
+        self._reject(block.key, error if header is None else block.error or error)
+        return header, None
 
     def _start_load(self, key: bytes) -> dict:
         """Worker thread: MLX reads the file's tensors on its I/O threads, from now."""
