@@ -81,6 +81,29 @@ def test_collector_stream_interval_wakes_first_token_then_every_n():
     run(go())
 
 
+def test_collector_reader_that_times_out_or_is_cancelled_leaves_it_working():
+    """A keep-alive tick or a cancelled reader (a client gone) leaves no waiter
+    behind: the next output still reaches the next reader, once."""
+
+    async def go():
+        c = OutputCollector()
+        assert await c.get(timeout=0.01) is None and not c.reading
+        reader = asyncio.ensure_future(c.get())
+        await asyncio.sleep(0.01)
+        assert c.reading
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        assert not c.reading
+        c.put(out(1, "a"))
+        assert (await c.get(timeout=1)).text == "a"
+        waiting = asyncio.ensure_future(c.get(timeout=5))
+        await asyncio.sleep(0.01)
+        c.put(out(2, "b", finished=True))
+        assert (await waiting).text == "b" and c.finished
+
+    run(go())
+
+
 # ---- bursts -----------------------------------------------------------------
 
 
