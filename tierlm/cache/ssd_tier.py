@@ -211,7 +211,7 @@ class SSDTier:
                 ahead_bytes += size
             for block in ahead:  # loads start in chain order, from checked headers only
                 if block.arrays is None:
-                    if not block.header.done() or block.header.result()[0] is None:
+                    if block.header.result()[0] is None:  # the headers are read in parallel: a short wait
                         break
                     block.arrays = self._start_load(block.key)
 
