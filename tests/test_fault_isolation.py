@@ -138,6 +138,28 @@ def test_a_detokenizer_that_raises_fails_its_request_alone(loaded, monkeypatch):
     assert bystander.error is None and bystander.text == alone.text
 
 
+def test_a_detokenizer_that_raises_on_the_fast_path_fails_its_request_alone(loaded, monkeypatch):
+    """The same fault where the text of several tokens is made at once (a request
+    with no stop string: Scheduler._emit), the victim told apart by the leading
+    space it keeps. It may have made its tokens; it ends with an error."""
+
+    class Exploding(scheduler_module.IncrementalText):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.explodes = bool(args[3] if len(args) > 3 else kwargs.get("keep_leading_space"))
+
+        def add_many(self, tokens: list[int]) -> str:
+            if self.explodes:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+            return super().add_many(tokens)
+
+    monkeypatch.setattr(scheduler_module, "IncrementalText", Exploding)
+
+    alone, victim, bystander = run(beside_a_bystander(loaded, 20, keep_leading_space=True, ignore_eos=True))
+    assert victim.finish_reason == FinishReason.ERROR and "detokenizing failed" in victim.error
+    assert bystander.error is None and bystander.text == alone.text
+
+
 def failing_steps(monkeypatch, times: int, after: int = 2):
     """BatchGenerator.next raises `times` times in a row, once `after` calls went
     well: a fault in the batch that no one request can be blamed for."""

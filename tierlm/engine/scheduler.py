@@ -186,10 +186,15 @@ class Scheduler:
 
     def take_outputs(self) -> list[RequestOutput]:
         """Everything produced since the last call, one output per request."""
-        for state in self.running.values():
+        failed = {}
+        for uid, state in self.running.items():
             if state.new:
-                self._emit(state)
+                try:
+                    self._emit(state)
+                except Exception as e:  # its detokenizer: it ends now, alone
+                    failed[uid] = f"detokenizing failed: {e}"
             state.out = None
+        self._fail_in_batch(failed)
         outputs, self._outbox, self.urgent = list(self._outbox.values()), {}, False
         self._publish_load()
         return outputs
@@ -569,15 +574,11 @@ class Scheduler:
 
     def _emit(self, state: _Running) -> None:
         """The tokens the fast path left (`_Running.new`) go into the request's
-        output, their text made in one go. Text that fails to come ends the
-        request with an error at the end of a step (`_end_faulted`)."""
+        output, their text made in one go; what the detokenizer raises, the
+        caller handles (they are gone from `new` either way)."""
         tokens, state.new = state.new, []
         request = state.request
-        try:
-            text = state.text.add_many(tokens)
-        except Exception as e:
-            text = ""
-            self._faults.setdefault(request.request_id, f"detokenizing failed: {e}")
+        text = state.text.add_many(tokens)
         out = state.out or self._outbox.get(request.request_id)
         if out is None:  # its first piece since the last hand-off (the usual case): built whole
             out = self._outbox[request.request_id] = RequestOutput(
@@ -592,7 +593,10 @@ class Scheduler:
     def _finish(self, uid: int, completed: bool = True) -> _Running:
         state = self.running.pop(uid)
         if state.new:  # it leaves without a last token (an abort, a fault): what it made goes out
-            self._emit(state)
+            try:
+                self._emit(state)
+            except Exception:  # it ends anyway, with the reason it ends for
+                log.warning("request %s: its last text failed", state.request.request_id, exc_info=True)
         del self._uid_of[state.request.request_id]
         self.counters.finished_requests += completed
         if self.on_request_end is not None:
