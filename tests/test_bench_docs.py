@@ -107,7 +107,7 @@ def test_streaming_results_show_itl_against_tpot_and_cold_starts(tmp_path):
             "second": smooth_row(8, 0.01, 0.01, 1000.0), "ratio": 0.9,
             "warmup_at_ready": {"shapes_left": 2, "seconds": 4.25}, "warmup_after": None}
     doc = {"kind": "streaming", "date": "2026-01-01 10:00:00 UTC", "command": "tierlm bench streaming",
-           "machine": {}, "model": "/m/llama-1b", "shape": {"input_len": 500, "output_len": 256},
+           "machine": {}, "model": "/m/llama-1b", "base_tree": "/b", "shape": {"input_len": 500, "output_len": 256},
            "smoothness": {"base": [smooth_row(1, 0.100, 0.004, 230.0)], "this": [smooth_row(1, 0.005, 0.005, 240.0)]},
            "cold_start": [cold, {**cold, "ratio": 0.7}, {**cold, "ratio": 1.0}]}
     machine = tmp_path / "results" / "gpu"
@@ -115,7 +115,8 @@ def test_streaming_results_show_itl_against_tpot_and_cold_starts(tmp_path):
     (machine / "streaming-llama-1b.json").write_text(json.dumps(doc))
     text = render_docs(tmp_path / "results", tmp_path / "benchmarks.md").read_text()
     (section,) = sections(text).values()
-    assert section.startswith("Streaming and cold start: `llama-1b`, 500-token prompts, 256 tokens out, at 1 streams")
+    assert section.startswith("Streaming and cold start: `llama-1b`, 500-token prompts, 256 tokens out, at 1 streams, "
+                              "against an earlier tree")
     assert "| 1 | 100.0 | 4.0 | 25.00 | 230.0 | 5.0 | 5.0 | 1.00 | 240.0 | 1.04 |" in section
     assert "| 8 | kept | 900.0 | 1000.0 | 0.90 | 200.0 | 200.0 | 4.2 s | 2 |" in section
     assert "Median first ÷ second: 8 streams, kept kernels: 0.90 (3 starts, 0.70–1.00)." in section

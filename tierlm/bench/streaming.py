@@ -166,7 +166,8 @@ def title(doc: dict) -> str:
     return (f"Streaming and cold start: `{Path(doc.get('model') or 'default model').name}`, "
             f"{shape.get('input_len', '?')}-token prompts, {shape.get('output_len', '?')} tokens out"
             + (f", at {streams} streams" if streams else "")
-            + (f", `{doc['tierlm_args']}`" if doc.get("tierlm_args") else ""))
+            + (f", `{doc['tierlm_args']}`" if doc.get("tierlm_args") else "")
+            + (", against an earlier tree" if doc.get("base_tree") else ""))
 
 
 def markdown(doc: dict) -> str:
