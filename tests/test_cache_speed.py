@@ -104,6 +104,15 @@ def test_both_ways_of_rebuilding_packed_blocks_continue_exactly(model):
         assert mx.allclose(expected, got, atol=1e-5).item(), way
 
 
+def test_a_file_gone_between_its_header_and_its_load_is_refused_not_raised(model, written):
+    folder, tokens, _ = written
+    pc = cache_on(model, folder)
+    block = ssd_tier._Ahead(b"k" * 32, (), 0, None)
+    assert not pc.ssd._start_load(block)  # no file of that key: MLX cannot open it
+    assert block.error.startswith("unreadable") and block.arrays is None
+    pc.close()
+
+
 @pytest.mark.parametrize("where", ["data", "header", "truncated"])
 def test_a_damaged_file_mid_chain_is_deleted_and_the_chain_stops_before_it(model, written, where):
     folder, tokens, _ = written

@@ -210,10 +210,9 @@ class SSDTier:
                 ahead.append(_Ahead(*item, size, self._readers.submit(self._open, *item)))
                 ahead_bytes += size
             for block in ahead:  # loads start in chain order, from checked headers only
-                if block.arrays is None:
-                    if block.header.result()[0] is None:  # the headers are read in parallel: a short wait
+                if block.arrays is None:  # the headers are read in parallel: a short wait
+                    if block.header.result()[0] is None or not self._start_load(block):
                         break
-                    block.arrays = self._start_load(block.key)
 
         try:
             fill()
@@ -248,9 +247,9 @@ class SSDTier:
         header, _ = block.header.result()
         if header is None or block.error is not None:
             return False
+        if block.arrays is None and not self._start_load(block):
+            return False
         try:
-            if block.arrays is None:
-                block.arrays = self._start_load(block.key)
             mx.eval(list(block.arrays.values()))
             parts, stored = block_file.loaded_parts(header, block.arrays)
         except (block_file.BlockFileError, RuntimeError, ValueError) as e:
@@ -272,11 +271,16 @@ class SSDTier:
         self._reject(block.key, error if header is None else block.error or error)
         return header, None
 
-    def _start_load(self, key: bytes) -> dict:
-        """Worker thread: MLX reads the file's tensors on its I/O threads, from now."""
-        arrays = mx.load(str(self.path_for(key.hex())), stream=mx.cpu)
-        mx.async_eval(list(arrays.values()))
-        return arrays
+    def _start_load(self, block: _Ahead) -> bool:
+        """Worker thread: MLX reads the file's tensors on its I/O threads, from now;
+        False if it cannot (the file went away or changed since its header was read)."""
+        try:
+            block.arrays = mx.load(str(self.path_for(block.key.hex())), stream=mx.cpu)
+        except (RuntimeError, ValueError) as e:
+            block.error = f"unreadable: {e}"
+            return False
+        mx.async_eval(list(block.arrays.values()))
+        return True
 
     def _reject(self, key: bytes, error: str | None) -> None:
         """A block of the chain that is gone (`error` None) or failed a check (its
@@ -289,8 +293,8 @@ class SSDTier:
         self._index_drop(hex_key)
 
     def _open(self, key: bytes, tokens: tuple[int, ...]):
-        """A reader thread, plain I/O: the file's checked header, the rest of the
-        file on its way into the page cache."""
+        """A reader thread, plain I/O: (the file's checked header, None), else
+        (None, why it was refused) or (None, None) for a file that is gone."""
         path = self.path_for(key.hex())
         try:
             fd = os.open(path, os.O_RDONLY)
