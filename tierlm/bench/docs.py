@@ -65,7 +65,13 @@ Tools (each writes result files; `tierlm bench docs` renders them here):
 - `tierlm bench streaming`: how tokens reach a client, per concurrency (ITL p50
   against TPOT p50; `--base-tree` serves another checkout first, for a
   before/after in one run), and cold starts (`--cold`: the same requests twice
-  right after a start, with an empty or the kept kernel folder).
+  right after a start, with an empty or the kept kernel folder, each repeated
+  `--cold-repeats` times, 3 by default, and their median shown).
+- `tierlm bench cache`: the prefix cache's tiers, in process: time to first
+  token cold, as a hot hit and as an SSD hit after a restart (from disk and
+  from the page cache), the SSD restore rate beside the same folder's disk and
+  page-cache rates, and whether the writer drops blocks (docs/prefix-cache.md;
+  its results are kept here as data).
 - `python scripts/profile_engine_steps.py MODEL [BATCHES]`: microseconds per
   scheduler step in each part of the engine's worker against a bare loop's
   step (`--steps-only`, `--no-prefix-cache`, `--both`, `--json OUT`); a
