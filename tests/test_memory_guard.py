@@ -73,3 +73,27 @@ def test_a_request_whose_generation_cannot_fit_is_refused_up_front(kv_heavy_serv
     with pytest.raises(openai.BadRequestError) as e:
         kv_heavy_server.client().completions.create(model="model", prompt=[5] * 10, max_tokens=5000)
     assert e.value.body["code"] == "memory_limit" and "generating up to 5000 tokens" in e.value.body["message"]
+
+
+def test_a_request_still_prefilling_keeps_what_it_was_promised():
+    """Admission counts what running requests may still take. A prefill runs over
+    several steps: until its first token a request may take all it was promised at
+    admission but the KV it has prefilled; after, only the KV of the tokens it may
+    still generate. (Counting only the latter let a slow CPU admit requests between
+    one's prefill chunks, three prefills at once, MLX's peak past the limit.)"""
+    from types import SimpleNamespace
+
+    from tierlm.engine.memory_guard import MemoryGuard, ModelProfile
+    from tierlm.engine.request import Request, SamplingParams
+    from tierlm.engine.scheduler import Scheduler, _Running
+
+    profile = ModelProfile(weight_bytes=10**7, kv_bytes_per_token=32 * 1024, fixed_cache_bytes=0, num_heads=8,
+                           hidden_size=64, intermediate_size=128)
+    guard = MemoryGuard(profile, 10**8, prefill_step=256, stores_blocks=True)
+    request = Request("a", [5] * 600, SamplingParams(max_tokens=40))
+    state = _Running(request, text=None, prefilled_tokens=256)
+    scheduler = SimpleNamespace(guard=guard, running={1: state})
+    prefilling = Scheduler._growth_ahead(scheduler)
+    assert prefilling == guard.request_bytes(600, 40) - 256 * 32 * 1024
+    state.first_token_time, state.prefilled_tokens, state.completion_tokens = 1.0, 600, 10
+    assert Scheduler._growth_ahead(scheduler) == guard.decode_bytes(30) < prefilling

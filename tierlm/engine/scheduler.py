@@ -288,8 +288,16 @@ class Scheduler:
         return self.cache.lookup(request.prompt_tokens, self._deferred_keys.pop(request.request_id, None))
 
     def _growth_ahead(self) -> int:
-        """The KV running requests may still add, each up to its max_tokens."""
-        return sum(self.guard.decode_bytes(s.request.params.max_tokens - s.completion_tokens)
+        """What running requests may still add. One decoding: the KV of the tokens it
+        may still generate. One still prefilling: all it was promised at admission
+        less the KV it has prefilled, since its prefill runs over several steps and
+        memory it has yet to take is not free for another (on a slow CPU requests
+        were admitted between one's chunks, three prefills at once past the limit)."""
+        guard = self.guard
+        return sum(guard.decode_bytes(s.request.params.max_tokens - s.completion_tokens)
+                   if s.first_token_time is not None else
+                   max(0, guard.request_bytes(len(s.request.prompt_tokens), s.request.params.max_tokens)
+                       - guard.profile.kv_bytes_per_token * s.prefilled_tokens)
                    for s in self.running.values())
 
     def _make_room(self, needed: int, promised: int) -> bool:
