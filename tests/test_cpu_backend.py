@@ -395,7 +395,11 @@ def test_attention_matches_mlx(length, span, mask_kind, native):
 def test_attention_is_bit_exact_alone_and_left_padded_in_a_batch(native):
     """Batched prefill masks left padding and the causal future with an array;
     alone the mask is "causal". The outputs must be identical, not just close:
-    greedy output and cached KV must not depend on what else ran."""
+    greedy output and cached KV must not depend on what else ran. This rests on
+    the exact products (AVX-512): through the BLAS a product's edge tiles round
+    otherwise, and docs/cpu-backend.md says batch invariance needs them."""
+    if not STATE.exact_attention.on:
+        pytest.skip(f"exact attention products {STATE.exact_attention}: batched attention may differ by a bit")
     q, k, v = _qkv(1, 6, 2, 9, 23)
     mx.eval(q, k, v)
     before = counts()
