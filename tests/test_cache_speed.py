@@ -190,5 +190,7 @@ def test_bench_cache_runs_on_a_tiny_model(model_path, tmp_path, monkeypatch):
         assert r["hot_cached_tokens"] == r["ssd_disk_cached_tokens"] == r["ssd_cached_cached_tokens"] == r["tokens"]
         assert r["ssd_disk_restore_gbs"] > 0 and r["cold_s"] > 0
     assert result["writer"]["write_drops"] == 0 and result["writer"]["written_blocks"] == 4
-    assert result["disk"]["read_gbs"] > 0 and result["disk"]["page_cache_new_memory_gbs"] > 0
-    assert "| 512 |" in cache_bench.table(result) and "into new memory" in cache_bench.table(result)
+    disk = result["disk"]
+    assert disk["read_gbs"] > 0 and disk["page_cache_new_memory_gbs"] > 0 and disk["page_cache_touched_memory_gbs"] > 0
+    table = cache_bench.table(result)
+    assert "| 512 |" in table and "into new memory" in table and "into memory already touched" in table

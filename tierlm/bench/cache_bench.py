@@ -9,9 +9,10 @@ In process, on one model (no server, no network):
   them, reads ahead included; and over the extra time to first token of an SSD
   hit beside a hot one), beside the rates of the same folder's disk: one big
   file written, the page cache dropped, read back in 16 MiB reads in one
-  thread, then read again from the page cache (into one reused buffer, and
-  into new memory a piece: what any restore into memory not touched before
-  pays, as the first hit after a restart does);
+  thread, then read again from the page cache (into one reused buffer; into
+  new memory a piece: what any restore into memory not touched before pays, as
+  the first hit after a restart does; and into pieces touched beforehand: the
+  copy alone);
 - the SSD writer: its rate (file bytes over its time serializing, writing and
   fsyncing), and whether its queue drops blocks when an agent session stores a
   whole turn of 20k tokens at once (write-through: every block enqueued when
@@ -97,13 +98,24 @@ def disk_rates(folder: Path, nbytes: int) -> dict:
                     kept.append(piece)
             return time.perf_counter() - tic
 
+        def read_into_touched() -> float:
+            pieces = [np.ones(FRESH_PIECE, np.uint8) for _ in range(-(-size // FRESH_PIECE))]  # touched
+            tic = time.perf_counter()
+            with open(path, "rb", buffering=0) as f:
+                for piece in pieces:
+                    f.readinto(piece)
+            return time.perf_counter() - tic
+
         disk_s = read()
         cached_s = min(read() for _ in range(2))
         fresh_s = min(read_into_new() for _ in range(2))
+        touched_s = min(read_into_touched() for _ in range(2))
     finally:
         path.unlink(missing_ok=True)
     return {"file_bytes": size, "read_gbs": size / disk_s / 1e9, "page_cache_gbs": size / cached_s / 1e9,
-            "page_cache_new_memory_gbs": size / fresh_s / 1e9, "write_gbs": size / write_s / 1e9, "drop": how}
+            "page_cache_new_memory_gbs": size / fresh_s / 1e9,
+            "page_cache_touched_memory_gbs": size / touched_s / 1e9,
+            "write_gbs": size / write_s / 1e9, "drop": how}
 
 
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -293,7 +305,8 @@ async def run(args) -> dict:
         result["disk"] = disk_rates(work, args.disk_bytes)
         d = result["disk"]
         print(f"  sequential read {d['read_gbs']:.2f} GB/s from disk, {d['page_cache_gbs']:.2f} GB/s from the "
-              f"page cache ({d['page_cache_new_memory_gbs']:.2f} into new memory); write+fsync {d['write_gbs']:.2f} GB/s (page cache dropped by {d['drop']})", flush=True)
+              f"page cache{_page_cache_variants(d)}; write+fsync {d['write_gbs']:.2f} GB/s (page cache dropped by "
+              f"{d['drop']})", flush=True)
         if args.write_turns:
             w = result["writer"] = writer_burst(loaded, work, args.write_turn_tokens, args.write_turns)
             if "skipped" not in w:
@@ -328,6 +341,13 @@ def _f(x) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
 
+def _page_cache_variants(d: dict) -> str:
+    """The page cache's rate into other memory than one reused buffer, where measured."""
+    parts = [f"{d[k]:.2f} GB/s into {what}" for k, what in (("page_cache_touched_memory_gbs", "memory already touched"),
+                                                            ("page_cache_new_memory_gbs", "new memory")) if d.get(k)]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def table(result: dict) -> str:
     d = result["disk"]
     lines = [
@@ -340,9 +360,8 @@ def table(result: dict) -> str:
             f"| {r['tokens']} | {r['kv_bytes'] / 2**20:.0f} MiB | {r['cold_s']:.2f} s | {r['hot_s']:.3f} s | "
             f"{r['ssd_disk_s']:.3f} s | {r['ssd_cached_s']:.3f} s | {_f(r['ssd_disk_restore_gbs'])} GB/s | "
             f"{_f(r['ssd_cached_restore_gbs'])} GB/s |")
-    new = d.get("page_cache_new_memory_gbs")
     lines.append(f"\nDisk (same folder, one 16 MiB-read stream): {d['read_gbs']:.2f} GB/s, page cache "
-                 f"{d['page_cache_gbs']:.2f} GB/s" + (f" ({new:.2f} GB/s into new memory)." if new else "."))
+                 f"{d['page_cache_gbs']:.2f} GB/s{_page_cache_variants(d)}.")
     w = result.get("writer")
     if w and "skipped" not in w:
         lines.append(f"Writer: {w['turns']} x {w['turn_tokens']} tokens stored at once, {w['write_drops']} of "
