@@ -368,6 +368,15 @@ def test_fast_exp_is_close_to_exp_and_exactly_zero_far_below():
     assert tiny.tolist() == [0.0, 0.0, 0.0]  # no denormals: they make BLAS crawl
 
 
+def test_numpy_exp_softmax_is_exp_and_exactly_zero_far_below():
+    """The in-place exp of `_numpy_shifted_exp`: exp(x - row max), no denormals."""
+    x = mx.concatenate([mx.linspace(-87, 0, 70_000), mx.array([-88.0, -100.0, -1e4, -mx.inf])])[None]
+    mx.eval(x)
+    got = cpu_kernels._numpy_shifted_exp(x * 1)  # in place: a fresh array
+    assert mx.allclose(got[:, :70_000], mx.exp(x[:, :70_000]), rtol=1e-5, atol=0).item()  # fast_exp: 5e-5
+    assert got[0, 70_000:].tolist() == [0.0, 0.0, 0.0, 0.0]  # exp(-88) would be a denormal
+
+
 def _qkv(batch, heads, kv_heads, length, span, seed=0):
     mx.random.seed(seed)
     return (mx.random.normal((batch, heads, length, 32)), mx.random.normal((batch, kv_heads, span, 32)),
@@ -377,6 +386,8 @@ def _qkv(batch, heads, kv_heads, length, span, seed=0):
 @pytest.mark.parametrize("native", NATIVE_SOFTMAX)
 @pytest.mark.parametrize("length,span,mask_kind", [
     (1, 40, None), (7, 7, "causal"), (5, 40, "causal"), (6, 30, "bool"), (6, 30, "additive"),
+    # scores of NUMPY_EXP_MIN elements or more: numpy's exp where the native kernels are off
+    (1, 6000, None), (64, 600, "causal"), (64, 600, "bool"),
 ])
 def test_attention_matches_mlx(length, span, mask_kind, native):
     q, k, v = _qkv(2, 6, 2, length, span)
