@@ -377,6 +377,23 @@ def test_numpy_exp_softmax_is_exp_and_exactly_zero_far_below():
     assert got[0, 70_000:].tolist() == [0.0, 0.0, 0.0, 0.0]  # exp(-88) would be a denormal
 
 
+def test_numpy_gelu_matches_mlx_and_the_proxy_runs_it_for_prefill_only(monkeypatch):
+    """Where the native kernels are off, the mlx.nn proxy's GELU is numpy's."""
+    monkeypatch.setattr(cpu_kernels, "native_kernels", lambda: False)
+    x = mx.random.normal((2, 300, 256)) * 6
+    x[0, 0, :4] = mx.array([-1e4, -60.0, 0.0, 1e4])  # exp(-2z) overflows to inf: 0, not nan
+    want = nn.gelu_approx(x)
+    got = cpu_kernels._numpy_gelu(x)
+    assert got.dtype == mx.float32 and mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+    proxy = cpu_kernels._ModelNn()
+    before = counts()
+    assert mx.allclose(proxy.gelu_approx(x), want, rtol=1e-5, atol=1e-6).item()
+    small = x[:1, :1]  # a decode step's activation: MLX's own
+    assert mx.array_equal(proxy.gelu_approx(small), nn.gelu_approx(small)).item()
+    delta = ran(before)
+    assert delta.get("kernel_gelu") == 1 and "gelu" not in delta  # numpy's: the native library not called
+
+
 def _qkv(batch, heads, kv_heads, length, span, seed=0):
     mx.random.seed(seed)
     return (mx.random.normal((batch, heads, length, 32)), mx.random.normal((batch, kv_heads, span, 32)),
@@ -517,7 +534,7 @@ def test_installed_kernels_give_the_models_own_logits(name, replaced, monkeypatc
     mx.eval(want)
     try:
         native = ["generate.logsumexp"] if cpu_kernels.native_kernels() else []
-        gelu = [f"{name}.gelu_approx"] if cpu_kernels.native_kernels() and name.startswith("gemma") else []
+        gelu = [f"{name}.gelu_approx"] if name.startswith("gemma") else []  # native or numpy's
         assert cpu_kernels.install(model) == replaced + gelu + native
         before = counts()
         got = _logits_through_a_cache(model)
@@ -529,6 +546,7 @@ def test_installed_kernels_give_the_models_own_logits(name, replaced, monkeypatc
         assert mx.allclose(g, w, rtol=1e-4, atol=1e-4).item()
     assert delta.get("kernel_attention", 0) > 0
     assert (delta.get("kernel_swiglu", 0) > 0) == any(r.endswith(".swiglu") for r in replaced)
+    assert (delta.get("kernel_gelu", 0) > 0) == bool(gelu)
     if cpu_kernels.native_kernels():
         assert delta.get("softmax", 0) == delta["kernel_attention"]
         assert delta.get("swiglu", 0) > 0 or "kernel_swiglu" not in delta
