@@ -119,17 +119,25 @@ def _lib():
     return route.current().lib
 
 
-def _native_softmax(scores: mx.array, causal: int) -> mx.array:
-    """native/softmax.c over the evaluated scores, in place. Evaluating here
-    splits the step's graph, which costs far less than MLX's one-at-a-time exp."""
-    mx.eval(scores)
-    view = np.array(scores, copy=False)  # MLX's own buffer, fresh from the matmul (or the mask)
-    in_place = view.flags.c_contiguous and view.flags.writeable  # row-major out of both, so far
+def _in_place(scores: mx.array, compute, *also: mx.array) -> mx.array:
+    """`compute(view)` over the evaluated float32 `scores` (and `also` evaluated
+    with them), writing into MLX's own buffer when it is a writable row-major one,
+    as a fresh matmul or mask output is, else into a copy; the scores it leaves.
+    Evaluating here splits the step's graph, which costs far less than MLX's
+    one-at-a-time exp."""
+    mx.eval(scores, *also)
+    view = np.array(scores, copy=False)
+    in_place = view.flags.c_contiguous and view.flags.writeable
     if not in_place:
         view = np.ascontiguousarray(view, dtype=np.float32)
-    rows, cols = scores.size // scores.shape[-1], scores.shape[-1]
-    _lib().tierlm_softmax_rows(view.ctypes.data, rows, cols, causal)
+    compute(view)
     return scores if in_place else mx.array(view)
+
+
+def _native_softmax(scores: mx.array, causal: int) -> mx.array:
+    """native/softmax.c over the evaluated scores, in place."""
+    rows, cols = scores.size // scores.shape[-1], scores.shape[-1]
+    return _in_place(scores, lambda view: _lib().tierlm_softmax_rows(view.ctypes.data, rows, cols, causal))
 
 
 def _numpy_shifted_exp(scores: mx.array) -> mx.array:
@@ -139,15 +147,12 @@ def _numpy_shifted_exp(scores: mx.array) -> mx.array:
     2,048 keys: ~20 ms against ~95 ms on an AVX2-only AMD EPYC), where the
     softmax was most of a long prefill. Results below float32's smallest normal
     number become 0, as in `fast_exp`: a denormal in a matmul is ~10x slower."""
-    mx.eval(scores)
-    view = np.array(scores, copy=False)
-    in_place = view.flags.c_contiguous and view.flags.writeable
-    if not in_place:
-        view = np.ascontiguousarray(view, dtype=np.float32)
-    view -= view.max(axis=-1, keepdims=True)
-    np.exp(view, out=view)
-    np.copyto(view, 0.0, where=view < _SMALLEST_NORMAL)
-    return scores if in_place else mx.array(view)
+    def shifted_exp(view: np.ndarray) -> None:
+        view -= view.max(axis=-1, keepdims=True)
+        np.exp(view, out=view)
+        np.copyto(view, 0.0, where=view < _SMALLEST_NORMAL)
+
+    return _in_place(scores, shifted_exp)
 
 
 def _foldable(mask, batch: int, length: int, span: int) -> bool:
@@ -161,16 +166,14 @@ def _native_masked_softmax(scores: mx.array, mask: mx.array) -> mx.array:
     """native/softmax.c with the mask applied in its first pass over each row:
     what MLX's where(mask, scores, -inf) and then `_native_softmax` give, bit for
     bit, without writing the scores once more (~40 ms a layer at 16k keys)."""
-    mx.eval(scores, mask)
-    view = np.array(scores, copy=False)
-    in_place = view.flags.c_contiguous and view.flags.writeable
-    if not in_place:
-        view = np.ascontiguousarray(view, dtype=np.float32)
-    bits = np.ascontiguousarray(np.array(mask, copy=False))  # a view when it already is
     _, heads, length, span = scores.shape
-    _lib().tierlm_softmax_rows_masked(view.ctypes.data, scores.size // span, span, bits.ctypes.data, heads, length,
-                                      int(mask.shape[0] > 1))
-    return scores if in_place else mx.array(view)
+
+    def masked_softmax(view: np.ndarray) -> None:
+        bits = np.ascontiguousarray(np.array(mask, copy=False))  # a view when it already is
+        _lib().tierlm_softmax_rows_masked(view.ctypes.data, scores.size // span, span, bits.ctypes.data, heads,
+                                          length, int(mask.shape[0] > 1))
+
+    return _in_place(scores, masked_softmax, mask)
 
 
 def _wrap_attention(original):
@@ -243,6 +246,9 @@ class _GenerateMx(types.ModuleType):
         return mx.logsumexp(a, axis=axis, keepdims=keepdims, **kwargs)
 
 
+_GELU_C = math.sqrt(2 / math.pi)
+
+
 def _numpy_gelu(x: mx.array) -> mx.array:
     """GELU (tanh approximation) of an evaluated float32 by numpy's vectorized exp,
     into a new array, where the native kernels are off: 0.5·(1 + tanh z) is
@@ -273,7 +279,6 @@ def _native_gelu(x: mx.array) -> mx.array:
 # Below this many elements (decode steps) MLX's own GELU stays: its ~20 ns an
 # element costs less than splitting the step's graph to run native code.
 NATIVE_GELU_MIN = 1 << 16
-_GELU_C = math.sqrt(2 / math.pi)
 
 
 class _ModelNn(types.ModuleType):
