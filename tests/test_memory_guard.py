@@ -92,8 +92,8 @@ def test_a_request_still_prefilling_keeps_what_it_was_promised():
     guard = MemoryGuard(profile, 10**8, prefill_step=256, stores_blocks=True)
     request = Request("a", [5] * 600, SamplingParams(max_tokens=40))
     state = _Running(request, text=None, prefilled_tokens=256)
-    scheduler = SimpleNamespace(guard=guard, running={1: state})
-    prefilling = Scheduler._growth_ahead(scheduler)
+    scheduler = SimpleNamespace(guard=guard)
+    prefilling = Scheduler._may_still_take(scheduler, state)
     assert prefilling == guard.request_bytes(600, 40) - 256 * 32 * 1024
     state.first_token_time, state.prefilled_tokens, state.completion_tokens = 1.0, 600, 10
-    assert Scheduler._growth_ahead(scheduler) == guard.decode_bytes(30) < prefilling
+    assert Scheduler._may_still_take(scheduler, state) == guard.decode_bytes(30) < prefilling

@@ -293,12 +293,14 @@ class Scheduler:
         less the KV it has prefilled, since its prefill runs over several steps and
         memory it has yet to take is not free for another (on a slow CPU requests
         were admitted between one's chunks, three prefills at once past the limit)."""
-        guard = self.guard
-        return sum(guard.decode_bytes(s.request.params.max_tokens - s.completion_tokens)
-                   if s.first_token_time is not None else
-                   max(0, guard.request_bytes(len(s.request.prompt_tokens), s.request.params.max_tokens)
-                       - guard.profile.kv_bytes_per_token * s.prefilled_tokens)
-                   for s in self.running.values())
+        return sum(self._may_still_take(s) for s in self.running.values())
+
+    def _may_still_take(self, state: _Running) -> int:
+        max_tokens = state.request.params.max_tokens
+        if state.first_token_time is not None:
+            return self.guard.decode_bytes(max_tokens - state.completion_tokens)
+        promised = self.guard.request_bytes(len(state.request.prompt_tokens), max_tokens)
+        return max(0, promised - self.guard.profile.kv_bytes_per_token * state.prefilled_tokens)
 
     def _make_room(self, needed: int, promised: int) -> bool:
         """Whether a request of `needed` bytes fits now, evicting cached blocks if
