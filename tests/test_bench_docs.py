@@ -120,3 +120,19 @@ def test_streaming_results_show_itl_against_tpot_and_cold_starts(tmp_path):
     assert "| 1 | 100.0 | 4.0 | 25.00 | 230.0 | 5.0 | 5.0 | 1.00 | 240.0 | 1.04 |" in section
     assert "| 8 | kept | 900.0 | 1000.0 | 0.90 | 200.0 | 200.0 | 4.2 s | 2 |" in section
     assert "Median first ÷ second: 8 streams, kept kernels: 0.90 (3 starts, 0.70–1.00)." in section
+
+
+def test_the_machine_heading_names_the_hardware_of_the_results_shown(tmp_path):
+    """A folder may hold runs of two machines of its kind; a newer file of no
+    benchmark (data only) does not name the machine of the tables."""
+    other_cpu = compare("2026-01-03 10:00:00 UTC", 500) | {"machine": {"cpu": "Other CPU", "git": "x"}}
+    files = {"compare-a.json": compare("2026-01-02 10:00:00 UTC", 32), "compare-b.json": other_cpu,
+             "cache-later.json": {"kind": "cache", "date": "2026-01-04 10:00:00 UTC",
+                                  "machine": {"cpu": "Data-only CPU"}}}
+    machine = tmp_path / "results" / "cpu"
+    machine.mkdir(parents=True)
+    for name, doc in files.items():
+        (machine / name).write_text(json.dumps(doc))
+    text = render_docs(tmp_path / "results", tmp_path / "benchmarks.md").read_text()
+    assert "## cpu: Other CPU / Test CPU\n" in text
+    assert "Data-only CPU" not in text

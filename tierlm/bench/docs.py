@@ -149,6 +149,17 @@ class Benchmark:
         return [r.path for files in self.results[1:] for r in files.values()]
 
 
+def _machines(benches: list[Benchmark]) -> str:
+    """The hardware of the results rendered, newest first: a folder may hold runs
+    of more than one machine of its kind."""
+    shown = sorted((r for b in benches for r in b.newest.values()), key=lambda r: r.date, reverse=True)
+    by_name: dict[str, str] = {}
+    for r in shown:
+        if r.doc.get("machine"):
+            by_name.setdefault(_hardware(r.doc).split(",")[0], _hardware(r.doc))
+    return " / ".join(by_name.values()) or "?"
+
+
 def _hardware(doc: dict) -> str:
     m = doc.get("machine", {})
     parts = [m.get("gpu") or m.get("cpu") or m.get("processor", "?")]
@@ -490,9 +501,8 @@ def render_docs(results: Path, out: Path) -> Path:
         found = [Result(json.loads(f.read_text()), f) for f in sorted(machine_dir.glob("*.json"))]
         if not found:
             continue
-        newest = max(found, key=lambda r: (bool(r.doc.get("machine")), r.date))
-        sections.append(f"## {machine_dir.name}: {_hardware(newest.doc)}\n")
         benches, others = benchmarks(found)
+        sections.append(f"## {machine_dir.name}: {_machines(benches)}\n")
         sections += [render_benchmark(b) for b in benches]
         if others:
             names = ", ".join(f"`{p.name}`" for p in others)

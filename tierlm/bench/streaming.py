@@ -6,8 +6,10 @@
   gap between two streamed chunks (ITL p50) against the time per output token
   (TPOT p50). A server that streams every token has ITL ≈ TPOT; one that hands
   out a burst of tokens at a time has ITL ≈ burst.
-- *Cold start*: at each `--cold` concurrency, a fresh `tierlm serve` and the same
-  requests twice, the first as soon as it is ready: first ÷ second output tok/s.
+- *Cold start*: at each `--cold` concurrency, a fresh `tierlm serve` and two runs
+  of the workload, the first as soon as it is ready: first ÷ second output tok/s.
+  Every run of the benchmark draws its own prompts (the same lengths, another
+  seed), so no run finds another's blocks in the prefix cache, hot or on disk.
   `--cold-kernels fresh` gives each start an empty kernel folder (the first start
   on a machine); `kept` leaves the server its own (`kernel_cache_dir`), filled by
   a start that ran the workload once before them (a restart). Each is repeated
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import os
 import statistics
 import tempfile
@@ -96,15 +99,24 @@ def smoothness(args, tree: Path | None, concurrencies: list[int], tokenizer: str
     return rows
 
 
-def cold_start(args, concurrency: int, kernels: str, tokenizer: str) -> dict:
+def _new_prompts(args, seeds: itertools.count):
+    """`args` with a seed no run has used yet: prompts of the same lengths that no
+    earlier run left in the prefix cache (hot, or on disk from an earlier start)."""
+    fresh = copy.copy(args)
+    fresh.seed = args.seed + next(seeds)
+    fresh.warmup = 0  # the first request timed is the first the server sees
+    return fresh
+
+
+def cold_start(args, concurrency: int, kernels: str, tokenizer: str, seeds: itertools.count) -> dict:
     fresh = tempfile.TemporaryDirectory(prefix="tierlm-kernels-") if kernels == "fresh" else None
     spec = _spec(args, None, concurrency, fresh.name if fresh else None)
-    cold_args = copy.copy(args)
-    cold_args.warmup = 0  # the first request timed is the first the server sees
     with fresh or contextlib.nullcontext(), servers.RunningServer(spec) as server:
         at_ready = _warmup_of(server)
-        first = _row(runs.run_one(cold_args, server.base_url, tokenizer, concurrency, label="first"))
-        second = _row(runs.run_one(cold_args, server.base_url, tokenizer, concurrency, label="second"))
+        first = _row(runs.run_one(_new_prompts(args, seeds), server.base_url, tokenizer, concurrency,
+                                  label="first"))
+        second = _row(runs.run_one(_new_prompts(args, seeds), server.base_url, tokenizer, concurrency,
+                                   label="second"))
         after = _warmup_of(server)
     result = {"concurrency": concurrency, "kernels": kernels, "first": first, "second": second,
               "ratio": ratio(first["output_tok_s"], second["output_tok_s"]),
@@ -113,12 +125,12 @@ def cold_start(args, concurrency: int, kernels: str, tokenizer: str) -> dict:
     return result
 
 
-def prime_kernels(args, concurrency: int, tokenizer: str) -> None:
+def prime_kernels(args, concurrency: int, tokenizer: str, seeds: itertools.count) -> None:
     """Before the `kept` starts: a start on the server's own kernel folder that
     warms and runs the workload once, as the run before a restart would have."""
     with servers.RunningServer(_spec(args, None, concurrency, None)) as server:
         wait_warm(server)
-        runs.run_one(args, server.base_url, tokenizer, concurrency, label="prime kernels")
+        runs.run_one(_new_prompts(args, seeds), server.base_url, tokenizer, concurrency, label="prime kernels")
 
 
 def run_streaming(args, save=lambda result: None) -> dict:
@@ -134,12 +146,13 @@ def run_streaming(args, save=lambda result: None) -> dict:
         result["smoothness"]["base" if tree else "this"] = smoothness(args, tree, concurrencies, tokenizer)
         save(result)
     cold = runs.concurrencies(args.cold)
+    seeds = itertools.count(1)  # the smoothness runs above took the seed itself
     for kernels in filter(None, args.cold_kernels.split(",")):
         if kernels == "kept" and cold:
-            prime_kernels(args, max(cold), tokenizer)
+            prime_kernels(args, max(cold), tokenizer, seeds)
         for c in cold:
             for _ in range(args.cold_repeats):
-                result["cold_start"].append(cold_start(args, c, kernels, tokenizer))
+                result["cold_start"].append(cold_start(args, c, kernels, tokenizer, seeds))
                 save(result)
     result["complete"] = True
     return result
