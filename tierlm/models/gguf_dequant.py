@@ -50,9 +50,25 @@ class GGUFTensor:
         return np.asarray(values, dtype=np.float32).reshape(self.shape)
 
 
+class _Reader(GGUFReader):
+    """gguf's reader on a plain ndarray view of its memory map. It slices the map
+    once or more per value (Gemma 3's 262k-token vocabulary: ~1M slices), and a
+    slice of an np.memmap is an np.memmap, made through two Python-level hooks:
+    12.4 s of the reader's 12.7 s for Gemma 3 270M on an AVX2 AMD EPYC. The same
+    bytes, still memory-mapped (each view keeps the map alive)."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = value.view(np.ndarray)
+
+
 def read_gguf(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
     """Metadata (plain Python values) and the tensors, memory-mapped, of a GGUF file."""
-    reader = GGUFReader(str(path))
+    reader = _Reader(str(path))
     meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
     tensors = [
         GGUFTensor(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())), t.data)
