@@ -9,7 +9,11 @@ from tierlm.bench.step_timing import step_accounted_ratio
 
 
 def test_engine_and_bare_produce_every_token_in_alternating_rounds(model_path):
-    result = run_overhead(str(model_path), [1, 2], prompt_len=16, max_tokens=6, rounds=2)
+    saved = []
+    result = run_overhead(str(model_path), [1, 2], prompt_len=16, max_tokens=6, rounds=2, save=saved.append)
+    # saved after each batch size: a run cut short keeps what it finished
+    assert [[r["batch"] for r in s["runs"]] for s in saved] == [[1] * 4, [1] * 4 + [2] * 4]
+    assert [s["complete"] for s in saved] == [False, False] and result["complete"]
     runners = [(r["batch"], r["runner"]) for r in result["runs"]]
     assert runners == [(1, "bare"), (1, "engine"), (1, "engine"), (1, "bare"),
                        (2, "bare"), (2, "engine"), (2, "engine"), (2, "bare")]

@@ -227,6 +227,10 @@ def cmd_engine(args) -> int:
     from tierlm.bench.engine_overhead import pair_ratios, run_overhead, step_ratios
     from tierlm.bench.report import console, num, pairs_cell, print_table, write_json
 
+    def save(result: dict) -> None:
+        if args.json:
+            write_json(args.json, "engine", result, runs.command_line())
+
     model = args.model or runs.default_tokenizer(args)
     result = run_overhead(
         model,
@@ -241,6 +245,7 @@ def cmd_engine(args) -> int:
         ),
         queue_factor=args.queue_factor,
         bare_in_thread=args.bare_in_thread,
+        save=save,
     )
     rows = [
         [
@@ -271,8 +276,7 @@ def cmd_engine(args) -> int:
         ],
         rows,
     )
-    if args.json:
-        write_json(args.json, "engine", result, runs.command_line())
+    save(result)
     return 0
 
 

@@ -178,12 +178,15 @@ def run_overhead(
     on_progress=None,
     queue_factor: int = 0,
     bare_in_thread: bool = False,
+    save=None,
 ) -> dict:
     """Per batch B: `rounds` alternating bare/engine runs of B requests (decode
     overhead); with `queue_factor` K, one more of each with K*B requests, B at a
     time (the served benchmark's workload, in process). `bare_in_thread` runs the
     bare loop on a worker thread of its own, as the engine runs its steps: it tells
-    a cost of running MLX off the main thread from a cost of the engine."""
+    a cost of running MLX off the main thread from a cost of the engine. `save`
+    gets the result so far after each batch size, so a run cut short (a time
+    limit on a lent machine) still leaves the batch sizes it finished."""
     import mlx.core as mx
 
     from tierlm.models.loader import load_model, usable_vocab_size
@@ -201,10 +204,27 @@ def run_overhead(
     runs: list[OverheadResult] = []
     event_loop = "asyncio"
 
-    def record(result: OverheadResult) -> None:
-        runs.append(result)
+    def result(complete: bool) -> dict:
+        return {
+            "model": str(model_path),
+            "batches": batches,
+            "prompt_len": prompt_len,
+            "max_tokens": max_tokens,
+            "rounds": rounds,
+            "queue_factor": queue_factor,
+            "bare_in_thread": bare_in_thread,
+            "event_loop": event_loop,
+            "engine_per_batch": True,  # one EngineRunner per batch size (older files: one engine per run)
+            "device": str(mx.default_device()),
+            "runs": [r.__dict__ for r in runs],
+            "summary": summarize_overhead(runs),
+            "complete": complete,  # False: saved after a batch size, more were to come
+        }
+
+    def record(run: OverheadResult) -> None:
+        runs.append(run)
         if on_progress:
-            on_progress(result)
+            on_progress(run)
 
     for batch in batches:
         prompts = random_prompts(vocab, batch, prompt_len, seed + batch)
@@ -223,22 +243,11 @@ def run_overhead(
             record(on_bare_thread(run_bare, model, queued, max_tokens, prefill_step_size, stream, batch))
             record(engine.run(queued, max_tokens))
         engine.close()
+        if save:
+            save(result(complete=False))
     if worker:
         worker.shutdown()
-    return {
-        "model": str(model_path),
-        "batches": batches,
-        "prompt_len": prompt_len,
-        "max_tokens": max_tokens,
-        "rounds": rounds,
-        "queue_factor": queue_factor,
-        "bare_in_thread": bare_in_thread,
-        "event_loop": event_loop,
-        "engine_per_batch": True,  # one EngineRunner per batch size (older files: one engine per run)
-        "device": str(mx.default_device()),
-        "runs": [r.__dict__ for r in runs],
-        "summary": summarize_overhead(runs),
-    }
+    return result(complete=True)
 
 
 def round_pairs(runs: list[dict], batch: int) -> list[tuple[dict, dict]]:
