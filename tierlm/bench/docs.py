@@ -153,16 +153,20 @@ def _machines(benches: list[Benchmark]) -> str:
     """The hardware of the results rendered, newest first: a folder may hold runs
     of more than one machine of its kind."""
     shown = sorted((r for b in benches for r in b.newest.values()), key=lambda r: r.date, reverse=True)
-    by_name: dict[str, str] = {}
+    by_processor: dict[str, str] = {}
     for r in shown:
         if r.doc.get("machine"):
-            by_name.setdefault(_hardware(r.doc).split(",")[0], _hardware(r.doc))
-    return " / ".join(by_name.values()) or "?"
+            by_processor.setdefault(_processor(r.doc["machine"]), _hardware(r.doc))
+    return " / ".join(by_processor.values()) or "?"
+
+
+def _processor(machine: dict) -> str:
+    return machine.get("gpu") or machine.get("cpu") or machine.get("processor", "?")
 
 
 def _hardware(doc: dict) -> str:
     m = doc.get("machine", {})
-    parts = [m.get("gpu") or m.get("cpu") or m.get("processor", "?")]
+    parts = [_processor(m)]
     if m.get("cpus"):
         parts.append(f"{m['cpus']} CPUs")
     if m.get("memory_gib"):
