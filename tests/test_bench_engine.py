@@ -2,9 +2,22 @@
 the same work, and the engine stays up (and its prefix cache is emptied) between
 rounds."""
 
+import json
 import math
+import os
 
-from tierlm.bench.engine_overhead import EngineRunner, random_prompts, run_overhead
+import pytest
+
+from tierlm.bench.docs import render_engine
+from tierlm.bench.engine_overhead import (
+    EngineRunner,
+    merge_results,
+    pair_ratios,
+    parse_cpu_list,
+    pin_to_cpus,
+    random_prompts,
+    run_overhead,
+)
 from tierlm.bench.step_timing import step_accounted_ratio
 
 
@@ -54,3 +67,56 @@ def test_engine_runner_reuses_one_engine_and_starts_each_run_with_an_empty_cache
         assert first.total_tok_s > 0 and second.total_tok_s > 0
     finally:
         runner.close()
+
+
+def _doc(batch: int, rounds: int, rate: float, **changes) -> dict:
+    """A `bench engine` result file of one batch size, as written on one machine."""
+    def run(runner: str, r: int) -> dict:
+        return {"batch": batch, "runner": runner, "decode_tok_s": rate * (1 + r / 100), "total_tok_s": rate,
+                "mean_ttft_s": 0.1, "wall_s": 1.0, "steps": {}}
+    runs = [run(runner, r) for r in range(rounds) for runner in (("bare", "engine") if r % 2 == 0
+                                                                  else ("engine", "bare"))]
+    doc = {"kind": "engine", "date": f"2026-12-02 0{batch % 10}:00:00 UTC", "command": f"bench engine --batch {batch}",
+           "machine": {"cpu": "Xeon", "gpu": "H200"}, "model": "/m/llama-1b", "batches": [batch], "prompt_len": 500,
+           "max_tokens": 128, "rounds": rounds, "device": "Device(gpu, 0)", "event_loop": "uvloop",
+           "engine_per_batch": True, "bare_in_thread": False, "cpus": [2, 3], "runs": runs, "complete": True}
+    return doc | changes
+
+
+def test_results_of_several_calls_merge_into_one_with_every_round():
+    one, more, other = _doc(1, 3, 200.0), _doc(1, 2, 210.0), _doc(8, 4, 1000.0)
+    merged = merge_results([one, more, other])
+    assert merged["batches"] == [1, 8] and merged["rounds_per_batch"] == {1: 5, 8: 4}
+    assert merged["rounds"] == 4 and len(merged["runs"]) == 18
+    assert pair_ratios(merged["runs"], 1) == pair_ratios(one["runs"], 1) + pair_ratios(more["runs"], 1)
+    assert [s["batch"] for s in merged["summary"]] == [1, 8]
+    assert merged["machine"] == one["machine"] and merged["date"] == other["date"]  # where and when they ran
+    assert [m["command"] for m in merged["merged_from"]] == [one["command"], more["command"], other["command"]]
+    for changed in ({"prompt_len": 128}, {"cpus": None}, {"machine": {"cpu": "EPYC", "gpu": "H200"}}):
+        with pytest.raises(ValueError, match="not one benchmark"):
+            merge_results([one, _doc(8, 2, 1000.0, **changed)])
+
+
+def test_merged_results_render_their_rounds_per_batch_and_every_command(tmp_path):
+    merged = merge_results([_doc(1, 3, 200.0), _doc(8, 4, 1000.0)])
+    page = render_engine(json.loads(json.dumps(merged)), tmp_path / "engine-x.json")  # as read back from its file
+    assert "rounds per batch: 3 (batch 1), 4 (batch 8)" in page
+    assert "bench engine --batch 1\nbench engine --batch 8" in page
+    assert "pinned to CPUs 2,3" in page
+
+
+def test_a_cpu_list_reads_as_taskset_writes_it():
+    assert parse_cpu_list("2-5") == [2, 3, 4, 5]
+    assert parse_cpu_list("0,2, 4-5") == [0, 2, 4, 5]
+    for bad in ("", "a-b", "5-2", "1,,2"):
+        with pytest.raises(ValueError):
+            parse_cpu_list(bad)
+
+
+def test_pinning_takes_the_process_to_those_cpus():
+    before = os.sched_getaffinity(0)
+    try:
+        assert pin_to_cpus(str(min(before))) == [min(before)]
+        assert os.sched_getaffinity(0) == {min(before)}
+    finally:
+        os.sched_setaffinity(0, before)

@@ -63,6 +63,10 @@ def add_bench_parser(sub) -> None:
     )
     p.add_argument("--bare-in-thread", action="store_true",
                    help="run the bare loop on a worker thread, as the engine does")
+    p.add_argument("--cpus", default=None, metavar="LIST",
+                   help="pin the benchmark to these CPUs (like taskset: 2-5): a steadier machine, fewer rounds")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="run nothing: merge these result files (same model, prompts, machine) into --json")
     p.add_argument("--json", default=None, help="write results here")
     p.set_defaults(func=cmd_engine)
 
@@ -223,30 +227,20 @@ def cmd_compare(args) -> int:
 
 
 def cmd_engine(args) -> int:
+    import json
+
     from tierlm.bench import runs
-    from tierlm.bench.engine_overhead import pair_ratios, run_overhead, step_ratios
-    from tierlm.bench.report import console, num, pairs_cell, print_table, write_json
+    from tierlm.bench.engine_overhead import merge_results, pair_ratios, step_ratios
+    from tierlm.bench.report import num, pairs_cell, print_table, write_json
 
     def save(result: dict) -> None:
         if args.json:
             write_json(args.json, "engine", result, runs.command_line())
 
-    model = args.model or runs.default_tokenizer(args)
-    result = run_overhead(
-        model,
-        runs.concurrencies(args.batch),
-        args.input_len,
-        args.output_len,
-        args.rounds,
-        args.prefill_step_size,
-        on_progress=lambda r: console.print(
-            f"  batch {r.batch:3d} {r.runner:12s} decode {r.decode_tok_s:8.1f} tok/s, "
-            f"total {r.total_tok_s:8.1f} tok/s"
-        ),
-        queue_factor=args.queue_factor,
-        bare_in_thread=args.bare_in_thread,
-        save=save,
-    )
+    if args.merge:
+        result = merge_results([json.loads(Path(p).read_text()) for p in args.merge])
+    else:
+        result = _run_engine(args, save)
     rows = [
         [
             str(s["batch"]),
@@ -262,7 +256,7 @@ def cmd_engine(args) -> int:
         for s in result["summary"]
     ]
     print_table(
-        f"engine overhead on {result['device']} (medians of {args.rounds} rounds)",
+        f"engine overhead on {result['device']} (medians of {result['rounds']} rounds or more)",
         [
             "batch",
             "bare decode tok/s",
@@ -278,6 +272,31 @@ def cmd_engine(args) -> int:
     )
     save(result)
     return 0
+
+
+def _run_engine(args, save) -> dict:
+    """`bench engine`'s runs, pinned to `--cpus` first where given."""
+    from tierlm.bench import runs
+    from tierlm.bench.engine_overhead import pin_to_cpus, run_overhead
+    from tierlm.bench.report import console
+
+    cpus = pin_to_cpus(args.cpus) if args.cpus else None
+    return run_overhead(
+        args.model or runs.default_tokenizer(args),
+        runs.concurrencies(args.batch),
+        args.input_len,
+        args.output_len,
+        args.rounds,
+        args.prefill_step_size,
+        on_progress=lambda r: console.print(
+            f"  batch {r.batch:3d} {r.runner:12s} decode {r.decode_tok_s:8.1f} tok/s, "
+            f"total {r.total_tok_s:8.1f} tok/s"
+        ),
+        queue_factor=args.queue_factor,
+        bare_in_thread=args.bare_in_thread,
+        save=save,
+        cpus=cpus,
+    )
 
 
 def cmd_streaming(args) -> int:

@@ -188,7 +188,10 @@ def _when(doc: dict, path: Path) -> str:
 
 
 def _provenance(doc: dict, path: Path) -> str:
-    return f"*{_when(doc, path)}*\n\n```\n{doc.get('command') or '(command not recorded)'}\n```\n"
+    """When and how: the command, or each command of results merged into one."""
+    commands = [d.get("command") for d in doc.get("merged_from", [])] or [doc.get("command")]
+    lines = "\n".join(c or "(command not recorded)" for c in commands)
+    return f"*{_when(doc, path)}*\n\n```\n{lines}\n```\n"
 
 
 def _shape(workload: str, params: dict) -> str:
@@ -297,6 +300,20 @@ def _spread(values: list[float]) -> str:
     return f"{num(min(values), 2)}–{num(max(values), 2)}" if values else "-"
 
 
+def _rounds(doc: dict) -> str:
+    """How many rounds each batch size ran: one number, or one per batch size
+    (results merged from several calls)."""
+    per = doc.get("rounds_per_batch") or {}
+    if len(set(per.values())) > 1:
+        return "rounds per batch: " + ", ".join(f"{n} (batch {b})" for b, n in per.items())
+    return f"{doc['rounds']} rounds per batch"
+
+
+def _pinned(doc: dict) -> str:
+    cpus = doc.get("cpus")
+    return f", the process pinned to CPUs {','.join(map(str, cpus))}" if cpus else ""
+
+
 def render_engine(doc: dict, path: Path) -> str:
     header = [
         "batch",
@@ -334,8 +351,9 @@ def render_engine(doc: dict, path: Path) -> str:
             f"### {engine_title(doc)}\n",
             _provenance(doc, path),
             (
-                f"{doc['rounds']} rounds per batch, alternating bare/engine"
-                f"{' (the bare loop on a worker thread of its own)' if doc.get('bare_in_thread') else ''}; "
+                f"{_rounds(doc)}, alternating bare/engine"
+                f"{' (the bare loop on a worker thread of its own)' if doc.get('bare_in_thread') else ''}"
+                f"{_pinned(doc)}; "
                 f"prompts of {doc['prompt_len']} random "
                 f"tokens, {doc['max_tokens']} greedy tokens each, no stop tokens; "
                 + ("one engine per batch size, its prefix cache emptied before each run"

@@ -14,6 +14,7 @@ and renders the docs without loading any of them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import time
@@ -179,6 +180,7 @@ def run_overhead(
     queue_factor: int = 0,
     bare_in_thread: bool = False,
     save=None,
+    cpus: list[int] | None = None,
 ) -> dict:
     """Per batch B: `rounds` alternating bare/engine runs of B requests (decode
     overhead); with `queue_factor` K, one more of each with K*B requests, B at a
@@ -186,7 +188,8 @@ def run_overhead(
     bare loop on a worker thread of its own, as the engine runs its steps: it tells
     a cost of running MLX off the main thread from a cost of the engine. `save`
     gets the result so far after each batch size, so a run cut short (a time
-    limit on a lent machine) still leaves the batch sizes it finished."""
+    limit on a lent machine) still leaves the batch sizes it finished. `cpus`: the
+    CPUs the process was pinned to (`pin_to_cpus`), recorded with the result."""
     import mlx.core as mx
 
     from tierlm.models.loader import load_model, usable_vocab_size
@@ -214,6 +217,7 @@ def run_overhead(
             "queue_factor": queue_factor,
             "bare_in_thread": bare_in_thread,
             "event_loop": event_loop,
+            "cpus": cpus,
             "engine_per_batch": True,  # one EngineRunner per batch size (older files: one engine per run)
             "device": str(mx.default_device()),
             "runs": [r.__dict__ for r in runs],
@@ -248,6 +252,63 @@ def run_overhead(
     if worker:
         worker.shutdown()
     return result(complete=True)
+
+
+def parse_cpu_list(spec: str) -> list[int]:
+    """CPU numbers from a list as taskset takes it: "2-5", "0,2,4", "0-1,8"."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or int(last or first) < int(first):
+            raise ValueError(f"not a CPU list: {spec!r} (like 2-5 or 0,2,4)")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return sorted(cpus)
+
+
+def pin_to_cpus(spec: str) -> list[int]:
+    """Pins this process, and every thread it starts after (MLX's, the engine's),
+    to the CPUs of `spec`; returns them. On the H200's host the scheduler moving
+    threads between CPUs made a run's speed vary twice as much from one run to the
+    next (docs/streaming.md): pinned, fewer pairs reach the same standard error."""
+    import os
+
+    cpus = parse_cpu_list(spec)
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("--cpus needs Linux (sched_setaffinity)")
+    os.sched_setaffinity(0, cpus)
+    return cpus
+
+
+def merge_results(docs: list[dict]) -> dict:
+    """Results of several `bench engine` calls of the same model, prompts and
+    machine as one (a lent machine's call limit fits one batch size, or fewer
+    rounds than the standard error needs): runs in the order of `docs`, each file's
+    rounds kept whole, the summary computed again over all of them."""
+    same = ("model", "prompt_len", "max_tokens", "device", "event_loop", "engine_per_batch", "bare_in_thread",
+            "cpus")
+    first = docs[0]
+    for doc in docs[1:]:
+        differs = [k for k in same if doc.get(k) != first.get(k)]
+        differs += [f"machine {k}" for k in ("cpu", "gpu") if doc["machine"].get(k) != first["machine"].get(k)]
+        if differs:
+            raise ValueError(f"results differ in {', '.join(differs)}: not one benchmark")
+    runs = [run for doc in docs for run in doc["runs"]]
+    batches = sorted({b for doc in docs for b in doc["batches"]})
+    fields = {f.name for f in dataclasses.fields(OverheadResult)}
+    results = [OverheadResult(**{k: v for k, v in run.items() if k in fields}) for run in runs]
+    rounds = {b: len(round_pairs(runs, b)) for b in batches}
+    merged = {k: v for k, v in first.items() if k not in ("kind", "command")}  # its machine stays
+    merged.update(
+        date=max(d.get("date", "") for d in docs),
+        batches=batches,
+        rounds=min(rounds.values()),
+        rounds_per_batch=rounds,
+        runs=runs,
+        summary=summarize_overhead(results),
+        complete=all(d.get("complete", True) for d in docs),
+        merged_from=[{k: d.get(k) for k in ("date", "command", "machine")} for d in docs],
+    )
+    return merged
 
 
 def round_pairs(runs: list[dict], batch: int) -> list[tuple[dict, dict]]:
