@@ -62,6 +62,10 @@ Tools (each writes result files; `tierlm bench docs` renders them here):
   engine against a bare `BatchGenerator` (`tierlm bench engine --queue-factor
   4`) and `tierlm serve` under `tierlm bench serve`. Copy the JSON from `OUT`
   into `{results}/<machine>/`, then `tierlm bench docs`.
+- `tierlm bench engine` on a host whose speed drifts: `--cpus 2-5` pins the
+  run to those CPUs (steadier pairs), one batch size per call where a call's
+  time is limited, then `--merge A.json B.json ... --json OUT.json` joins the
+  files into one result.
 - `tierlm bench streaming`: how tokens reach a client, per concurrency (ITL p50
   against TPOT p50; `--base-tree` serves another checkout first, for a
   before/after in one run), and cold starts (`--cold`: the same requests twice
