@@ -158,6 +158,21 @@ def test_a_negative_frequency_penalty_makes_repeats(client, tokenizer):
     assert repeated_tokens(tokenizer, rewarded) >= repeated_tokens(tokenizer, plain) + 8, (plain, rewarded)
 
 
+def test_penalties_count_the_output_not_the_prompt(client):
+    """The first token comes before any output: presence and frequency penalties
+    leave it as it is, even where it repeats the prompt. (Counted over the prompt's
+    last 20 tokens, as mlx-lm's own do, 2.0 off " mat" and " cat" made it " bed".)"""
+    prompt = "The cat sat on the mat. The cat sat on the"
+
+    def first(**kw) -> str:
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, **kw).choices[0].text
+
+    plain = first()
+    assert plain.strip() in prompt.replace(".", "").split(), plain  # a word of the prompt: what a penalty over it pushes down
+    assert first(presence_penalty=2.0) == plain
+    assert first(frequency_penalty=2.0) == plain
+
+
 # ---- stop_token_ids ---------------------------------------------------------------
 
 

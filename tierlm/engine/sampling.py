@@ -69,12 +69,39 @@ def make_request_processors(params: SamplingParams, on_fault: OnFault) -> list:
     processors = make_logits_processors(
         logit_bias=params.logit_bias or None,
         repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
-        presence_penalty=params.presence_penalty or None,
-        frequency_penalty=params.frequency_penalty or None,
     )
+    if params.presence_penalty or params.frequency_penalty:
+        processors.append(output_penalties(params.presence_penalty, params.frequency_penalty))
     if params.constraint is not None:  # last: the mask has the final word
         processors.append(constraint_processor(params.constraint))
     return [guard_processor(p, on_fault) for p in processors]
+
+
+def output_penalties(presence: float, frequency: float):
+    """OpenAI's presence and frequency penalties, over every token the request has
+    generated so far, as OpenAI and vLLM count them: `presence` off the logit of
+    each token generated at least once, `frequency` once per time it was. (mlx-lm's
+    own look at the last 20 tokens of prompt and output alike: a word from the
+    prompt is penalized, and one generated 21 tokens ago no longer is.)
+
+    BatchGenerator hands a processor the request's tokens so far, one more at each
+    step; at its first call none of them is generated yet (the last is the
+    prompt's), so what follows that length is the output."""
+    first: list[int] = []  # the length at the first call, once known
+
+    def processor(tokens: mx.array, logits: mx.array) -> mx.array:
+        if not first:
+            first.append(len(tokens))
+        generated = tokens[first[0]:]
+        if len(generated) == 0:
+            return logits
+        if frequency:
+            logits = logits.at[:, generated].subtract(frequency)  # repeats add up
+        if presence:
+            logits[:, generated] = logits[:, generated] - presence  # repeats write the same value: once
+        return logits
+
+    return processor
 
 
 def guard_processor(processor, on_fault: OnFault):
