@@ -111,3 +111,18 @@ def test_bad_tools_are_a_400_naming_the_field(client, tools, choice, param):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, tools=tools or None, tool_choice=choice)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_changing_tool_choice_keeps_the_conversations_cached_prefix(client):
+    """An agent that sends tool_choice "none" or "required" on one turn: the tools
+    are listed in the same words, so the long conversation after them is read
+    from the cache. (Before, "none" left them out and "required" worded them
+    otherwise: every token after the first ~200 was computed again.)"""
+    long_question = "Here is my trip plan: " + "Paris, then Lyon, then Nice, then Marseille. " * 40
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": long_question}]
+    first = chat(client, messages, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=1)
+    assert first.usage.prompt_tokens >= 600
+    for choice in ("none", "required"):
+        again = chat(client, messages, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=1)
+        assert again.usage.prompt_tokens == first.usage.prompt_tokens
+        assert again.usage.prompt_tokens_details.cached_tokens >= 512, choice

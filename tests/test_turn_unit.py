@@ -174,17 +174,13 @@ def test_with_instructions_appends_to_the_system_message_or_adds_one():
     assert with_instructions([], "TOOLS") == [{"role": "system", "content": "TOOLS"}]
 
 
-def test_generic_instructions_list_the_tools_and_the_choice():
-    text = generic_instructions(TOOLS, ToolChoice("auto"), GENERIC)
+def test_generic_instructions_list_the_tools_in_the_same_words_whatever_the_choice():
+    text = generic_instructions(TOOLS, GENERIC)
     listed = text.split("<tools>\n")[1].split("\n</tools>")[0].split("\n")
     assert [json.loads(t) for t in listed] == [t.as_json() for t in TOOLS]
     assert json.loads(listed[2])["parameters"] == {"type": "object", "properties": {}}
     assert '<tool_call>{"name": "<tool name>", "arguments": {<arguments>}}</tool_call>' in text
-    assert (
-        "get_time"
-        in generic_instructions(TOOLS, ToolChoice("required", "get_time"), GENERIC).split("</tools>")[1]
-    )
-    assert "Call one or more tools now." in generic_instructions(TOOLS, ToolChoice("required"), GENERIC)
+    assert text.endswith("If no tool is needed, answer the user directly.")
 
 
 # ---- checks ----------------------------------------------------------------
@@ -397,17 +393,28 @@ def test_auto_without_parallel_calls_allows_one_call(grammars, tokenizer, schema
 # ---- a turn, prepared and started ----------------------------------------------
 
 
-def test_tool_choice_none_adds_nothing(turns, native_turns):
-    spec = TurnSpec(tools=TOOLS, tool_choice=ToolChoice("none"))
-    messages = [{"role": "user", "content": "Hi"}]
+@pytest.mark.parametrize("choice", [ToolChoice("none"), ToolChoice("required"), ToolChoice("required", "get_time")],
+                         ids=["none", "required", "named"])
+def test_every_tool_choice_gives_the_prompt_of_auto(turns, native_turns, choice):
+    """A turn that changes tool_choice keeps the conversation's prefix (and its
+    cached KV): the tools are listed in the same words whatever it says."""
     for t in (turns, native_turns):
-        prepared, variables = t.prepare(spec, messages)
-        assert prepared == messages and variables == {}
+        assert t.prepare(TurnSpec(tools=TOOLS, tool_choice=choice), HISTORY) == \
+            t.prepare(TurnSpec(tools=TOOLS, tool_choice=ToolChoice("auto")), HISTORY)
+
+
+def test_tool_choice_none_keeps_the_call_marker_out_of_the_text(turns, native_turns):
+    spec = TurnSpec(tools=TOOLS, tool_choice=ToolChoice("none"))
+    for t in (turns, native_turns):
         run = t.start(spec, [1, 2, 3])
-        assert run.constraint is None and run.parser.calls is None and not run.parser.called
+        assert isinstance(run.constraint, GrammarConstraint) and run.parser.calls is None
+        drive(t.grammars, run.constraint, "It is sunny in Paris, < 30 degrees; tool_call <tool")
+        assert eos_allowed(t.grammars, run.constraint)
+        with pytest.raises(AssertionError, match="refused"):
+            drive(t.grammars, t.start(spec, [1, 2, 3]).constraint, "Sure: " + hermes_call())
     parser = turns.start(spec, [1, 2, 3]).parser
-    events = parser.feed(hermes_call()) + parser.finish()
-    assert "".join(e.text for e in events) == hermes_call() and not parser.called
+    events = parser.feed("a <tool_call> as text") + parser.finish()  # were one written: text, not a call
+    assert "".join(e.text for e in events) == "a <tool_call> as text" and not parser.called
 
 
 def test_generic_tools_are_instructions_in_the_system_prompt(turns, tokenizer):
@@ -418,7 +425,7 @@ def test_generic_tools_are_instructions_in_the_system_prompt(turns, tokenizer):
     assert prepared[0]["role"] == "system" and prepared[0]["content"].startswith(
         "Be brief.\n\nYou can call tools."
     )
-    assert prepared[0]["content"].endswith(generic_instructions(TOOLS, spec.tool_choice, GENERIC))
+    assert prepared[0]["content"].endswith(generic_instructions(TOOLS, GENERIC))
     assert [m["role"] for m in prepared] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert not any(k.startswith("_") for m in prepared for k in m)
     tokenizer.apply_chat_template(prepared, add_generation_prompt=True)  # SmolLM2's template takes them

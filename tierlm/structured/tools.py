@@ -142,21 +142,19 @@ def _append_user_text(out: list[dict], text: str) -> None:
         out.append({"role": "user", "content": text, "_results": text.startswith("<tool_response>")})
 
 
-def generic_instructions(tools: list[Tool], choice: ToolChoice, fmt: ToolFormat) -> str:
-    """What a model whose template knows no tools is told about them."""
+def generic_instructions(tools: list[Tool], fmt: ToolFormat) -> str:
+    """What a model whose template knows no tools is told about them. The same
+    words whatever the turn's tool_choice (the grammar holds the model to it), so
+    that turns which change it share the prompt's prefix in the cache."""
     listed = "\n".join(json.dumps(t.as_json(), ensure_ascii=False) for t in tools)
     example = f'{fmt.start}{{"name": "<tool name>", "{fmt.args_key}": {{<arguments>}}}}{fmt.end}'
-    text = (
+    return (
         "You can call tools. Each tool is described by a JSON object:\n"
         f"<tools>\n{listed}\n</tools>\n"
         f"To call a tool, answer with {example}, one such block per call, with arguments that "
-        "follow the tool's parameters schema. Tool results come back in <tool_response> blocks."
+        "follow the tool's parameters schema. Tool results come back in <tool_response> blocks. "
+        "If no tool is needed, answer the user directly."
     )
-    if choice.name:
-        return text + f" Call the tool {choice.name!r} now."
-    if choice.mode == "required":
-        return text + " Call one or more tools now."
-    return text + " If no tool is needed, answer the user directly."
 
 
 def with_instructions(messages: list[dict], instructions: str) -> list[dict]:
@@ -188,6 +186,26 @@ def call_schema(tools: list[Tool], fmt: ToolFormat, only: str | None = None) -> 
         for t in tools if only is None or t.name == only
     ]
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def no_call_grammar(fmt: ToolFormat, literal: Callable[[str], str]) -> str | None:
+    """A Lark grammar (llguidance's dialect) for tool_choice "none", whose prompt
+    still lists the tools (the prefix the conversation's other turns cached): any
+    text in which the call's opening marker never appears. A marker that is one
+    special token is never written by text anyway; a marker spelled in text is
+    taken out of the text's language (llguidance's regex complement, `~`). None
+    where the format has no marker to keep out."""
+    if not fmt.start:
+        return None
+    text = r"/(.|\n)*/"
+    if not literal(fmt.start).startswith("<["):
+        text += r" & ~/(.|\n)*" + _regex_literal(fmt.start) + r"(.|\n)*/"
+    return f"%llguidance {{}}\nstart: TEXT\nTEXT: {text}\n"
+
+
+def _regex_literal(text: str) -> str:
+    """`text` inside a Lark regex: the regex's special characters and its delimiter escaped."""
+    return "".join("\\" + c if c in r"\.+*?()|[]{}^$#&-~/" else c for c in text)
 
 
 def call_grammar(tools: list[Tool], fmt: ToolFormat, choice: ToolChoice, literal: Callable[[str], str],

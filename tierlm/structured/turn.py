@@ -31,6 +31,7 @@ from tierlm.structured.tools import (
     call_grammar,
     check_tools,
     generic_instructions,
+    no_call_grammar,
     strip_private,
     template_messages,
     with_instructions,
@@ -78,10 +79,13 @@ class ModelTurns:
         if spec.grammar is not None and spec.json_schema is not None:
             raise TurnError("give either a grammar or a response_format, not both", "response_format")
         messages, variables = template_messages(messages, self.format), {}
-        if spec.calls_tools and self.format.native:
+        # The tools are in the prompt whatever tool_choice says, "none" too: a turn
+        # that changes it keeps the conversation's prefix, and its cached KV; the
+        # grammar holds the model to the choice.
+        if spec.tools and self.format.native:
             variables["tools"] = [{"type": "function", "function": t.as_json()} for t in spec.tools]
-        elif spec.calls_tools:
-            messages = with_instructions(messages, generic_instructions(spec.tools, spec.tool_choice, self.format))
+        elif spec.tools:
+            messages = with_instructions(messages, generic_instructions(spec.tools, self.format))
         return strip_private(messages), variables
 
     def start(self, spec: TurnSpec, prompt_tokens: list[int]) -> TurnRun:
@@ -129,6 +133,8 @@ class ModelTurns:
                                 spec.json_schema)
         if lark is None and spec.json_schema is not None:
             lark = f"%llguidance {{}}\nstart: {json_body(spec.json_schema)}\n"
+        if lark is None and spec.tools and not spec.calls_tools:  # "none": the tools are listed all the same
+            lark = no_call_grammar(self.format, self.grammars.literal)
         if lark is None:
             return None
         if spec.grammar is not None:
