@@ -5,6 +5,7 @@ generic tool format is used and `any` / named tools are enforced by grammar)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import anthropic
@@ -248,7 +249,7 @@ def test_agents_fields_and_blocks_from_the_future_are_ignored(anthropic_server):
       "max_tokens": 5}, 400, "invalid_request_error", "image"),
     ({"messages": ASK, "max_tokens": 5, "model": "gpt-nothing"}, 404, "not_found_error", MODEL),
     ({"messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 5}, 400, "invalid_request_error",
-     "context length"),
+     "prompt is too long"),
 ])
 def test_errors_in_anthropics_shape(claude, body, status, kind, where):
     with pytest.raises(anthropic.APIStatusError) as caught:
@@ -257,6 +258,17 @@ def test_errors_in_anthropics_shape(claude, body, status, kind, where):
     assert error.status_code == status
     assert error.body["type"] == "error" and error.body["error"]["type"] == kind
     assert where in error.body["error"]["message"], error.body
+
+
+def test_a_prompt_past_the_context_says_so_as_claude_code_reads_it(claude):
+    """Claude Code takes the prompt's length and the limit out of this message
+    (its own pattern, below) and compacts the conversation to fit."""
+    messages = [{"role": "user", "content": "word " * 9000}]
+    length = claude.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model=MODEL, messages=messages, max_tokens=5)
+    found = re.search(r"prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)", caught.value.body["error"]["message"])
+    assert found and (int(found[1]), int(found[2])) == (length, 8192 - 1)  # SmolLM2: 8192 tokens of context
 
 
 def test_a_wrong_key_is_refused_in_anthropics_shape(anthropic_server):

@@ -14,7 +14,7 @@ from fastapi import Request as HTTPRequest
 
 from tierlm.api.anthropic_schemas import CountTokensRequest, MessagesRequest
 from tierlm.api.anthropic_turns import chat_messages, content_blocks, stop_reason, turn_spec, usage
-from tierlm.api.errors import anthropic_error_body
+from tierlm.api.errors import APIError, anthropic_error_body
 from tierlm.api.model_pool import turns_for
 from tierlm.api.openai_schemas import SamplingFields
 from tierlm.api.openai_turns import turn_error
@@ -51,6 +51,8 @@ async def count_tokens(body: CountTokensRequest, http: HTTPRequest):
 async def _message(model: ServedModel, body: MessagesRequest, http: HTTPRequest):
     spec = turn_spec(body)
     tokens = await asyncio.to_thread(_render, model.turns, model.settings, body, spec)
+    if len(tokens) >= model.context:
+        raise _prompt_too_long(len(tokens), model.context)
     turn = await asyncio.to_thread(start_turn, model, spec, tokens)
     max_tokens = model.within_context(len(tokens), body.max_tokens)
     request = model.make_request("msg", tokens, _sampling(body), max_tokens, constraint=turn.constraint)
@@ -70,6 +72,14 @@ async def _message(model: ServedModel, body: MessagesRequest, http: HTTPRequest)
         "stop_sequence": output.stop_sequence,
         "usage": usage(output.prompt_tokens, output.cached_tokens, output.completion_tokens),
     }
+
+
+def _prompt_too_long(prompt_tokens: int, context: int) -> APIError:
+    """In Anthropic's own words: Claude Code reads both numbers from this message
+    and compacts the conversation to fit, where it would otherwise assume the
+    200k-token context of its own models and fail at every turn from here."""
+    return APIError(400, f"prompt is too long: {prompt_tokens} tokens > {context - 1} maximum", "messages",
+                    "context_length_exceeded")
 
 
 def _render(turns: ModelTurns, settings: Settings, body: CountTokensRequest, spec: TurnSpec) -> list[int]:
