@@ -51,7 +51,7 @@ async def count_tokens(body: CountTokensRequest, http: HTTPRequest):
 async def _message(model: ServedModel, body: MessagesRequest, http: HTTPRequest):
     spec = turn_spec(body)
     tokens = await asyncio.to_thread(_render, model.turns, model.settings, body, spec)
-    if len(tokens) >= model.context:
+    if model.prompt_too_long(len(tokens)):
         raise _prompt_too_long(len(tokens), model.context)
     turn = await asyncio.to_thread(start_turn, model, spec, tokens)
     max_tokens = model.within_context(len(tokens), body.max_tokens)

@@ -49,12 +49,16 @@ class ServedModel:
         room = self.context - prompt_tokens
         return min(max_tokens, room) if room > 0 else max_tokens
 
+    def prompt_too_long(self, prompt_tokens: int) -> bool:
+        """Whether the prompt leaves no room for a single token of answer."""
+        return prompt_tokens >= self.context
+
     def check_prompt(self, prompt_tokens: int, max_tokens: int | None) -> int:
         """Validate the prompt's length; returns the max_tokens to use."""
         context = self.context
         if prompt_tokens == 0:
             raise APIError(400, "the prompt is empty", "messages", "empty_prompt")
-        if prompt_tokens >= context:
+        if self.prompt_too_long(prompt_tokens):
             raise APIError(
                 400,
                 f"This model's maximum context length is {context} tokens. However, your "
