@@ -87,12 +87,13 @@ def output_penalties(presence: float, frequency: float):
     BatchGenerator hands a processor the request's tokens so far, one more at each
     step; at its first call none of them is generated yet (the last is the
     prompt's), so what follows that length is the output."""
-    first: list[int] = []  # the length at the first call, once known
+    first: int | None = None  # the length at the first call
 
     def processor(tokens: mx.array, logits: mx.array) -> mx.array:
-        if not first:
-            first.append(len(tokens))
-        generated = tokens[first[0]:]
+        nonlocal first
+        if first is None:
+            first = len(tokens)
+        generated = tokens[first:]
         if len(generated) == 0:
             return logits
         if frequency:
