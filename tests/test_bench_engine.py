@@ -113,10 +113,19 @@ def test_a_cpu_list_reads_as_taskset_writes_it():
             parse_cpu_list(bad)
 
 
+def test_a_bad_cpu_list_is_a_usage_error(capsys):
+    from tierlm.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "engine", "--cpus", "2-5"]).cpus == [2, 3, 4, 5]
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["bench", "engine", "--cpus", "5-2"])
+    assert done.value.code == 2 and "not a CPU list: '5-2'" in capsys.readouterr().err
+
+
 def test_pinning_takes_the_process_to_those_cpus():
     before = os.sched_getaffinity(0)
     try:
-        assert pin_to_cpus(str(min(before))) == [min(before)]
+        assert pin_to_cpus([min(before)]) == [min(before)]
         assert os.sched_getaffinity(0) == {min(before)}
     finally:
         os.sched_setaffinity(0, before)

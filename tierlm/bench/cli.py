@@ -63,7 +63,7 @@ def add_bench_parser(sub) -> None:
     )
     p.add_argument("--bare-in-thread", action="store_true",
                    help="run the bare loop on a worker thread, as the engine does")
-    p.add_argument("--cpus", default=None, metavar="LIST",
+    p.add_argument("--cpus", default=None, metavar="LIST", type=_cpu_list,
                    help="pin the benchmark to these CPUs (like taskset: 2-5): a steadier machine, fewer rounds")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="run nothing: merge these result files (same model, prompts, machine) into --json")
@@ -272,6 +272,16 @@ def cmd_engine(args) -> int:
     )
     save(result)
     return 0
+
+
+def _cpu_list(spec: str) -> list[int]:
+    """--cpus as argparse takes it: a bad list is a usage error, not a traceback."""
+    from tierlm.bench.engine_overhead import parse_cpu_list
+
+    try:
+        return parse_cpu_list(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _run_engine(args, save) -> dict:

@@ -265,14 +265,13 @@ def parse_cpu_list(spec: str) -> list[int]:
     return sorted(cpus)
 
 
-def pin_to_cpus(spec: str) -> list[int]:
+def pin_to_cpus(cpus: list[int]) -> list[int]:
     """Pins this process, and every thread it starts after (MLX's, the engine's),
-    to the CPUs of `spec`; returns them. On the H200's host the scheduler moving
-    threads between CPUs made a run's speed vary twice as much from one run to the
-    next (docs/streaming.md): pinned, fewer pairs reach the same standard error."""
+    to these CPUs; returns them. On the H200's host the scheduler moving threads
+    between CPUs made a run's speed vary twice as much from one run to the next
+    (docs/streaming.md): pinned, fewer pairs reach the same standard error."""
     import os
 
-    cpus = parse_cpu_list(spec)
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError("--cpus needs Linux (sched_setaffinity)")
     os.sched_setaffinity(0, cpus)
