@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 from tierlm.models.default_model import DEFAULT_MODEL_NAME
-from tierlm.pool.discovery import ModelEntry, default_hf_cache, discover
+from tierlm.pool.discovery import ModelEntry, default_hf_cache, discover, folders_signature
 
 REAL = Path(os.environ.get("TIERLM_TEST_MODEL_DIR", Path.home() / ".tierlm" / "models")) / DEFAULT_MODEL_NAME
 LOG = "tierlm.pool.discovery"
@@ -41,7 +42,8 @@ def test_direct_folders_listed_with_size_and_context(tmp_path, empty_cache):
     (b / "tokenizer.json").write_bytes(b"z" * 1000)  # not weights: not counted
     found = discover([tmp_path / "models"], empty_cache)
     assert sorted(found) == ["a", "b"]
-    assert found["a"] == ModelEntry("a", tmp_path / "models" / "a", 100, 2048, "llama", None)
+    assert found["a"] == ModelEntry("a", tmp_path / "models" / "a", 100, 2048, "llama", None,
+                                    int((tmp_path / "models" / "a").stat().st_mtime))
     assert (found["b"].size_bytes, found["b"].context_length, found["b"].model_type) == (15, 32768, "gemma3_text")
 
 
@@ -135,6 +137,38 @@ def test_first_dir_wins_a_clash_logged_once(tmp_path, empty_cache, caplog):
 def test_missing_dirs_are_fine(tmp_path):
     assert discover([tmp_path / "nope"], tmp_path / "nope-either") == {}
     assert discover([], tmp_path / "nope-either") == {}
+
+
+def test_folders_signature_changes_with_what_discover_would_find(tmp_path, empty_cache):
+    models, cache = tmp_path / "models", tmp_path / "hub"
+    models.mkdir()
+    seen = [folders_signature([models], cache)]
+
+    def changed() -> bool:
+        seen.append(folders_signature([models], cache))
+        return seen[-1] != seen[-2]
+
+    assert not changed()  # nothing happened: the same
+    make_model(models / "a")
+    assert changed()  # a model folder added
+    (models / "a" / "model-2.safetensors").write_bytes(b"w")
+    assert changed()  # a file added in one
+    (models / "org").mkdir()
+    assert changed()
+    make_model(models / "org" / "b")
+    assert changed()  # one level down
+    (models / "org" / "b" / "model-2.safetensors").write_bytes(b"w")
+    assert changed()  # a file added two levels down
+    assert not changed()
+    hf_repo(cache, "org/c", {"r1": {"config.json": b"{}"}}, "r1")
+    assert changed()  # a download into the Hugging Face cache
+    (cache / "models--org--c" / "snapshots" / "rev2").mkdir()
+    assert changed()  # a new revision
+    (cache / "models--org--c" / "refs" / "main").write_text("rev2")  # a longer name: seen by its size
+    assert changed()
+    shutil.rmtree(models / "a")
+    assert changed()  # a model folder deleted
+    assert not changed()
 
 
 def hf_repo(cache: Path, repo_id: str, revisions: dict[str, dict[str, bytes]], main: str | None) -> Path:

@@ -4,6 +4,7 @@ models (and the default model), through the official `openai` client and HTTP.""
 from __future__ import annotations
 
 import concurrent.futures
+import shutil
 import signal
 import time
 
@@ -188,6 +189,30 @@ def test_unload_waits_for_requests_in_flight_or_aborts_them(pool_server):
     assert unloaded.status_code == 200 and unloaded.json()["state"] == "available"
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes and finishes[-1] != "length", "the stream ended early, with a reason, not silence"
+
+
+def test_a_model_copied_in_or_deleted_while_serving_is_listed_or_gone(pool_server, models_dir):
+    folder = models_dir / "models"
+    shutil.copytree(folder / "tiny1", folder / "tiny3")
+    shutil.copytree(folder / "tiny1", folder / "tiny4")
+    listed = models(pool_server)  # no request named them: the listing looked again
+    assert {"tiny3", "tiny4"} <= set(listed) and listed["tiny3"]["state"] == "available"
+    assert ask(pool_server, "tiny3").model == "tiny3"
+
+    shutil.rmtree(folder / "tiny3")  # loaded: it serves on from memory, listed
+    shutil.rmtree(folder / "tiny4")  # not loaded: gone at once
+    with pytest.raises(openai.NotFoundError) as e:
+        ask(pool_server, "tiny4")
+    assert e.value.body["code"] == "model_not_found"
+    listed = models(pool_server)
+    assert "tiny4" not in listed and listed["tiny3"]["state"] == "loaded"
+    assert ask(pool_server, "tiny3").usage.completion_tokens > 0
+
+    unload(pool_server, "tiny3")  # now it goes
+    assert "tiny3" not in models(pool_server)
+    assert httpx.get(pool_server.v1 + "/models/tiny3").status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        ask(pool_server, "tiny3")
 
 
 def test_load_and_unload_by_name(pool_server):

@@ -242,6 +242,7 @@ def _model(http: HTTPRequest, slot: Slot) -> dict:
 @api.get("/models")
 async def models(http: HTTPRequest):
     dash = _dash(http)
+    _pool(http).refresh()  # a model pulled, copied in or deleted since
     return {"models": [_model(http, slot) for _, slot in sorted(_pool(http).slots.items())],
             "settings_file": str(dash.watch.path) if dash.watch else None}
 

@@ -149,6 +149,7 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
     @app.get("/stats")
     async def stats():
         pool: ModelPool = app.state.pool
+        pool.refresh()  # a model pulled, copied in or deleted since
         loaded = [slot.served for slot in pool.slots.values() if slot.served is not None]
         return {"engines": [s.engine.get_stats() for s in loaded], "models": pool.listing(),
                 "budget_bytes": pool.budget_bytes, "used_bytes": pool.used_bytes()}

@@ -18,7 +18,7 @@ from tierlm.cache.block_hash import model_fingerprint
 from tierlm.config import Settings, parse_duration, resolve_alias, total_memory
 from tierlm.engine.core import EngineCore
 from tierlm.models.loader import load_model, load_tokenizer, read_model_info, tokenizer_stamp
-from tierlm.pool.discovery import ModelEntry, default_hf_cache, discover, read_entry
+from tierlm.pool.discovery import ModelEntry, default_hf_cache, discover, folders_signature, read_entry
 from tierlm.pool.pool import Lease, ModelPool, PoolError, Slot
 from tierlm.structured.turn import ModelTurns
 
@@ -100,6 +100,7 @@ def make_pool(settings: Settings, model_path: Path | None) -> ModelPool:
         pinned=_pinned(settings, entries, default),
         default=default,
         rediscover=lambda: discover(model_dirs_of(current.settings), hf_cache_of(current.settings)),
+        folders_signature=lambda: folders_signature(model_dirs_of(current.settings), hf_cache_of(current.settings)),
         first_estimate=lambda entry: first_load_estimate(entry, current.settings.for_model(entry.name)),
     )
     pool.current = current

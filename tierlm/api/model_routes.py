@@ -21,6 +21,7 @@ def _pool(http: HTTPRequest) -> ModelPool:
 @router.get("/models")
 async def list_models(http: HTTPRequest):
     pool = _pool(http)
+    pool.refresh()  # a model pulled, copied in or deleted since
     return {"object": "list", "data": [_card(pool, slot) for _, slot in sorted(pool.slots.items())]}
 
 
@@ -51,7 +52,7 @@ def _card(pool: ModelPool, slot: Slot) -> dict:
     return {
         "id": entry.name,
         "object": "model",
-        "created": int(entry.path.stat().st_mtime),
+        "created": entry.created,
         "owned_by": "tierlm",
         "max_model_len": entry.context_length,
         "state": listed["state"],

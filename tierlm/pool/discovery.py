@@ -6,6 +6,10 @@ snapshot in the Hugging Face hub cache (named by its repo id). Nothing is
 loaded: sizes come from file stats, the rest from config.json. A folder that
 looks like it was meant to be a model but is not one is skipped with one log
 line saying why; hidden folders (`.pull-*` temporary folders) are passed over.
+
+`folders_signature` says, from stats alone, whether any of that may have changed
+since (a model pulled, copied in or deleted while the server runs): the pool
+asks it on every listing and scans again only when it differs.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class ModelEntry:
     context_length: int
     model_type: str
     quantization: str | None  # "4-bit g64", "8-bit g32 (+4-bit layers)"; None for float weights
+    created: int = 0  # the folder's modification time when found (OpenAI's `created`)
 
 
 class NotAModel(Exception):
@@ -88,7 +93,39 @@ def read_entry(path: Path, name: str) -> ModelEntry:
     except OSError as e:
         raise NotAModel(f"weights cannot be read ({e})") from e
     info = read_model_info(path, name)
-    return ModelEntry(name, path, size, info.context_length, info.model_type, quantization_text(config))
+    return ModelEntry(name, path, size, info.context_length, info.model_type, quantization_text(config),
+                      int(path.stat().st_mtime))
+
+
+def folders_signature(model_dirs: list[Path], hf_cache: Path | None | bool = None) -> tuple:
+    """What every folder `discover` looks through holds, by name, with its inode
+    and modification time (refs/main: its size and time): the model folders, the folders in them and one level
+    further (a model added, removed or replaced there, or a file of one), the
+    Hugging Face cache, each cached repo, its snapshots and refs/main (a download
+    or a new revision). The names make a change seen even within one tick of
+    the clock. No file is read: cheap enough to ask on every listing."""
+    folders = []
+    for model_dir in model_dirs:
+        model_dir = Path(model_dir).expanduser()
+        folders.append(model_dir)
+        for child in _subfolders(model_dir) if model_dir.is_dir() else []:
+            folders += [child, *_subfolders(child)]
+    if hf_cache is not False:
+        cache = hf_cache if hf_cache is not None else default_hf_cache()
+        folders.append(cache)
+        for repo in _subfolders(cache) if cache.is_dir() else []:
+            if repo.name.startswith("models--"):
+                folders += [repo, repo / "snapshots", repo / "refs", repo / "refs" / "main"]
+    return tuple(_state(f) for f in folders)
+
+
+def _state(path: Path) -> tuple:
+    try:
+        stat = path.stat()
+        names = tuple(sorted(os.listdir(path))) if path.is_dir() else stat.st_size
+        return str(path), stat.st_ino, stat.st_mtime_ns, names
+    except OSError:
+        return str(path), None
 
 
 def _missing_shards(path: Path) -> list[str]:

@@ -90,13 +90,18 @@ class ModelPool:
         pinned: frozenset[str] = frozenset(),
         default: str | None = None,
         rediscover: Callable[[], dict[str, ModelEntry]] | None = None,
+        folders_signature: Callable[[], object] | None = None,
         first_estimate: Callable[[ModelEntry], int] = lambda entry: entry.size_bytes,
     ):
         self.slots = {name: Slot(entry, pinned=name in pinned) for name, entry in entries.items()}
         self.factory, self.budget_bytes = factory, budget_bytes
         self.keep_alive_s, self.resolve_alias = keep_alive_s, resolve_alias
         self.default = default
-        self.rediscover = rediscover  # the models there are now: asked when a name is not known
+        self.rediscover = rediscover  # the models there are now (`refresh`)
+        # changes whenever what `rediscover` finds may have (None: assume it always has)
+        self.folders_signature = folders_signature
+        self._scanned: object = None  # the signature the slots were last matched against
+        self._gone: set[str] = set()  # models whose folder went while loaded: dropped once unloaded
         self.first_estimate = first_estimate  # what a model never loaded here will take
         self._load_lock = asyncio.Lock()  # one load at a time: its memory is measured alone
         self._freed = asyncio.Event()  # set whenever a model is released or unloaded
@@ -114,29 +119,50 @@ class ModelPool:
         name is a 404 naming what exists, never another model in its place."""
         if requested in (None, "", "default") and self.default is not None:
             return self.slots[self.default]
+        slot = self._named(requested)
+        if slot is None or (slot.served is None and not slot.entry.path.is_dir()):
+            self.refresh()  # pulled or copied in since, or its folder deleted
+            slot = self._named(requested)
+        if slot is None:
+            names = ", ".join(sorted(self.slots)) or "none"
+            raise PoolError(404, f"The model '{requested}' does not exist. Models here: {names}", "model_not_found")
+        return slot
+
+    def _named(self, requested: str) -> Slot | None:
         if requested in self.slots:
             return self.slots[requested]
         for slot in self.slots.values():
             if requested == str(slot.entry.path):
                 return slot
-        aliased = self.resolve_alias(requested)
-        if aliased in self.slots:
-            return self.slots[aliased]
-        if self._found_new():
-            return self.resolve(requested)
-        names = ", ".join(sorted(self.slots)) or "none"
-        raise PoolError(404, f"The model '{requested}' does not exist. Models here: {names}", "model_not_found")
+        return self.slots.get(self.resolve_alias(requested))
 
-    def _found_new(self) -> bool:
-        """Look in the model folders again (a model pulled or copied there since);
-        whether that found a model not known before."""
+    def refresh(self) -> None:
+        """Match the models to the model folders as they are now, when their
+        signature says they may have changed: a model pulled or copied in is
+        added; one whose folder is gone is dropped, but only once it is not
+        loaded (a loaded one serves on from memory until it is unloaded). The
+        default model is always kept."""
         if self.rediscover is None:
-            return False
-        new = {name: entry for name, entry in self.rediscover().items() if name not in self.slots}
-        for name, entry in new.items():
-            log.info("found model %s at %s", name, entry.path)
-            self.slots[name] = Slot(entry)
-        return bool(new)
+            return
+        # taken first: a change during the scan is seen next time
+        signature = self.folders_signature() if self.folders_signature is not None else object()
+        if signature != self._scanned:
+            self._scanned = signature
+            found = self.rediscover()
+            for name, entry in found.items():
+                slot = self.slots.get(name)
+                if slot is None:
+                    log.info("found model %s at %s", name, entry.path)
+                    self.slots[name] = Slot(entry)
+                elif slot.entry != entry and slot.served is None and slot.loading is None:
+                    slot.entry = entry  # replaced on disk (a new pull): its next load reads the new one
+            self._gone = {name for name in self.slots if name not in found and name != self.default}
+        for name in list(self._gone):
+            slot = self.slots.get(name)
+            if slot is None or (slot.served is None and slot.loading is None and slot.in_flight == 0):
+                self._gone.discard(name)
+                if self.slots.pop(name, None) is not None:
+                    log.info("model %s: its folder %s is gone, no longer listed", name, slot.entry.path)
 
     # ---- leases -------------------------------------------------------------
 
