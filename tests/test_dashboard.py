@@ -29,7 +29,7 @@ def srv(model_path, tmp_path_factory):
     (root / "models").mkdir()
     (root / "models" / "second").symlink_to(model_path)
     settings = root / "settings.toml"
-    settings.write_text('# written by the test\nlog_level = "info"\n\n[models."other"]\nkeep_alive = "10m"\n')
+    settings.write_text('# written by the test\nlog_level = "info"  # chatty\n\n[models."other"]\nkeep_alive = "10m"\n')
     server = start_server(model_path, root / "server.log", "--api-key", f"alice:{API}", "--admin-key",
                           f"ops:{ADMIN}", "--config", str(settings), "--no-hf-cache", "--keep-alive", "-1")
     server.settings_path = settings
@@ -149,6 +149,7 @@ def test_settings_saved_to_the_file_and_applied(srv):
         assert r.status_code == 200, r.text
         data = tomllib.loads(srv.settings_path.read_text())
         assert data["log_level"] == "info" and data["models"]["other"] == {"keep_alive": "10m"}  # kept
+        assert srv.settings_path.read_text().startswith('# written by the test\nlog_level = "info"  # chatty\n')
         assert data["models"]["second"] == {"aliases": ["tiny", "small-*"], "keep_alive": "2m",
                                             "default_temperature": 0.3}
         # applied without a restart: the alias names the model now
