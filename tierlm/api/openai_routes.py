@@ -12,6 +12,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 
 from tierlm.api.errors import APIError, error_body
+from tierlm.api.fill_in_middle import fim_tokens
 from tierlm.api.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tierlm.api.openai_turns import delta_of, finish_reason, message_dicts, message_of, turn_error, turn_spec
 from tierlm.api.served_model import ServedModel, error_of, raise_for_error, usage
@@ -149,6 +150,15 @@ def _single_prompt(prompt):
     return prompt
 
 
+def _completion_tokens(model: ServedModel, body: CompletionRequest) -> list[int]:
+    """The prompt's ids; with a non-empty `suffix` (an empty one asks for nothing
+    after the completion, as Ollama reads it), the model's fill-in-the-middle prompt."""
+    if body.suffix:
+        return fim_tokens(model.fim_format, model.tokenizer, _single_prompt(body.prompt), body.suffix,
+                          model.info.name)
+    return _prompt_tokens(model, body.prompt)
+
+
 def _prompt_tokens(model: ServedModel, prompt) -> list[int]:
     prompt = _single_prompt(prompt)
     if isinstance(prompt, str):
@@ -172,11 +182,13 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
 
 
 async def _completion(model: ServedModel, body: CompletionRequest, http: HTTPRequest):
-    tokens = await asyncio.to_thread(_prompt_tokens, model, body.prompt)
+    tokens = await asyncio.to_thread(_completion_tokens, model, body)
     # keep_leading_space: the text continues the prompt as it stands
     max_tokens = body.max_tokens or model.settings.default_max_tokens or 16
     request = model.make_request("cmpl", tokens, body, max_tokens, keep_leading_space=True,
                                  logprobs=body.logprobs_count)
+    if body.suffix:  # the middle ends where the model says the file goes on
+        request.params.stop_token_ids += model.fim_format.stops
     echo = _prompt_text(model, body.prompt, tokens) if body.echo else ""
     if body.stream:
         return sse_response(_completion_chunks(model, request, body, http, echo))

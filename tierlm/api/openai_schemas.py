@@ -141,6 +141,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    suffix: str | None = None  # text after the completion: fill in the middle (api/fill_in_middle.py)
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = Field(default=None, ge=1, le=1)
@@ -153,6 +154,9 @@ class CompletionRequest(SamplingFields):
                            "logprobs", "invalid_value")
         if n is not None and self.echo:
             raise APIError(400, "'echo': echo together with logprobs (the prompt's logprobs) is not supported",
+                           "echo", "unsupported")
+        if self.suffix and self.echo:
+            raise APIError(400, "'echo': echo together with suffix (fill in the middle) is not supported",
                            "echo", "unsupported")
         return self
 

@@ -9,6 +9,7 @@ from functools import cached_property
 from fastapi import Request as HTTPRequest
 
 from tierlm.api.errors import APIError
+from tierlm.api.fill_in_middle import FimFormat, find_format
 from tierlm.api.openai_schemas import SamplingFields
 from tierlm.api.validation import check_request, parse_logit_bias
 from tierlm.config import Settings
@@ -122,6 +123,11 @@ class ServedModel:
         if data is None:
             data = self._token_bytes[token] = self._bytes_of(token)
         return data
+
+    @cached_property
+    def fim_format(self) -> FimFormat | None:
+        """The model's fill-in-the-middle tokens (a completion's `suffix`), None if none."""
+        return find_format(self.tokenizer)
 
     @cached_property
     def _token_bytes(self) -> dict[int, bytes]:
