@@ -14,6 +14,8 @@ import pytest
 from conftest import start_server, stop_server, wait_until
 
 from tierlm.models.random_model import make_random_model
+from tierlm.pool.discovery import discover, folders_signature, read_entry
+from tierlm.pool.pool import ModelPool
 
 ASK = [{"role": "user", "content": "Name three colours."}]
 
@@ -213,6 +215,27 @@ def test_a_model_copied_in_or_deleted_while_serving_is_listed_or_gone(pool_serve
     assert httpx.get(pool_server.v1 + "/models/tiny3").status_code == 404
     with pytest.raises(openai.NotFoundError):
         ask(pool_server, "tiny3")
+
+
+def test_refresh_keeps_the_default_under_its_own_name(models_dir, tmp_path):
+    """The default model served under another name (--served-model-name) from a
+    folder the pool also looks through: a refresh never adds that folder again
+    under the folder's name (it would load the same weights twice)."""
+    folder = tmp_path / "models"
+    shutil.copytree(models_dir / "models" / "tiny1", folder / "tiny1")
+    default = read_entry(folder / "tiny1", "my-name")
+    pool = ModelPool({"my-name": default}, factory=None, budget_bytes=2**30, keep_alive_s=lambda name: None,
+                     default="my-name", rediscover=lambda: discover([folder], False),
+                     folders_signature=lambda: folders_signature([folder], False))
+    pool.refresh()
+    assert set(pool.slots) == {"my-name"}
+    shutil.copytree(folder / "tiny1", folder / "tiny5")
+    pool.refresh()
+    assert set(pool.slots) == {"my-name", "tiny5"}
+    shutil.rmtree(folder / "tiny1")  # the default's folder: its slot stays, to say so when it loads
+    shutil.rmtree(folder / "tiny5")
+    pool.refresh()
+    assert set(pool.slots) == {"my-name"}
 
 
 def test_load_and_unload_by_name(pool_server):

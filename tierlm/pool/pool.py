@@ -148,7 +148,9 @@ class ModelPool:
         signature = self.folders_signature() if self.folders_signature is not None else object()
         if signature != self._scanned:
             self._scanned = signature
-            found = self.rediscover()
+            default = self.slots[self.default].entry.path if self.default is not None else None
+            # the default's folder is its slot, whatever name the folder would give it
+            found = {n: e for n, e in self.rediscover().items() if e.path != default or n == self.default}
             for name, entry in found.items():
                 slot = self.slots.get(name)
                 if slot is None:
