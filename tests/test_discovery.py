@@ -159,9 +159,14 @@ def test_folders_signature_changes_with_what_discover_would_find(tmp_path, empty
     assert changed()  # one level down
     (models / "org" / "b" / "model-2.safetensors").write_bytes(b"w")
     assert changed()  # a file added two levels down
+    (models / "org" / "b" / "config.json").write_text('{"model_type": "llama"}')
+    assert changed()  # a file written again (its size)
     assert not changed()
-    hf_repo(cache, "org/c", {"r1": {"config.json": b"{}"}}, "r1")
+    repo = hf_repo(cache, "org/c", {"r1": {"config.json": b"{}"}}, "r1")
     assert changed()  # a download into the Hugging Face cache
+    (repo / "blobs" / "w").write_bytes(b"w" * 10)
+    (repo / "snapshots" / "r1" / "model.safetensors").symlink_to(repo / "blobs" / "w")
+    assert changed()  # one more of its files finished
     (cache / "models--org--c" / "snapshots" / "rev2").mkdir()
     assert changed()  # a new revision
     (cache / "models--org--c" / "refs" / "main").write_text("rev2")  # a longer name: seen by its size

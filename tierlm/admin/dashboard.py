@@ -227,7 +227,7 @@ async def status(http: HTTPRequest):
 def _model(http: HTTPRequest, slot: Slot) -> dict:
     pool = _pool(http)
     entry = slot.entry
-    listed = next(m for m in pool.listing() if m["name"] == entry.name)
+    listed = pool.describe(slot)
     own = pool.current.settings.for_model(entry.name)
     return {
         **listed,

@@ -21,13 +21,15 @@ from tierlm.api.errors import APIError
 class FimFormat:
     prefix: int
     suffix: int
-    middle: int | None  # None: the prefix comes last and the middle follows it (Codestral)
+    middle: int
     bos: int | None  # put first when the tokenizer puts it first itself
     stops: tuple[int, ...]  # the tokens that end a middle, besides the end of the text
 
 
-# (prefix, suffix, middle or None for suffix first, tokens that end the middle);
-# the first whose tokens the vocabulary holds wins
+# (prefix, suffix, middle, tokens that end the middle); the first whose tokens
+# the vocabulary holds wins. Codestral's [SUFFIX]/[PREFIX] are left out: Mistral's
+# newer vocabularies hold them too, in models not trained for it, and its
+# SentencePiece tokenizer would add a space before each piece.
 _FAMILIES = (
     # Qwen2.5-Coder, Qwen3-Coder, CodeGemma
     ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
@@ -36,8 +38,6 @@ _FAMILIES = (
     ("<fim_prefix>", "<fim_suffix>", "<fim_middle>", ("<fim_pad>", "<file_sep>", "<|endoftext|>")),
     # DeepSeek-Coder
     ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>", ()),
-    # Codestral: [SUFFIX] suffix [PREFIX] prefix, then the middle
-    ("[PREFIX]", "[SUFFIX]", None, ()),
 )
 
 
@@ -45,12 +45,12 @@ def find_format(tokenizer) -> FimFormat | None:
     """The FIM format of a tokenizer's vocabulary, or None if it has none."""
     vocab = tokenizer.get_vocab()
     for prefix, suffix, middle, stops in _FAMILIES:
-        if prefix in vocab and suffix in vocab and (middle is None or middle in vocab):
+        if prefix in vocab and suffix in vocab and middle in vocab:
             first = tokenizer.encode("a")
             bos = tokenizer.bos_token_id
             return FimFormat(
                 prefix=vocab[prefix], suffix=vocab[suffix],
-                middle=None if middle is None else vocab[middle],
+                middle=vocab[middle],
                 bos=bos if bos is not None and first[:1] == [bos] else None,
                 stops=tuple(vocab[s] for s in stops if s in vocab),
             )
@@ -62,12 +62,12 @@ def fim_tokens(fmt: FimFormat | None, tokenizer, prompt, suffix: str, model_name
     when the model or the request cannot have one."""
     if fmt is None:
         raise APIError(400, f"'suffix': the model '{model_name}' has no fill-in-the-middle tokens in its "
-                       "vocabulary, so it cannot complete between a prompt and a suffix", "suffix", "unsupported")
+                       "vocabulary, so it cannot complete between a prompt and a suffix",
+                       "suffix", "unsupported")
     if not isinstance(prompt, str):
-        raise APIError(400, "'suffix': fill-in-the-middle needs the prompt as text", "prompt", "invalid_value")
+        raise APIError(400, "'suffix': fill-in-the-middle needs the prompt as text",
+                       "prompt", "invalid_value")
     before = tokenizer.encode(prompt, add_special_tokens=False)
     after = tokenizer.encode(suffix, add_special_tokens=False)
     head = [] if fmt.bos is None else [fmt.bos]
-    if fmt.middle is None:
-        return [*head, fmt.suffix, *after, fmt.prefix, *before]
     return [*head, fmt.prefix, *before, fmt.suffix, *after, fmt.middle]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -88,7 +89,9 @@ def make_pool(settings: Settings, model_path: Path | None) -> ModelPool:
     if model_path is not None:
         named = settings.for_model(model_path.name).served_model_name
         entry = read_entry(model_path, named or model_path.name)
-        entries = {entry.name: entry, **{n: e for n, e in entries.items() if e.path != entry.path}}
+        # the same folder, however --model named it (a link to it is another model's folder)
+        others = {n: e for n, e in entries.items() if os.path.abspath(e.path) != os.path.abspath(entry.path)}
+        entries = {entry.name: entry, **others}
         default = entry.name
     current = CurrentSettings(settings)
     pool = ModelPool(
@@ -100,7 +103,8 @@ def make_pool(settings: Settings, model_path: Path | None) -> ModelPool:
         pinned=_pinned(settings, entries, default),
         default=default,
         rediscover=lambda: discover(model_dirs_of(current.settings), hf_cache_of(current.settings)),
-        folders_signature=lambda: folders_signature(model_dirs_of(current.settings), hf_cache_of(current.settings)),
+        folders_signature=lambda: folders_signature(model_dirs_of(current.settings),
+                                                    hf_cache_of(current.settings)),
         first_estimate=lambda entry: first_load_estimate(entry, current.settings.for_model(entry.name)),
     )
     pool.current = current

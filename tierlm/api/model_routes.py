@@ -48,7 +48,7 @@ async def get_model(model_id: str, http: HTTPRequest):
 def _card(pool: ModelPool, slot: Slot) -> dict:
     """OpenAI's model object, and what the pool knows of it."""
     entry = slot.entry
-    listed = next(m for m in pool.listing() if m["name"] == entry.name)
+    listed = pool.describe(slot)
     return {
         "id": entry.name,
         "object": "model",

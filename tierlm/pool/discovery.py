@@ -98,12 +98,13 @@ def read_entry(path: Path, name: str) -> ModelEntry:
 
 
 def folders_signature(model_dirs: list[Path], hf_cache: Path | None | bool = None) -> tuple:
-    """What every folder `discover` looks through holds, by name, with its inode
-    and modification time (refs/main: its size and time): the model folders, the folders in them and one level
-    further (a model added, removed or replaced there, or a file of one), the
-    Hugging Face cache, each cached repo, its snapshots and refs/main (a download
-    or a new revision). The names make a change seen even within one tick of
-    the clock. No file is read: cheap enough to ask on every listing."""
+    """What discovery would see, from stats alone: every folder it looks through
+    (the model folders, two levels of folders in them, the Hugging Face cache,
+    each cached repo, its snapshots and refs) with the name, inode, size and
+    modification time of each thing in it (links followed: a snapshot's files
+    are links to blobs). A model added, removed or replaced, a file of one
+    written or a download finished changes it; no file is read, so it is cheap
+    enough to ask on every listing."""
     folders = []
     for model_dir in model_dirs:
         model_dir = Path(model_dir).expanduser()
@@ -115,17 +116,26 @@ def folders_signature(model_dirs: list[Path], hf_cache: Path | None | bool = Non
         folders.append(cache)
         for repo in _subfolders(cache) if cache.is_dir() else []:
             if repo.name.startswith("models--"):
-                folders += [repo, repo / "snapshots", repo / "refs", repo / "refs" / "main"]
-    return tuple(_state(f) for f in folders)
+                snapshots = repo / "snapshots"
+                revisions = _subfolders(snapshots) if snapshots.is_dir() else []
+                folders += [repo, repo / "refs", snapshots, *revisions]
+    return tuple((str(f), _stat_key(f), _contents(f)) for f in folders)
 
 
-def _state(path: Path) -> tuple:
+def _stat_key(path: Path | os.DirEntry) -> tuple | None:
     try:
         stat = path.stat()
-        names = tuple(sorted(os.listdir(path))) if path.is_dir() else stat.st_size
-        return str(path), stat.st_ino, stat.st_mtime_ns, names
     except OSError:
-        return str(path), None
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
+def _contents(folder: Path) -> tuple:
+    try:
+        with os.scandir(folder) as entries:
+            return tuple(sorted((e.name, _stat_key(e)) for e in entries))
+    except OSError:
+        return ()
 
 
 def _missing_shards(path: Path) -> list[str]:
@@ -156,7 +166,9 @@ def _entry_or_log(path: Path, name: str) -> ModelEntry | None:
         return read_entry(path, name)
     except NotAModel as why:
         log.info("%s: skipped, not a model folder: %s", path, why)
-        return None
+    except OSError as e:  # removed or moved while it was read
+        log.info("%s: skipped, it cannot be read: %s", path, e)
+    return None
 
 
 def _in_model_dir(model_dir: Path) -> list[ModelEntry]:
@@ -186,7 +198,7 @@ def _in_hf_cache(cache: Path) -> list[ModelEntry]:
             continue
         try:
             entries.append(read_entry(snapshot, name))
-        except NotAModel as why:  # the cache holds much that is not for mlx-lm: not worth a line at info
+        except (NotAModel, OSError) as why:  # the cache holds much that is not for mlx-lm: not worth a line at info
             log.debug("%s: not listed: %s", snapshot, why)
     return entries
 

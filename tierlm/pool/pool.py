@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -147,10 +148,17 @@ class ModelPool:
         # taken first: a change during the scan is seen next time
         signature = self.folders_signature() if self.folders_signature is not None else object()
         if signature != self._scanned:
-            self._scanned = signature
-            default = self.slots[self.default].entry.path if self.default is not None else None
-            # the default's folder is its slot, whatever name the folder would give it
-            found = {n: e for n, e in self.rediscover().items() if e.path != default or n == self.default}
+            self._scanned = signature  # a scan that fails is not tried again until the folders change
+            try:
+                found = self.rediscover()
+            except Exception:  # a listing shows what it knew: never a 500 for it
+                log.warning("looking at the model folders again failed; the models stay as they were",
+                            exc_info=True)
+                return
+            # the default's folder is its slot alone, whatever name the folder would give it (a link to
+            # that folder, by another name, is a model of its own)
+            default = os.path.abspath(self.slots[self.default].entry.path) if self.default is not None else None
+            found = {n: e for n, e in found.items() if n == self.default or os.path.abspath(e.path) != default}
             for name, entry in found.items():
                 slot = self.slots.get(name)
                 if slot is None:
@@ -172,7 +180,9 @@ class ModelPool:
         """The model, loaded (a load in progress is waited for, never repeated),
         held until the lease is released."""
         slot = self.resolve(requested)
-        await self._wait_unpaused()
+        if self.paused is not None:
+            await self._wait_unpaused()
+            slot = self.resolve(requested)  # the folders may have changed meanwhile
         while slot.served is None:
             if slot.loading is None:
                 slot.loading = asyncio.create_task(self._load(slot))
@@ -378,17 +388,19 @@ class ModelPool:
     # ---- what it shows --------------------------------------------------------
 
     def listing(self) -> list[dict]:
+        return [self.describe(slot) for _, slot in sorted(self.slots.items())]
+
+    def describe(self, slot: Slot) -> dict:
+        """What the pool knows of one model (listed or not: a slot dropped by a
+        refresh while a route still holds it is described all the same)."""
         now = time.monotonic()
-        return [
-            {
-                "name": name,
-                "state": slot.state,
-                "size_bytes": slot.entry.size_bytes,
-                "context_length": slot.entry.context_length,
-                "memory_bytes": slot.memory_bytes if slot.served is not None else None,
-                "in_flight": slot.in_flight,
-                "idle_s": round(now - slot.last_used, 1) if slot.served is not None else None,
-                "expires_in_s": None if slot.unload_at is None else round(max(0.0, slot.unload_at - now), 1),
-            }
-            for name, slot in sorted(self.slots.items())
-        ]
+        return {
+            "name": slot.entry.name,
+            "state": slot.state,
+            "size_bytes": slot.entry.size_bytes,
+            "context_length": slot.entry.context_length,
+            "memory_bytes": slot.memory_bytes if slot.served is not None else None,
+            "in_flight": slot.in_flight,
+            "idle_s": round(now - slot.last_used, 1) if slot.served is not None else None,
+            "expires_in_s": None if slot.unload_at is None else round(max(0.0, slot.unload_at - now), 1),
+        }
