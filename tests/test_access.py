@@ -12,7 +12,7 @@ import sys
 
 import httpx
 import pytest
-from conftest import start_server, stop_server
+from conftest import start_server, stop_server, wait_until
 
 from tierlm.admin.access import Access, check_bind, parse_keys
 
@@ -148,6 +148,34 @@ def test_model_names_cannot_leave_the_model_folders(keyed):
 
 
 # ---- without a server
+
+
+def test_keys_in_the_settings_file_change_without_a_restart(model_path, tmp_path):
+    """A key taken out of the settings file stops working at once (a leaked one
+    is revoked without a restart), a dashboard session of an admin key taken
+    away ends, and keys that could not start a server are refused in the log
+    while the keys in force stay."""
+    config = tmp_path / "settings.toml"
+    config.write_text(f'api_key = ["alice:{ALICE}"]\nadmin_key = ["ops:{ADMIN}"]\n')
+    srv = start_server(model_path, tmp_path / "server.log", "--config", str(config), "--no-hf-cache",
+                       "--no-ssd-cache")
+    try:
+        def models(key: str) -> int:
+            return httpx.get(srv.v1 + "/models", headers={"Authorization": f"Bearer {key}"}).status_code
+
+        assert models(ALICE) == 200 and models(BARE) == 401
+        with httpx.Client(base_url=srv.base_url) as dashboard:
+            assert dashboard.post("/admin/login", json={"key": ADMIN}).status_code == 200
+            assert dashboard.get("/admin/api/whoami").status_code == 200
+            config.write_text(f'api_key = ["bare:{BARE}"]\nadmin_key = ["ops:k-admin-rotated"]\n')
+            wait_until(lambda: "access changed" in srv.log(), timeout=15)
+            assert models(BARE) == 200 and models(ALICE) == 401
+            assert dashboard.get("/admin/api/whoami").status_code == 401  # its key was rotated
+        config.write_text(f'api_key = ["{BARE}"]\nadmin_key = ["{BARE}"]\n')  # one key for both: refused
+        wait_until(lambda: "the keys were not changed" in srv.log(), timeout=15)
+        assert models(BARE) == 200 and models(ALICE) == 401
+    finally:
+        stop_server(srv)
 
 
 def test_api_keys_alone_never_manage_the_server():

@@ -117,11 +117,19 @@ class Access:
     """The keys of a server and who they let in."""
 
     def __init__(self, api_keys: tuple[str, ...] = (), admin_keys: tuple[str, ...] = (), sessions=None):
-        self.api, self.admin = parse_keys(api_keys, "api"), parse_keys(admin_keys, "admin")
+        self.api, self.admin = _parsed(api_keys, admin_keys)
+        self.api_entries, self.admin_entries = tuple(api_keys), tuple(admin_keys)  # as given: is a change one?
         self.sessions = sessions  # admin.session.Sessions: the dashboard's logins, or None
-        shared = {k.digest for k in self.api} & {k.digest for k in self.admin}
-        if shared:
-            raise ValueError("a key is both an API key and an admin key: an API key must not manage the server")
+
+    def replace(self, api_keys: tuple[str, ...], admin_keys: tuple[str, ...]) -> None:
+        """Other keys from now on (the settings file changed), checked as at start:
+        ValueError leaves the keys as they were. When the admin keys change, every
+        dashboard session ends (one may have come from a key taken away)."""
+        before = {(k.name, k.digest) for k in self.admin}
+        self.api, self.admin = _parsed(api_keys, admin_keys)
+        self.api_entries, self.admin_entries = tuple(api_keys), tuple(admin_keys)
+        if self.sessions is not None and {(k.name, k.digest) for k in self.admin} != before:
+            self.sessions.end_all()
 
     @property
     def enabled(self) -> bool:
@@ -164,6 +172,13 @@ class Access:
         if api is not None or not self.api:  # api/monitor level, open when only an admin key is set
             return None, api.name if api else None
         return Denied(401, "invalid or missing API key", "invalid_api_key"), None
+
+
+def _parsed(api_keys: tuple[str, ...], admin_keys: tuple[str, ...]) -> tuple[list[Key], list[Key]]:
+    api, admin = parse_keys(api_keys, "api"), parse_keys(admin_keys, "admin")
+    if {k.digest for k in api} & {k.digest for k in admin}:
+        raise ValueError("a key is both an API key and an admin key: an API key must not manage the server")
+    return api, admin
 
 
 def _same_origin(headers) -> bool:

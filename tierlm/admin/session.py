@@ -29,6 +29,11 @@ class Sessions:
         self._revoked: dict[str, float] = {}  # nonce -> its expiry (kept until then)
         self._lock = threading.Lock()
 
+    def end_all(self) -> None:
+        """Every session issued so far is refused from now on (a new signing secret)."""
+        with self._lock:
+            self._secret = secrets.token_bytes(32)
+
     def issue(self, key_name: str) -> str:
         payload = f"{int(time.time() + self.lifetime_s)}.{secrets.token_urlsafe(16)}.{key_name}"
         return _b64(payload.encode()) + "." + _b64(self._sign(payload))

@@ -10,7 +10,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from tierlm.admin.access import Access, redact_query
+from tierlm.admin.access import Access, check_bind, redact_query
 from tierlm.admin.dashboard import Dashboard
 from tierlm.admin.dashboard import api as dashboard_api
 from tierlm.admin.dashboard import router as dashboard_router
@@ -88,7 +88,7 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
         enforcer.start()
         loading = asyncio.create_task(_load_default(app))
         if watch is not None:
-            watch.on_change = lambda new: apply_settings(app.state.pool, new)
+            watch.on_change = lambda new: _settings_changed(app, new)
             watch.start()
         yield
         if watch is not None:
@@ -105,7 +105,7 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
     app.state.metrics = ServerMetrics(app.state.pool)
     app.state.metrics.watch()
     app.state.metrics_registry = make_registry(app.state.metrics)
-    access = Access(settings.api_key, settings.admin_key, Sessions())
+    access = app.state.access = Access(settings.api_key, settings.admin_key, Sessions())
     log.info("access: %s", access.describe())
     app.state.dashboard = Dashboard(access, settings, watch)
     install_error_handlers(app)
@@ -162,6 +162,26 @@ def _ready(app: FastAPI) -> ServedModel:
     if served is None or not served.engine.is_alive:
         raise APIError(503, "the model is not ready yet", code="model_loading")
     return served
+
+
+def _settings_changed(app: FastAPI, new: Settings) -> None:
+    """The settings file changed: the models' settings (model_pool.apply_settings)
+    and the keys take effect now. Keys that could not start a server (a key both
+    an API and an admin key; no API key left on an address other than loopback,
+    unless the server was started with --insecure-no-auth) are refused with an
+    error in the log, and the keys in force stay."""
+    apply_settings(app.state.pool, new)
+    access: Access = app.state.access
+    if (new.api_key, new.admin_key) == (access.api_entries, access.admin_entries):
+        return
+    started = app.state.settings  # where it listens was settled at start
+    try:
+        check_bind(started.host, new.api_key, started.insecure_no_auth)
+        access.replace(new.api_key, new.admin_key)
+    except ValueError as e:
+        log.error("settings: the keys were not changed: %s", e)
+        return
+    log.info("access changed: %s", access.describe())
 
 
 class RequestGate:
