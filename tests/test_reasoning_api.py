@@ -28,10 +28,17 @@ WORD = "/[a-z]{3,8}/"
 
 # Qwen3's shape: ChatML turns; the generation prompt opens a thinking section,
 # or holds an empty one when enable_thinking is false. `open_thinking` (ours)
-# false leaves it to the output to open one.
+# false leaves it to the output to open one. An answer sent back with its
+# reasoning_content has it rendered, as Qwen3's does for the steps of a
+# tool-calling turn.
 TEMPLATE = (
     "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.reasoning_content %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}"
+    "{{- message.content + '<|im_end|>\\n' }}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
@@ -312,3 +319,37 @@ def test_thinking_blocks_on_the_messages_api(thinking):
         streamed = stream.get_final_message()
     assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in message.content]
     assert kinds.index("signature_delta") < kinds.index("text_delta") and kinds[0] == "thinking_delta"
+
+
+def test_an_answers_reasoning_sent_back_reaches_the_template(thinking, tok):
+    """An earlier answer's reasoning, sent back as each API sends it (chat's
+    reasoning_content or reasoning, a Messages thinking block, a Responses
+    reasoning item), is rendered by a template that renders it: the prompt is
+    the one the model wrote, so a tool-calling turn's steps keep their cached KV."""
+    import anthropic
+
+    thought = "The user greets me; greet back."
+    before, after = [{"role": "user", "content": "hi"}], [{"role": "user", "content": "again"}]
+    rendered = tok.apply_chat_template([*before, {"role": "assistant", "content": "Hello.",
+                                                  "reasoning_content": thought}, *after], add_generation_prompt=True)
+    plain = tok.apply_chat_template([*before, {"role": "assistant", "content": "Hello."}, *after],
+                                    add_generation_prompt=True)
+    assert len(rendered) > len(plain)
+    for key in ("reasoning_content", "reasoning"):
+        reply = thinking.chat.completions.create(
+            model=NAME, max_tokens=1, messages=[*before, {"role": "assistant", "content": "Hello.", key: thought},
+                                                *after])
+        assert reply.usage.prompt_tokens == len(rendered), key
+
+    base = str(thinking.base_url).rstrip("/").removesuffix("/v1")
+    claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+    answer = [{"type": "thinking", "thinking": thought, "signature": ""}, {"type": "text", "text": "Hello."}]
+    counted = claude.messages.count_tokens(model=NAME, messages=[*before, {"role": "assistant", "content": answer},
+                                                                 *after])
+    assert counted.input_tokens == len(rendered)
+
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [],
+                 "content": [{"type": "reasoning_text", "text": thought}]}
+    response = thinking.responses.create(model=NAME, max_output_tokens=16, input=[
+        *before, reasoning, {"role": "assistant", "content": "Hello."}, *after])
+    assert response.usage.input_tokens == len(rendered)

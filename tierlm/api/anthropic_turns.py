@@ -13,6 +13,7 @@ from typing import Any
 from tierlm.api.anthropic_schemas import CountTokensRequest
 from tierlm.api.errors import APIError
 from tierlm.structured.events import Gathered
+from tierlm.structured.reasoning import with_reasoning
 from tierlm.structured.tools import Tool, ToolChoice
 from tierlm.structured.turn import TurnSpec
 
@@ -209,19 +210,25 @@ def _tool_result(block: dict, where: str) -> dict:
 
 
 def _assistant(content, where: str) -> dict:
-    """An earlier assistant turn: its text and its tool calls (its thinking is
-    left out, as chat templates leave out past reasoning)."""
-    texts, calls = [], []
+    """An earlier assistant turn: its text, its tool calls and its thinking (for
+    the chat template to render, as some do for the steps of a tool-calling
+    turn; redacted thinking holds nothing this server can read)."""
+    texts, calls, thoughts = [], [], []
     for at, block in _blocks(content, f"{where}.content"):
         if isinstance(block, dict) and block.get("type") == "tool_use":
             calls.append(_tool_use(block, at))
-        elif isinstance(block, dict) and block.get("type") in ("thinking", "redacted_thinking"):
+        elif isinstance(block, dict) and block.get("type") == "thinking":
+            if isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])
+        elif isinstance(block, dict) and block.get("type") == "redacted_thinking":
             continue
         elif (text := _text_of(block, at)) is not None:
             texts.append(text)
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if calls:
         message["tool_calls"] = calls
+    if "".join(thoughts):
+        message.update(with_reasoning("".join(thoughts)))
     return message
 
 

@@ -98,6 +98,8 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCallRef] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier answer's reasoning, sent back (DeepSeek's and vLLM's name)
+    reasoning: str | None = None  # the same, by OpenRouter's and newer vLLM's name
 
 
 # alternatives per token: OpenAI's chat limit; its legacy completions stop at 5,

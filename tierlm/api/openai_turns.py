@@ -9,6 +9,7 @@ from typing import Any
 
 from tierlm.api.errors import APIError
 from tierlm.structured.events import Event, Gathered, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallStart
+from tierlm.structured.reasoning import with_reasoning
 from tierlm.structured.tools import Tool, ToolChoice, TurnError
 from tierlm.structured.turn import TurnSpec
 
@@ -93,6 +94,8 @@ def message_dicts(messages, flatten) -> list[dict]:
                 message[key] = getattr(m, key)
         if m.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
+        if m.role == "assistant" and (m.reasoning_content or m.reasoning):
+            message.update(with_reasoning(m.reasoning_content or m.reasoning))
         out.append(message)
     return out
 

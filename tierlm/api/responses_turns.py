@@ -20,6 +20,7 @@ from tierlm.api.errors import APIError
 from tierlm.api.openai_turns import format_schema, read_tool_choice
 from tierlm.api.responses_schemas import ResponsesRequest
 from tierlm.structured.events import Gathered
+from tierlm.structured.reasoning import with_reasoning
 from tierlm.structured.tools import Tool, ToolChoice, TurnError
 from tierlm.structured.turn import TurnSpec
 
@@ -94,8 +95,22 @@ def _add_item(messages: list[dict], item: Any, where: str) -> None:
     elif kind == "function_call_output":
         call_id = _string(item, "call_id", where)
         messages.append({"role": "tool", "tool_call_id": call_id, "content": _output_text(item.get("output"), where)})
-    else:  # reasoning (its text is not shown to the model again, as templates drop it), hosted tools' items
+    elif kind == "reasoning" and (text := _reasoning_text(item)):
+        # opens the assistant turn it came with: its calls and text join it (chat templates
+        # render it for the steps of a tool-calling turn)
+        messages.append({"role": "assistant", "content": "", **with_reasoning(text)})
+    else:  # encrypted or summarized reasoning (nothing this server wrote), hosted tools' items
         log.debug("responses: ignoring an input item of type %r", kind)
+
+
+def _reasoning_text(item: dict) -> str:
+    """The text of a reasoning item's own reasoning (its `content`, as this server
+    writes it; a summary is not what the model wrote)."""
+    parts = item.get("content")
+    if not isinstance(parts, list):
+        return ""
+    return "".join(p["text"] for p in parts
+                   if isinstance(p, dict) and p.get("type") == "reasoning_text" and isinstance(p.get("text"), str))
 
 
 def _message(item: dict, where: str) -> dict:

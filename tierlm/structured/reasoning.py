@@ -19,6 +19,19 @@ from tierlm.structured.events import ReasoningDelta, TextDelta
 
 Delta = TextDelta | ReasoningDelta
 
+# Where chat templates read an earlier answer's reasoning, sent back by the
+# client: Qwen3's, DeepSeek's and GLM's `reasoning_content`, gpt-oss's
+# `thinking`. Qwen3's renders it for the answers since the last user message
+# (the steps of one tool-calling turn): left out, those steps would be rendered
+# unlike what the model wrote, and their cached KV would not match.
+REASONING_KEYS = ("reasoning_content", "thinking")
+
+
+def with_reasoning(text: str) -> dict:
+    """An assistant message's reasoning, under every key a template may read it
+    from (one that reads none ignores them)."""
+    return dict.fromkeys(REASONING_KEYS, text)
+
 
 @dataclass(frozen=True)
 class ThinkingMarkers:

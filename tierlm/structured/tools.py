@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tierlm.structured.grammar import json_body
+from tierlm.structured.reasoning import REASONING_KEYS
 from tierlm.structured.tool_formats import ToolFormat
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -87,11 +88,12 @@ def template_messages(messages: list[dict], fmt: ToolFormat) -> list[dict]:
         if m["role"] == "tool":
             _append_user_text(out, _generic_result(m))
         elif m["role"] == "assistant" and m.get("tool_calls"):
-            out.append({"role": "assistant", "content": _generic_calls(m, fmt)})
+            out.append({"role": "assistant", "content": _generic_calls(m, fmt),
+                        **{k: m[k] for k in REASONING_KEYS if k in m}})
         elif m["role"] == "user":
             _append_user_text(out, m.get("content") or "")
         else:
-            out.append({k: v for k, v in m.items() if k in ("role", "content", "name")})
+            out.append({k: v for k, v in m.items() if k in ("role", "content", "name", *REASONING_KEYS)})
     return out
 
 
