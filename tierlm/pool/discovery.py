@@ -109,15 +109,15 @@ def folders_signature(model_dirs: list[Path], hf_cache: Path | None | bool = Non
     for model_dir in model_dirs:
         model_dir = Path(model_dir).expanduser()
         folders.append(model_dir)
-        for child in _subfolders(model_dir) if model_dir.is_dir() else []:
-            folders += [child, *_subfolders(child)]
+        for child in _subfolders(model_dir, True) if model_dir.is_dir() else []:
+            folders += [child, *_subfolders(child, True)]
     if hf_cache is not False:
         cache = hf_cache if hf_cache is not None else default_hf_cache()
         folders.append(cache)
-        for repo in _subfolders(cache) if cache.is_dir() else []:
+        for repo in _subfolders(cache, True) if cache.is_dir() else []:
             if repo.name.startswith("models--"):
                 snapshots = repo / "snapshots"
-                revisions = _subfolders(snapshots) if snapshots.is_dir() else []
+                revisions = _subfolders(snapshots, True) if snapshots.is_dir() else []
                 folders += [repo, repo / "refs", snapshots, *revisions]
     return tuple((str(f), _stat_key(f), _contents(f)) for f in folders)
 
@@ -153,11 +153,14 @@ def _looks_like_model(path: Path) -> bool:
     return (path / "config.json").exists() or any(path.glob("*.safetensors"))
 
 
-def _subfolders(path: Path) -> list[Path]:
+def _subfolders(path: Path, quiet: bool = False) -> list[Path]:
+    """The folders in `path`, hidden ones left out; a folder that cannot be listed
+    holds none (said once per scan, not on every signature)."""
     try:
         return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
     except OSError as e:
-        log.warning("%s: cannot be listed (%s)", path, e)
+        if not quiet:
+            log.warning("%s: cannot be listed (%s)", path, e)
         return []
 
 
