@@ -155,18 +155,26 @@ class ModelPool:
                 log.warning("looking at the model folders again failed; the models stay as they were",
                             exc_info=True)
                 return
-            # the default's folder is its slot alone, whatever name the folder would give it (a link to
-            # that folder, by another name, is a model of its own)
-            default = os.path.abspath(self.slots[self.default].entry.path) if self.default is not None else None
-            found = {n: e for n, e in found.items() if n == self.default or os.path.abspath(e.path) != default}
-            for name, entry in found.items():
-                slot = self.slots.get(name)
-                if slot is None:
-                    log.info("found model %s at %s", name, entry.path)
-                    self.slots[name] = Slot(entry)
-                elif slot.entry != entry and slot.served is None and slot.loading is None:
-                    slot.entry = entry  # replaced on disk (a new pull): its next load reads the new one
-            self._gone = {name for name in self.slots if name not in found and name != self.default}
+            self._match(found)
+        self._drop_gone()
+
+    def _match(self, found: dict[str, ModelEntry]) -> None:
+        """Slots for the models found that have none; the ones not found are gone."""
+        # the default's folder is its slot alone, whatever name the folder would give it (a link
+        # to that folder, by another name, is a model of its own)
+        default = os.path.abspath(self.slots[self.default].entry.path) if self.default is not None else None
+        found = {n: e for n, e in found.items() if n == self.default or os.path.abspath(e.path) != default}
+        for name, entry in found.items():
+            slot = self.slots.get(name)
+            if slot is None:
+                log.info("found model %s at %s", name, entry.path)
+                self.slots[name] = Slot(entry)
+            elif slot.entry != entry and slot.served is None and slot.loading is None:
+                slot.entry = entry  # replaced on disk (a new pull): its next load reads the new one
+        self._gone = {name for name in self.slots if name not in found and name != self.default}
+
+    def _drop_gone(self) -> None:
+        """The slots of models whose folder is gone, once nothing holds them."""
         for name in list(self._gone):
             slot = self.slots.get(name)
             if slot is None or (slot.served is None and slot.loading is None and slot.in_flight == 0):
