@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import agents_install
 import httpx
 import openai
 import pytest
@@ -72,6 +73,14 @@ def model_path() -> Path:
 SHARED_SERVERS = ("server", "uncached_server", "gemma_server")
 _running: dict[str, Server] = {}  # fixture name -> its server, while it runs
 _last_user: dict[str, str] = {}  # fixture name -> node id of the last test (run order) using it
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """test_agents last, its npm install started now in the background (agents_install)."""
+    agents = [item for item in items if item.path.name == "test_agents.py"]
+    if agents:
+        items[:] = [item for item in items if item.path.name != "test_agents.py"] + agents
+        agents_install.start()
 
 
 def pytest_collection_finish(session):

@@ -16,29 +16,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
+import agents_install
 import pytest
 from conftest import GEMMA_KEY as KEY
-
-# versions tested; the test installs them itself
-CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
-CODEX = "@openai/codex@0.171.0"
-AGENTS_DIR = Path(os.environ.get("TIERLM_TEST_AGENTS_DIR", Path.home() / ".cache" / "tierlm-tests" / "agents"))
 
 
 @pytest.fixture(scope="module")
 def agents() -> Path:
-    """The folder of the agents' commands, installed with npm (a no-op when they are)."""
-    npm = shutil.which("npm")
-    if npm is None:
-        pytest.skip("npm is missing: Claude Code and Codex CLI install from npm")
-    AGENTS_DIR.mkdir(parents=True, exist_ok=True)
-    subprocess.run([npm, "install", "--prefix", str(AGENTS_DIR), "--no-audit", "--no-fund", "--loglevel=error",
-                    CLAUDE_CODE, CODEX], check=True, timeout=900)
-    return AGENTS_DIR / "node_modules" / ".bin"
+    """The folder of the agents' commands (installed in the background since the run began)."""
+    return agents_install.installed()
 
 
 def _run(command: list, home: Path, env: dict) -> subprocess.CompletedProcess:
