@@ -22,6 +22,7 @@ from tierlm.api.anthropic_routes import router as anthropic_router
 from tierlm.api.errors import APIError, error_response, install_error_handlers
 from tierlm.api.model_pool import apply_settings, make_pool
 from tierlm.api.model_routes import router as model_router
+from tierlm.api.ollama_routes import router as ollama_router
 from tierlm.api.openai_routes import router as openai_router
 from tierlm.api.responses_routes import router as responses_router
 from tierlm.api.served_model import ServedModel
@@ -113,6 +114,7 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
     app.include_router(responses_router)
     app.include_router(anthropic_router)
     app.include_router(model_router)
+    app.include_router(ollama_router)
     app.include_router(metrics_router)
     app.include_router(dashboard_router)
     app.include_router(dashboard_api)

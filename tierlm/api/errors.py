@@ -1,6 +1,7 @@
 """Errors in each API's own shape: the OpenAI routes answer
 {"error": {"message", "type", "param", "code"}}, the Anthropic routes
-(/v1/messages) {"type": "error", "error": {"type", "message"}}."""
+(/v1/messages) {"type": "error", "error": {"type", "message"}}, Ollama's
+(/api/...) {"error": "message"}."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ _ANTHROPIC_TYPES = {
     529: "overloaded_error",
 }
 ANTHROPIC_PATHS = ("/v1/messages",)
+OLLAMA_PATHS = ("/api/",)
 
 
 def anthropic_error_body(status: int, message: str) -> dict:
@@ -73,10 +75,19 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
+def is_ollama(path: str) -> bool:
+    return path.startswith(OLLAMA_PATHS)
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    path: str = "") -> JSONResponse:
     """The error in the shape of the API that `path` belongs to."""
-    body = anthropic_error_body(status, message) if is_anthropic(path) else error_body(status, message, param, code)
+    if is_anthropic(path):
+        body = anthropic_error_body(status, message)
+    elif is_ollama(path):
+        body = {"error": message}  # Ollama's shape: its clients read `error` as the message
+    else:
+        body = error_body(status, message, param, code)
     return ErrorResponse(body, status_code=status)
 
 

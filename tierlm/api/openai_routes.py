@@ -11,46 +11,30 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 
-from tierlm.api.errors import APIError, error_body
-from tierlm.api.fill_in_middle import fim_tokens
+from tierlm.api.errors import error_body
 from tierlm.api.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from tierlm.api.openai_turns import delta_of, finish_reason, message_dicts, message_of, turn_error, turn_spec
+from tierlm.api.openai_turns import (
+    completion_tokens,
+    delta_of,
+    finish_reason,
+    make_completion,
+    message_of,
+    render_chat,
+    single_prompt,
+    turn_spec,
+)
 from tierlm.api.served_model import ServedModel, error_of, raise_for_error, usage
 from tierlm.api.serving import sse_response, start_turn, with_model
 from tierlm.api.sse import DONE, KEEPALIVE, sse_data
-from tierlm.api.templates import render_chat_template
-from tierlm.api.validation import check_template_args
 from tierlm.engine.request import FinishReason, Request, RequestOutput, TokenLogprobs
 from tierlm.structured.events import Gathered
-from tierlm.structured.tools import TurnError
-from tierlm.structured.turn import TurnParser, TurnSpec
+from tierlm.structured.turn import TurnParser
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger(__name__)
 
 
 # ---- chat completions -------------------------------------------------------
-
-
-def _flatten_content(content) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
-    for part in content:
-        if part.type != "text":
-            raise APIError(400, f"content parts of type '{part.type}' are not supported", "messages")
-        texts.append(part.text or "")
-    return "".join(texts)
-
-
-def _render_chat(model: ServedModel, body: ChatCompletionRequest, spec: TurnSpec,
-                 allow_client_template: bool) -> list[int]:
-    try:
-        messages, variables = model.turns.prepare(spec, message_dicts(body.messages, _flatten_content))
-    except TurnError as e:
-        raise turn_error(e) from e
-    kwargs = {**model.settings.template_kwargs(check_template_args(body.chat_template_kwargs)), **variables}
-    return render_chat_template(model.tokenizer, messages, kwargs, body.chat_template, allow_client_template)
 
 
 @router.post("/chat/completions")
@@ -61,7 +45,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
 async def _chat(model: ServedModel, body: ChatCompletionRequest, http: HTTPRequest):
     spec = turn_spec(body)
     allow_template = http.app.state.settings.allow_client_chat_template
-    tokens = await asyncio.to_thread(_render_chat, model, body, spec, allow_template)
+    tokens = await asyncio.to_thread(render_chat, model, body, spec, allow_template)
     turn = await asyncio.to_thread(start_turn, model, spec, tokens)
     request = model.make_request("chatcmpl", tokens, body, body.max_completion_tokens or body.max_tokens,
                                  logprobs=body.logprobs_count, constraint=turn.constraint)
@@ -143,36 +127,9 @@ def _token_text(data: bytes) -> str:
 # ---- text completions -------------------------------------------------------
 
 
-def _single_prompt(prompt):
-    """A one-element prompt array's element; any other prompt as it is."""
-    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
-        return prompt[0]
-    return prompt
-
-
-def _completion_tokens(model: ServedModel, body: CompletionRequest) -> list[int]:
-    """The prompt's ids; with a non-empty `suffix` (an empty one asks for nothing
-    after the completion, as Ollama reads it), the model's fill-in-the-middle prompt."""
-    if body.suffix:
-        return fim_tokens(model.fim_format, model.tokenizer, _single_prompt(body.prompt), body.suffix,
-                          model.info.name)
-    return _prompt_tokens(model, body.prompt)
-
-
-def _prompt_tokens(model: ServedModel, prompt) -> list[int]:
-    prompt = _single_prompt(prompt)
-    if isinstance(prompt, str):
-        return list(model.tokenizer.encode(prompt))
-    if prompt and all(isinstance(t, int) for t in prompt):
-        return list(prompt)
-    if not prompt:
-        raise APIError(400, "the prompt is empty", "prompt", "empty_prompt")
-    raise APIError(400, "send one prompt per request (prompt arrays are not supported)", "prompt")
-
-
 def _prompt_text(model: ServedModel, prompt, tokens: list[int]) -> str:
     """The prompt as text, for `echo`; token ids are decoded once validated."""
-    prompt = _single_prompt(prompt)
+    prompt = single_prompt(prompt)
     return prompt if isinstance(prompt, str) else model.tokenizer.decode(tokens)
 
 
@@ -182,13 +139,8 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
 
 
 async def _completion(model: ServedModel, body: CompletionRequest, http: HTTPRequest):
-    tokens = await asyncio.to_thread(_completion_tokens, model, body)
-    # keep_leading_space: the text continues the prompt as it stands
-    max_tokens = body.max_tokens or model.settings.default_max_tokens or 16
-    request = model.make_request("cmpl", tokens, body, max_tokens, keep_leading_space=True,
-                                 logprobs=body.logprobs_count)
-    if body.suffix:  # the middle ends where the model says the file goes on
-        request.params.stop_token_ids += model.fim_format.stops
+    tokens = await asyncio.to_thread(completion_tokens, model, body)
+    request = make_completion(model, body, tokens, body.max_tokens or model.settings.default_max_tokens or 16)
     echo = _prompt_text(model, body.prompt, tokens) if body.echo else ""
     if body.stream:
         return sse_response(_completion_chunks(model, request, body, http, echo))

@@ -5,13 +5,21 @@ tierlm.structured, shared with the other APIs."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierlm.api.errors import APIError
+from tierlm.api.fill_in_middle import fim_tokens
+from tierlm.api.templates import render_chat_template
+from tierlm.api.validation import check_template_args
 from tierlm.structured.events import Event, Gathered, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallStart
 from tierlm.structured.reasoning import with_reasoning
 from tierlm.structured.tools import Tool, ToolChoice, TurnError
 from tierlm.structured.turn import TurnSpec
+
+if TYPE_CHECKING:
+    from tierlm.api.openai_schemas import ChatCompletionRequest, CompletionRequest
+    from tierlm.api.served_model import ServedModel
+    from tierlm.engine.request import Request
 
 
 def turn_spec(body) -> TurnSpec:
@@ -98,6 +106,66 @@ def message_dicts(messages, flatten) -> list[dict]:
             message.update(with_reasoning(m.reasoning_content or m.reasoning))
         out.append(message)
     return out
+
+
+def flatten_content(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text":
+            raise APIError(400, f"content parts of type '{part.type}' are not supported", "messages")
+        texts.append(part.text or "")
+    return "".join(texts)
+
+
+def render_chat(model: ServedModel, body: ChatCompletionRequest, spec: TurnSpec,
+                allow_client_template: bool) -> list[int]:
+    """A chat request's prompt ids, rendered by the model's template."""
+    try:
+        messages, variables = model.turns.prepare(spec, message_dicts(body.messages, flatten_content))
+    except TurnError as e:
+        raise turn_error(e) from e
+    kwargs = {**model.settings.template_kwargs(check_template_args(body.chat_template_kwargs)), **variables}
+    return render_chat_template(model.tokenizer, messages, kwargs, body.chat_template, allow_client_template)
+
+
+def single_prompt(prompt):
+    """A one-element prompt array's element; any other prompt as it is."""
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        return prompt[0]
+    return prompt
+
+
+def completion_tokens(model: ServedModel, body: CompletionRequest) -> list[int]:
+    """The prompt's ids; with a non-empty `suffix` (an empty one asks for nothing
+    after the completion, as Ollama reads it), the model's fill-in-the-middle prompt."""
+    if body.suffix:
+        return fim_tokens(model.fim_format, model.tokenizer, single_prompt(body.prompt), body.suffix,
+                          model.info.name)
+    return _prompt_tokens(model, body.prompt)
+
+
+def _prompt_tokens(model: ServedModel, prompt) -> list[int]:
+    prompt = single_prompt(prompt)
+    if isinstance(prompt, str):
+        return list(model.tokenizer.encode(prompt))
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if not prompt:
+        raise APIError(400, "the prompt is empty", "prompt", "empty_prompt")
+    raise APIError(400, "send one prompt per request (prompt arrays are not supported)", "prompt")
+
+
+def make_completion(model: ServedModel, body: CompletionRequest, tokens: list[int],
+                    max_tokens: int | None) -> Request:
+    """A text completion's request; the text continues the prompt as it stands
+    (keep_leading_space). A middle ends where the model says the file goes on."""
+    request = model.make_request("cmpl", tokens, body, max_tokens, keep_leading_space=True,
+                                 logprobs=body.logprobs_count)
+    if body.suffix:
+        request.params.stop_token_ids += model.fim_format.stops
+    return request
 
 
 # ---- back to OpenAI's shape --------------------------------------------------
