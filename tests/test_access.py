@@ -32,6 +32,12 @@ API_ROUTES = [
     ("DELETE", "/v1/responses/resp_none", None),
     ("GET", "/v1/cache/stats", None),
     ("GET", "/v1/no-such-route", None),
+    ("GET", "/api/tags", None),  # Ollama's API
+    ("GET", "/api/ps", None),
+    ("GET", "/api/version", None),
+    ("POST", "/api/show", {}),
+    ("POST", "/api/chat", {}),
+    ("POST", "/api/generate", {}),
 ]
 ADMIN_ROUTES = [
     ("POST", f"/v1/models/{MODEL}/load", None),
@@ -76,6 +82,8 @@ def test_every_api_route_wants_a_key(keyed):
             error = r.json()["error"]
             if path.startswith("/v1/messages"):  # Anthropic's shape
                 assert r.json()["type"] == "error" and error["type"] == "authentication_error"
+            elif path.startswith("/api/"):  # Ollama's
+                assert "API key" in error
             else:
                 assert error["code"] == "invalid_api_key"
         for headers in ((bearer(ALICE), {"x-api-key": BARE}, bearer(ADMIN)) if method == "GET" else
