@@ -46,14 +46,14 @@ def app_url(model_path):
 
 @pytest.fixture
 def buggy_template(monkeypatch):
-    real = openai_routes._render_chat
+    real = openai_routes.render_chat
 
     def render(model, body, *args):
         if body.messages[-1].content == "boom":
             raise RuntimeError("injected bug")
         return real(model, body, *args)
 
-    monkeypatch.setattr(openai_routes, "_render_chat", render)
+    monkeypatch.setattr(openai_routes, "render_chat", render)
 
 
 def test_a_500_leaves_the_keep_alive_connection_usable(app_url, buggy_template):
