@@ -14,7 +14,7 @@ import httpx
 import pytest
 import uvicorn
 
-from tierlm.api import openai_routes
+from tierlm.api import openai_routes, serving
 from tierlm.api.app import create_app
 from tierlm.bench.servers import free_port
 from tierlm.config import Settings
@@ -46,14 +46,14 @@ def app_url(model_path):
 
 @pytest.fixture
 def buggy_template(monkeypatch):
-    real = openai_routes.render_chat
+    real = serving.render_chat
 
     def render(model, body, *args):
         if body.messages[-1].content == "boom":
             raise RuntimeError("injected bug")
         return real(model, body, *args)
 
-    monkeypatch.setattr(openai_routes, "render_chat", render)
+    monkeypatch.setattr(serving, "render_chat", render)  # where the chat route's turn renders its prompt
 
 
 def test_a_500_leaves_the_keep_alive_connection_usable(app_url, buggy_template):

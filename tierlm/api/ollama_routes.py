@@ -24,9 +24,9 @@ from tierlm.api.fill_in_middle import find_format
 from tierlm.api.model_pool import turns_for
 from tierlm.api.ollama_schemas import OllamaBody, OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
 from tierlm.api.openai_schemas import ChatCompletionRequest
-from tierlm.api.openai_turns import completion_tokens, make_completion, render_chat, turn_spec
+from tierlm.api.openai_turns import completion_tokens, make_completion
 from tierlm.api.served_model import ServedModel, error_of, raise_for_error
-from tierlm.api.serving import start_turn, with_model
+from tierlm.api.serving import chat_turn, with_model
 from tierlm.config import parse_duration
 from tierlm.engine.request import FinishReason, Request, RequestOutput
 from tierlm.pool.pool import ModelPool, Slot
@@ -132,17 +132,14 @@ async def _generate(model: ServedModel, body: OllamaGenerateRequest, http: HTTPR
         request_body = ollama.completion_request(body)
         tokens = await asyncio.to_thread(completion_tokens, model, request_body)
         request = make_completion(model, request_body, tokens, request_body.max_tokens)
-        return await _answer(model, request, http, None, body.stream, started, "response")
+        return await _answer(model, request, http, _Verbatim(), body.stream, started, "response")
     return await _templated(model, ollama.generate_chat_request(body), http, body.stream, started, "response")
 
 
 async def _templated(model: ServedModel, body: ChatCompletionRequest, http: HTTPRequest, stream: bool,
                      started: float, kind: str):
     """An answer to messages through the chat template, as the chat route makes it."""
-    spec = turn_spec(body)
-    tokens = await asyncio.to_thread(render_chat, model, body, spec, False)
-    turn = await asyncio.to_thread(start_turn, model, spec, tokens)
-    request = model.make_request("chatcmpl", tokens, body, body.max_tokens, constraint=turn.constraint)
+    request, turn = await chat_turn(model, body, False)
     return await _answer(model, request, http, turn.parser, stream, started, kind)
 
 
@@ -157,19 +154,29 @@ def _loaded(model: ServedModel, body: OllamaBody, http: HTTPRequest, kind: str) 
             "done_reason": "unload" if unloading else "load"}
 
 
-async def _answer(model: ServedModel, request: Request, http: HTTPRequest, parser: TurnParser | None,
+class _Verbatim:
+    """The parser of a raw or fill-in-the-middle answer: its text as it is."""
+
+    def feed(self, text: str) -> list[Event]:
+        return [TextDelta(text)] if text else []
+
+    def finish(self) -> list[Event]:
+        return []
+
+
+async def _answer(model: ServedModel, request: Request, http: HTTPRequest, parser: TurnParser | _Verbatim,
                   stream: bool, started: float, kind: str):
     if stream:
         lines = _lines(model, request, parser, started, kind)
         return StreamingResponse(lines, media_type="application/x-ndjson")
     output = await model.generate_unless_disconnected(request, http)
     raise_for_error(output)
-    events = parser.feed(output.text) + parser.finish() if parser else [TextDelta(output.text)]
+    events = parser.feed(output.text) + parser.finish()
     answer = _piece(kind, Gathered().add(events))
     return {**_head(model), **answer, **_done(output, output.first_token_time, started)}
 
 
-async def _lines(model: ServedModel, request: Request, parser: TurnParser | None, started: float,
+async def _lines(model: ServedModel, request: Request, parser: TurnParser | _Verbatim, started: float,
                  kind: str) -> AsyncIterator[str]:
     """The answer as Ollama streams it: a line per piece of text or thinking,
     the tool calls whole once the answer ends, then the line that is `done`. A
@@ -182,8 +189,8 @@ async def _lines(model: ServedModel, request: Request, parser: TurnParser | None
                 yield _line({"error": error_of(output).message})
                 return
             first = first or output.first_token_time
-            events = (parser.feed(output.text) if parser else [TextDelta(output.text)]) if output.text else []
-            if output.finished and parser:
+            events = parser.feed(output.text) if output.text else []
+            if output.finished:
                 events += parser.finish()
             for piece in _pieces(events, calls):
                 yield _line({**_head(model), **_piece(kind, piece), "done": False})

@@ -19,12 +19,10 @@ from tierlm.api.openai_turns import (
     finish_reason,
     make_completion,
     message_of,
-    render_chat,
     single_prompt,
-    turn_spec,
 )
 from tierlm.api.served_model import ServedModel, error_of, raise_for_error, usage
-from tierlm.api.serving import sse_response, start_turn, with_model
+from tierlm.api.serving import chat_turn, sse_response, with_model
 from tierlm.api.sse import DONE, KEEPALIVE, sse_data
 from tierlm.engine.request import FinishReason, Request, RequestOutput, TokenLogprobs
 from tierlm.structured.events import Gathered
@@ -43,12 +41,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
 
 
 async def _chat(model: ServedModel, body: ChatCompletionRequest, http: HTTPRequest):
-    spec = turn_spec(body)
-    allow_template = http.app.state.settings.allow_client_chat_template
-    tokens = await asyncio.to_thread(render_chat, model, body, spec, allow_template)
-    turn = await asyncio.to_thread(start_turn, model, spec, tokens)
-    request = model.make_request("chatcmpl", tokens, body, body.max_completion_tokens or body.max_tokens,
-                                 logprobs=body.logprobs_count, constraint=turn.constraint)
+    request, turn = await chat_turn(model, body, http.app.state.settings.allow_client_chat_template)
     if body.stream:
         return sse_response(_chat_chunks(model, request, body, http, turn.parser))
     output = await model.generate_unless_disconnected(request, http)

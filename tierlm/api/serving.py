@@ -4,14 +4,17 @@ send a stream as server-sent events."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
 from tierlm.api.model_pool import lease_model
-from tierlm.api.openai_turns import turn_error
+from tierlm.api.openai_schemas import ChatCompletionRequest
+from tierlm.api.openai_turns import render_chat, turn_error, turn_spec
 from tierlm.api.served_model import ServedModel
+from tierlm.engine.request import Request
 from tierlm.pool.pool import Lease
 from tierlm.structured.tools import TurnError
 from tierlm.structured.turn import TurnRun, TurnSpec
@@ -40,6 +43,18 @@ async def _released_after(chunks: AsyncIterator, lease: Lease) -> AsyncIterator:
             yield chunk
     finally:
         lease.release()
+
+
+async def chat_turn(model: ServedModel, body: ChatCompletionRequest,
+                    allow_client_template: bool) -> tuple[Request, TurnRun]:
+    """A chat body's request and its turn (constraint, parser): the prompt
+    rendered by the chat template and the grammar compiled, off the event loop."""
+    spec = turn_spec(body)
+    tokens = await asyncio.to_thread(render_chat, model, body, spec, allow_client_template)
+    turn = await asyncio.to_thread(start_turn, model, spec, tokens)
+    request = model.make_request("chatcmpl", tokens, body, body.max_completion_tokens or body.max_tokens,
+                                 logprobs=body.logprobs_count, constraint=turn.constraint)
+    return request, turn
 
 
 def start_turn(model: ServedModel, spec: TurnSpec, tokens: list[int]) -> TurnRun:
