@@ -91,13 +91,16 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return ErrorResponse(body, status_code=status)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc, names: dict[str, str] | None = None) -> tuple[str, str | None]:
+    """The message and the field of a validation error (FastAPI's, or pydantic's
+    own); `names`: a field's name as the client sent it, where it differs."""
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
+    param = (names or {}).get(param, param)
     if first.get("type") == "json_invalid":
         return "request body is not valid JSON", None
     where = f"'{param}': " if param else ""
@@ -111,7 +114,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return error_response(400, message, param, "invalid_value", request.url.path)
 
     @app.exception_handler(StarletteHTTPException)

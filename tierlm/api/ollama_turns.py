@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tierlm.api.errors import APIError
+from tierlm.api.errors import APIError, validation_message
 from tierlm.api.ollama_schemas import OllamaBody, OllamaChatRequest, OllamaGenerateRequest
 from tierlm.api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from tierlm.pool.discovery import ModelEntry
@@ -70,10 +70,8 @@ def _validated(schema, fields: dict):
     try:
         return schema.model_validate(fields)
     except ValidationError as e:
-        error = e.errors()[0]
-        where = ".".join(str(p) for p in error.get("loc", ()))
-        where = {v: k for k, v in _RENAMED.items()}.get(where, where)
-        raise APIError(400, f"'{where}': {error.get('msg', 'invalid value')}", where, "invalid_value") from None
+        message, param = validation_message(e, {field: option for option, field in _RENAMED.items()})
+        raise APIError(400, message, param, "invalid_value") from None
 
 
 def _format(fmt: str | dict | None) -> dict:
