@@ -69,6 +69,18 @@ def test_a_suffix_is_the_models_fim_prompt(fim_server, fim_model):
     assert client.completions.create(model="tiny-fim", prompt=BEFORE, max_tokens=2).usage.completion_tokens
 
 
+def test_a_bad_suffix_is_a_400_and_the_next_completion_is_answered(fim_server):
+    import httpx
+
+    url = fim_server.v1 + "/completions"
+    for suffix in (5, ["x"], "x \ud800", {"text": "x"}):
+        body = json.dumps({"model": "tiny-fim", "prompt": BEFORE, "suffix": suffix, "max_tokens": 2})
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"], (suffix, r.text)
+    good = httpx.post(url, json={"model": "tiny-fim", "prompt": BEFORE, "suffix": AFTER, "max_tokens": 2}, timeout=60)
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] > 0
+
+
 def test_a_model_without_fim_tokens_refuses_a_suffix(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="default", prompt=BEFORE, suffix=AFTER, max_tokens=4)

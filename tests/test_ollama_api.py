@@ -133,6 +133,9 @@ NASTY_CHAT = [
     {"messages": [{"role": "assistant", "tool_calls": [{"function": "f"}]}]},
     {"messages": [{"role": "assistant", "tool_calls": "f"}]},
     {"messages": ASK, "tools": [{"type": "function"}]},
+    {"messages": [{"role": "user", "content": "hi \ud800"}]},  # a lone surrogate
+    {"messages": [{"role": "assistant", "content": "", "thinking": 5}, *ASK]},
+    {"messages": ASK, "tool_choice": "sometimes"},
 ]
 NASTY_BOTH = [
     {"format": "xml"},
@@ -140,6 +143,11 @@ NASTY_BOTH = [
     {"options": "hot"},
     {"options": {"num_predict": "many"}},
     {"options": {"top_p": 7}},
+    {"options": {"temperature": float("nan")}},
+    {"options": {"seed": 2**64}},
+    {"options": {"num_predict": 10**400}},
+    {"options": {"stop": [7]}},
+    {"stream": "maybe"},
     {"keep_alive": "soon"},
     {"think": {"effort": 1}},
     {"model": ""},
@@ -151,7 +159,10 @@ NASTY_BOTH = [
                          [(p, b) for b in NASTY_BOTH for p in ("/api/chat", "/api/generate")],
                          ids=lambda v: v if isinstance(v, str) else json.dumps(v)[:50])
 def test_a_bad_body_is_a_400_in_ollamas_shape(server, path, body):
-    body = {"model": MODEL, "messages": ASK, "prompt": "hi", "stream": False, **body}
-    r = httpx.post(server.base_url + path, json=body, timeout=60)
+    good = {"model": MODEL, "messages": ASK, "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
+    r = httpx.post(server.base_url + path, content=json.dumps({**good, **body}),
+                   headers={"content-type": "application/json"}, timeout=60)
     assert 400 <= r.status_code < 500, (r.status_code, r.text)
     assert isinstance(r.json().get("error"), str), r.text
+    after = httpx.post(server.base_url + path, json=good, timeout=60)  # and the next request is answered
+    assert after.status_code == 200 and after.json()["done"], after.text

@@ -114,7 +114,7 @@ def chat_messages(messages: list[dict]) -> list[dict]:
             if calls:
                 message["tool_calls"] = calls
                 unanswered = [(c["id"], c["function"]["name"]) for c in calls]
-            if isinstance(m.get("thinking"), str) and m["thinking"]:
+            if m.get("thinking"):  # validated as chat's reasoning_content is: text
                 message["reasoning_content"] = m["thinking"]
         elif m.get("role") == "tool":
             message["tool_call_id"] = _answered(unanswered, m.get("tool_name"), i)
