@@ -144,9 +144,13 @@ def cmd_import(args: argparse.Namespace) -> int:
         print(f"{target} already exists: remove it or choose another --name", file=sys.stderr)
         return 2
     model_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=model_dir, prefix=".import-") as tmp, _progress_bar() as report:
-        built = import_gguf(source, Path(tmp) / target.name, report, bits=args.bits)
-        _publish(built, target)
+    try:
+        with tempfile.TemporaryDirectory(dir=model_dir, prefix=".import-") as tmp, _progress_bar() as report:
+            built = import_gguf(source, Path(tmp) / target.name, report, bits=args.bits)
+            _publish(built, target)
+    except ValueError as e:  # an unreadable file, an unknown architecture or vocabulary
+        print(f"cannot import {source.name}: {e}", file=sys.stderr)
+        return 2
     print(target)
     return 0
 

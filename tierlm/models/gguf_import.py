@@ -1,6 +1,7 @@
 """Turn a GGUF file into an MLX model folder that mlx-lm loads.
 
-Two architectures: `llama` (-> mlx-lm `llama`) and `gemma3` (-> `gemma3_text`).
+Architectures: `llama` (Llama 2/3.x, Mistral, SmolLM: mlx-lm `llama`), `qwen2`
+(Qwen2.5, Qwen2.5-Coder), `qwen3`, `phi3` and `gemma3` (-> `gemma3_text`).
 
 Tensors: when every tensor is in a block format `mx.load` reads (Q4_0, Q4_1,
 Q8_0, F16, F32) and no `bits` are asked for, they are kept as they are (MLX
@@ -11,11 +12,14 @@ kept in bfloat16 (see gguf_dequant).
 What llama.cpp's converter changed is undone here: Gemma's RMSNorm weights are
 stored with the +1 already added (mlx-lm adds it itself, so it is subtracted);
 llama's Q/K rows are permuted for interleaved RoPE, which is mlx-lm's
-`rope_traditional`, so they stay as they are (Gemma's are not permuted).
+`rope_traditional`, so they stay as they are (Qwen's, Phi-3's and Gemma's are
+not permuted: they keep the half-split RoPE that mlx-lm's models use).
 
-The tokenizer is rebuilt with `tokenizers` from the GGUF vocabulary: byte-level
-BPE for `gpt2` vocabularies, SentencePiece-style BPE with byte fallback for
-`llama` ones.
+The tokenizer is rebuilt with `tokenizers` from the GGUF vocabulary as
+llama.cpp tokenizes it: byte-level BPE for `gpt2` vocabularies, split first by
+the pre-tokenizer regex the file names (`tokenizer.ggml.pre`), SentencePiece-
+style BPE with byte fallback for `llama` ones; control tokens are special,
+user-defined ones (Qwen's `<tool_call>`) are matched whole in any text.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from tierlm.models.gguf_dequant import GGUFTensor, quantization_config, read_gguf, to_mlx, type_counts
 from tierlm.models.model_folder import write_json_atomic
@@ -60,7 +65,12 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_QWEN3_LAYER_NAMES = {**_LLAMA_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# llama.cpp keeps Phi-3's fused projections fused, as mlx-lm's phi3 does
+_PHI3_LAYER_NAMES = {**_LLAMA_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# tensors llama.cpp computes from the config (RoPE factors); the config rebuilds them in mlx-lm
+_DERIVED = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 
 
 def _scalar(meta: dict, key: str, default: Any = None) -> Any:
@@ -103,11 +113,12 @@ def _native_quantization(weights: dict[str, mx.array]) -> dict | None:
     return quant
 
 
-def _llama_config(meta: dict) -> dict:
-    p = "llama."
+def _common_config(meta: dict, arch: str, model_type: str) -> dict:
+    """The hyper-parameters every decoder GGUF states, under its architecture's prefix."""
+    p = f"{arch}."
     heads = _scalar(meta, p + "attention.head_count")
     return {
-        "model_type": "llama",
+        "model_type": model_type,
         "hidden_size": _scalar(meta, p + "embedding_length"),
         "intermediate_size": _scalar(meta, p + "feed_forward_length"),
         "num_hidden_layers": _scalar(meta, p + "block_count"),
@@ -117,10 +128,65 @@ def _llama_config(meta: dict) -> dict:
         "rope_theta": _scalar(meta, p + "rope.freq_base", 10000.0),
         "max_position_embeddings": _scalar(meta, p + "context_length", 4096),
         "vocab_size": _scalar(meta, p + "vocab_size", len(meta["tokenizer.ggml.tokens"])),
-        # llama.cpp permutes Q/K rows for its interleaved RoPE; mlx-lm's
-        # traditional RoPE is the same layout, so no un-permuting is needed.
-        "rope_traditional": True,
     }
+
+
+def _llama_config(meta: dict) -> dict:
+    config = _common_config(meta, "llama", "llama")
+    head_dim = _scalar(meta, "llama.attention.key_length")
+    if head_dim and head_dim != config["hidden_size"] // config["num_attention_heads"]:
+        config["head_dim"] = head_dim  # Mistral Nemo and the like
+    # llama.cpp permutes Q/K rows for its interleaved RoPE; mlx-lm's
+    # traditional RoPE is the same layout, so no un-permuting is needed.
+    config["rope_traditional"] = True
+    scaling = _rope_scaling(meta, "llama")
+    if scaling:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _rope_scaling(meta: dict, arch: str) -> dict | None:
+    """Linear and YaRN scaling as the GGUF states them; Llama 3.1's is a tensor
+    of factors (rope_freqs) that llama3_rope_scaling reads back."""
+    kind = _scalar(meta, f"{arch}.rope.scaling.type")
+    factor = _scalar(meta, f"{arch}.rope.scaling.factor")
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn" and factor:
+        original = _scalar(meta, f"{arch}.rope.scaling.original_context_length")
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    return None
+
+
+def _qwen2_config(meta: dict) -> dict:
+    config = _common_config(meta, "qwen2", "qwen2")
+    config["rms_norm_eps"] = _scalar(meta, "qwen2.attention.layer_norm_rms_epsilon", 1e-6)
+    scaling = _rope_scaling(meta, "qwen2")
+    if scaling:
+        config["rope_scaling"] = {**scaling, "type": scaling["rope_type"]}
+    return config
+
+
+def _qwen3_config(meta: dict) -> dict:
+    config = _common_config(meta, "qwen3", "qwen3")
+    config["rms_norm_eps"] = _scalar(meta, "qwen3.attention.layer_norm_rms_epsilon", 1e-6)
+    config["head_dim"] = _scalar(meta, "qwen3.attention.key_length",
+                                 config["hidden_size"] // config["num_attention_heads"])
+    scaling = _rope_scaling(meta, "qwen3")
+    if scaling:
+        config["rope_scaling"] = {**scaling, "type": scaling["rope_type"]}
+    return config
+
+
+def _phi3_config(meta: dict) -> dict:
+    config = _common_config(meta, "phi3", "phi3")
+    heads = config["num_attention_heads"]
+    rotary = _scalar(meta, "phi3.rope.dimension_count", config["hidden_size"] // heads)
+    config["partial_rotary_factor"] = rotary / (config["hidden_size"] // heads)
+    original = _scalar(meta, "phi3.rope.scaling.original_context_length")
+    if original:
+        config["original_max_position_embeddings"] = original
+    return config
 
 
 def _gemma3_config(meta: dict) -> dict:
@@ -207,7 +273,10 @@ GEMMA3_CHAT_TEMPLATE = (
 )
 
 ARCHITECTURES = {
-    "llama": _Arch(_LLAMA_LAYER_NAMES, _llama_config),
+    "llama": _Arch(_LLAMA_LAYER_NAMES, _llama_config, end_of_turn=("<|eot_id|>", "<|eom_id|>")),
+    "qwen2": _Arch(_LLAMA_LAYER_NAMES, _qwen2_config, end_of_turn=("<|im_end|>",)),
+    "qwen3": _Arch(_QWEN3_LAYER_NAMES, _qwen3_config, end_of_turn=("<|im_end|>",)),
+    "phi3": _Arch(_PHI3_LAYER_NAMES, _phi3_config, end_of_turn=("<|end|>",)),
     "gemma3": _Arch(_GEMMA3_LAYER_NAMES, _gemma3_config, norm_shift=1.0,
                     end_of_turn=("<end_of_turn>",), chat_template=GEMMA3_CHAT_TEMPLATE),
 }
@@ -220,22 +289,57 @@ def _architecture(meta: dict) -> _Arch:
     return ARCHITECTURES[arch]
 
 
-def build_config(meta: dict, weights: dict[str, mx.array], quantization: dict | None = None) -> dict:
+def build_config(meta: dict, weights: dict[str, mx.array], quantization: dict | None = None,
+                 derived: dict[str, np.ndarray] | None = None) -> dict:
+    """config.json for mlx-lm; `derived` holds the RoPE factor tensors llama.cpp
+    computed from the original config, read back into it here."""
     spec = _architecture(meta)
     config = spec.config(meta)
     config["tie_word_embeddings"] = "lm_head.weight" not in weights
     if quantization:
         config["quantization"] = quantization
+    config.update(_rope_from_tensors(config, derived or {}))
     tokens = meta["tokenizer.ggml.tokens"]
     bos, eos = _scalar(meta, "tokenizer.ggml.bos_token_id"), _scalar(meta, "tokenizer.ggml.eos_token_id")
-    if spec.end_of_turn:
+    turn_ends = [tokens.index(t) for t in spec.end_of_turn if t in tokens]
+    if turn_ends:
         # mlx-lm stops on every id in config.json's eos_token_id
-        ends = [eos] if eos is not None else []
-        ends += [tokens.index(t) for t in spec.end_of_turn if t in tokens]
-        config["eos_token_id"] = ends
+        config["eos_token_id"] = list(dict.fromkeys(([eos] if eos is not None else []) + turn_ends))
         if bos is not None:
             config["bos_token_id"] = bos
     return config
+
+
+def _rope_from_tensors(config: dict, derived: dict[str, np.ndarray]) -> dict:
+    if "rope_factors_long" in derived:  # Phi-3's LongRoPE (128k models)
+        return {"rope_scaling": {"type": "longrope", "long_factor": derived["rope_factors_long"].tolist(),
+                                 "short_factor": derived["rope_factors_short"].tolist()}}
+    if "rope_freqs" in derived and config["model_type"] == "llama":
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        return {"rope_scaling": llama3_rope_scaling(derived["rope_freqs"], config["rope_theta"], head_dim)}
+    return {}
+
+
+def llama3_rope_scaling(factors: np.ndarray, base: float, head_dim: int,
+                        original_context: int = 8192) -> dict:
+    """Llama 3.1's rope_scaling from the factor per frequency that llama.cpp's
+    converter stored: 1 for short wavelengths, `factor` for long ones, and
+    between them 1 / ((1 - s) / factor + s) with s linear in 1 / wavelength.
+    Only the two wavelengths where s is 0 and 1 matter, so the original context
+    is taken as Meta's 8192 and the two frequency factors follow from it."""
+    factors = np.asarray(factors, np.float64)
+    factor = float(factors.max())
+    wavelengths = 2 * np.pi * base ** (np.arange(0, head_dim, 2) / head_dim)
+    between = (factors > 1 + 1e-6) & (factors < factor - 1e-6)
+    low, high = 1.0, 4.0
+    if factor > 1 and between.sum() >= 2:
+        s = (1 / factors[between] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(1 / wavelengths[between], s, 1)  # s = slope / w + intercept
+        span = original_context / slope  # high - low
+        low = -intercept * span
+        high = low + span
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low),
+            "high_freq_factor": float(high), "original_max_position_embeddings": original_context}
 
 
 # ---- tokenizer ----------------------------------------------------------
@@ -246,22 +350,66 @@ def _token_types(meta: dict) -> list[int]:
     return types.tolist() if isinstance(types, mx.array) else list(types)
 
 
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by the name the GGUF gives
+# in `tokenizer.ggml.pre`; the contractions are its case-insensitive spelling.
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3_SPLIT = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # one digit a piece
+_LLAMA3_FAMILY = {"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"}
+_SPLITS = {
+    "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT, "pixtral": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT,
+}
+
+
+def _byte_level_pre_tokenizer(pre: str | None):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _SPLITS:
+        split = pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated", invert=False)
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre in ("smollm", "starcoder", "refact"):  # digits split one by one, then GPT-2's regex
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in (None, "default", "gpt-2", "gpt2"):
+        return byte_level
+    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: "
+                     f"{', '.join(sorted({*_SPLITS, 'smollm', 'starcoder', 'refact', 'gpt-2', 'default'}))})")
+
+
 def _byte_level_bpe(meta: dict, tokens: list[str], types: list[int]) -> Tokenizer:
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    # SmolLM / StarCoder style: digits split one by one, then GPT-2 byte level
-    split_digits = meta.get("tokenizer.ggml.pre") in ("smollm", "starcoder", "refact")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        if split_digits
-        else byte_level
-    )
+    pre = meta.get("tokenizer.ggml.pre")
+    # llama.cpp takes a piece that is a token whole before merging (Llama 3's own tokenizer does too)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                                     ignore_merges=pre in _LLAMA3_FAMILY))
+    tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(pre)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    tokenizer.add_special_tokens([tok for tok, t in zip(tokens, types) if t == _CONTROL_TOKEN])
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    tokenizer.post_processor = byte_level
+    bos_id = _scalar(meta, "tokenizer.ggml.bos_token_id")
+    if bos_id is not None and _adds_bos(meta):  # Llama 3: <|begin_of_text|> first
+        bos = tokens[bos_id]
+        tokenizer.post_processor = processors.Sequence([byte_level, processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])])
+    _add_whole_tokens(tokenizer, tokens, types)
     return tokenizer
+
+
+def _adds_bos(meta: dict) -> bool:
+    """As llama.cpp: the file says, else byte-level vocabularies of the Llama 3 family add BOS."""
+    return bool(_scalar(meta, "tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.pre") in _LLAMA3_FAMILY))
+
+
+def _add_whole_tokens(tokenizer: Tokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control tokens as special ones; user-defined ones (Qwen's `<tool_call>`)
+    matched whole wherever they stand in a text, as llama.cpp matches both."""
+    tokenizer.add_special_tokens([
+        AddedToken(tok, special=True, normalized=False) for tok, t in zip(tokens, types) if t == _CONTROL_TOKEN
+    ])
+    tokenizer.add_tokens([
+        AddedToken(tok, special=False, normalized=False) for tok, t in zip(tokens, types) if t == _USER_DEFINED
+    ])
 
 
 def _sentencepiece_bpe(meta: dict, tokens: list[str], types: list[int]) -> Tokenizer:
@@ -323,12 +471,14 @@ def build_tokenizer(meta: dict) -> tuple[Tokenizer, dict]:
     kind = meta.get("tokenizer.ggml.model")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types = _token_types(meta)
+    if len(types) != len(tokens):
+        raise ValueError(f"GGUF vocabulary is broken: {len(tokens)} tokens but {len(types)} token types")
     if kind == "gpt2":
         tokenizer = _byte_level_bpe(meta, tokens, types)
-        add_bos_default = False
+        adds_bos = _adds_bos(meta)
     elif kind == "llama":
         tokenizer = _sentencepiece_bpe(meta, tokens, types)
-        add_bos_default = True
+        adds_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", True))
     else:
         raise ValueError(f"GGUF tokenizer {kind!r} is not supported (supported: gpt2, llama)")
     specials = [tok for tok, t in zip(tokens, types) if t == _CONTROL_TOKEN]
@@ -345,7 +495,7 @@ def build_tokenizer(meta: dict) -> tuple[Tokenizer, dict]:
         "eos_token": token_at("tokenizer.ggml.eos_token_id"),
         "unk_token": token_at("tokenizer.ggml.unknown_token_id"),
         "pad_token": token_at("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": bool(_scalar(meta, "tokenizer.ggml.add_bos_token", add_bos_default)),
+        "add_bos_token": adds_bos,
         "add_eos_token": bool(_scalar(meta, "tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "additional_special_tokens": specials,
@@ -359,9 +509,13 @@ def build_tokenizer(meta: dict) -> tuple[Tokenizer, dict]:
 # ---- weights ------------------------------------------------------------
 
 
+def _is_derived(gguf_name: str) -> bool:
+    return gguf_name.split(".")[0] in _DERIVED
+
+
 def _native_weights(gguf_path: Path, spec: _Arch) -> tuple[dict[str, mx.array], dict | None]:
     raw = mx.load(str(gguf_path))
-    weights = {_rename(k, spec.layer_names): v for k, v in raw.items()}
+    weights = {_rename(k, spec.layer_names): v for k, v in raw.items() if not _is_derived(k)}
     if spec.norm_shift:
         for k in [k for k in weights if k.endswith("norm.weight")]:
             weights[k] = weights[k].astype(mx.float32) - spec.norm_shift
@@ -375,6 +529,8 @@ def dequantized_weights(tensors: list[GGUFTensor], spec: _Arch, bits: int,
     total = sum(int(np.prod(t.shape)) for t in tensors)
     done = 0
     for t in tensors:
+        if _is_derived(t.name):
+            continue
         name = _rename(t.name, spec.layer_names)
         values = t.to_float32()
         if spec.norm_shift and name.endswith("norm.weight"):
@@ -407,29 +563,47 @@ def import_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None
     """Write an mlx-lm model folder for `gguf_path` into `out_dir` (created).
 
     `bits` None keeps Q4_0/Q4_1/Q8_0/F16 files as they are and converts any
-    other to 8 bits; 4 or 8 re-quantize every matrix; 16 writes bfloat16."""
+    other to 8 bits; 4 or 8 re-quantize every matrix; 16 writes bfloat16.
+    The folder is written under a temporary name and renamed when complete: a
+    file that fails (truncated, an unknown architecture, a broken vocabulary)
+    raises ValueError and leaves nothing behind."""
     report: Progress = progress or (lambda *_: None)
     report(f"reading {gguf_path.name}", 0, 0)
-    meta, tensors = read_gguf(gguf_path)
+    try:
+        meta, tensors = read_gguf(gguf_path)
+    except (ValueError, OSError, IndexError, KeyError) as e:  # gguf's reader on a short or damaged file
+        raise ValueError(f"{gguf_path.name} is not a readable GGUF file ({type(e).__name__}: {e})") from e
     spec = _architecture(meta)
+    report("building the tokenizer", 0, 0)  # first: a broken vocabulary fails before the long part
+    try:
+        tokenizer, tokenizer_config = build_tokenizer(meta)
+    except ValueError:
+        raise
+    except Exception as e:  # tokenizers' own (a merge of an unknown token), a short or missing list
+        raise ValueError(f"{gguf_path.name} has a broken vocabulary ({type(e).__name__}: {e})") from e
+    derived = {t.name.split(".")[0]: t.to_float32() for t in tensors if _is_derived(t.name)}
     if bits is None and all(t.native for t in tensors):
         weights, quantization = _native_weights(gguf_path, spec)
     else:
         bits = bits or 8
         weights, quantization = dequantized_weights(tensors, spec, bits, report)
-    config = build_config(meta, weights, quantization)
+    config = build_config(meta, weights, quantization, derived)
     config["gguf"] = {"file": gguf_path.name, "tensor_types": type_counts(tensors),
                       "file_type": _scalar(meta, "general.file_type")}
-    report("building the tokenizer", 0, 0)
-    tokenizer, tokenizer_config = build_tokenizer(meta)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report(f"writing {len(weights)} tensors", 0, 0)
-    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    write_json_atomic(out_dir / "tokenizer_config.json", tokenizer_config)
-    special_map = {k: tokenizer_config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    write_json_atomic(out_dir / "special_tokens_map.json", special_map)
-    write_json_atomic(out_dir / "config.json", config)  # last: marks the folder complete
+    staging = out_dir.with_name(f".{out_dir.name}.importing")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        report(f"writing {len(weights)} tensors", 0, 0)
+        mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
+        tokenizer.save(str(staging / "tokenizer.json"))
+        write_json_atomic(staging / "tokenizer_config.json", tokenizer_config)
+        special_map = {k: tokenizer_config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        write_json_atomic(staging / "special_tokens_map.json", special_map)
+        write_json_atomic(staging / "config.json", config)
+        staging.rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 
