@@ -11,6 +11,7 @@ from tierlm.structured.grammar import (
     GrammarError,
     GrammarViolation,
     ModelGrammars,
+    closed_objects,
     json_body,
     json_schema_grammar,
     lark_grammar,
@@ -83,3 +84,31 @@ def test_special_tokens_are_named_in_lark(grammars, tokenizer):
     special = tokenizer.decode(sorted(eos))
     assert grammars.literal(special) == f"<[{sorted(eos)[0]}]>"
     assert grammars.literal("<tool_call>") == json.dumps("<tool_call>")  # several tokens in SmolLM2
+
+
+def test_objects_that_list_their_properties_are_closed():
+    """additionalProperties left out counts as false, as vLLM's strict mode; saying it opts out."""
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+        "list": {"type": "array", "items": {"type": "object", "properties": {"x": {}}}},
+        "free": {"type": "object"},
+        "open": {"type": "object", "properties": {"y": {}}, "additionalProperties": True},
+        "either": {"anyOf": [{"type": "object", "properties": {"z": {}}}, {"type": "null"}]},
+        "both": {"allOf": [{"properties": {"p": {}}}, {"properties": {"q": {}}}]}}}
+    closed = closed_objects(schema)
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert props["a"]["additionalProperties"] is False and props["list"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in props["free"] and props["open"]["additionalProperties"] is True
+    assert all("additionalProperties" not in part for part in props["both"]["allOf"])
+    assert schema["properties"]["a"] == {"type": "object", "properties": {"b": {"type": "string"}}}  # not changed
+
+
+def test_a_closed_object_ends_after_its_keys(grammars, tokenizer):
+    grammar = json.dumps({"grammars": [{"lark_grammar": "start: " + json_body(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})}]})
+    constraint = drive(grammars, grammar, '{"a": 1')
+    mask = constraint.allowed(grammars.ll_tokenizer.vocab_size)
+    assert {tokenizer.decode([int(t)]) for t in np.flatnonzero(mask)} <= {"}", "0", "1", "2", "3", "4", "5", "6",
+                                                                           "7", "8", "9"}

@@ -45,6 +45,13 @@ def hermes(name: str, args_json: str) -> str:
 # (case id, format, model output, expected content, expected calls as (name, arguments))
 CASES = [
     ("hermes", HERMES, hermes("get_weather", '{"city": "Paris"}'), "", [("get_weather", WEATHER)]),
+    # Qwen2.5(-Coder) writes its calls in a ```json fence, or bare, as often as in <tool_call>
+    ("hermes-fenced", HERMES, 'Sure.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+     "Sure.\n", [("get_weather", WEATHER)]),
+    ("hermes-bare", HERMES, '{"name": "get_weather", "arguments": {"city": "Paris"}}', "",
+     [("get_weather", WEATHER)]),
+    ("hermes-code-fences-stay-text", HERMES, 'Run:\n```python\nprint(1)\n```\nor ```json\n{"version": 1}\n```',
+     'Run:\n```python\nprint(1)\n```\nor ```json\n{"version": 1}\n```', []),
     (
         "hermes-text-two-calls",
         HERMES,

@@ -41,7 +41,8 @@ def lark_grammar(lark: str) -> str:
 
 
 def json_body(schema: dict | bool, lenient: bool = False) -> str:
-    """A JSON schema as a body inside a Lark rule (`%json {...}`), compact as above.
+    """A JSON schema as a body inside a Lark rule (`%json {...}`), compact as above,
+    its objects closed (closed_objects).
     `lenient`: keywords llguidance does not implement (`propertyNames`, ...) are
     ignored rather than refused: for tools, whose schemas an agent writes for
     models that read them, not for grammars (Claude Code's use propertyNames)."""
@@ -50,7 +51,41 @@ def json_body(schema: dict | bool, lenient: bool = False) -> str:
     elif schema is False:
         raise GrammarError("the JSON schema `false` accepts nothing")
     options = {**JSON_OPTIONS, "lenient": True} if lenient else JSON_OPTIONS
-    return "%json " + json.dumps({**schema, "x-guidance": options})
+    return "%json " + json.dumps({**closed_objects(schema), "x-guidance": options})
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMAS = ("items", "not", "if", "then", "else", "contains", "additionalItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema, closable: bool = True):
+    """`schema` with `additionalProperties: false` on every object that lists its
+    `properties` and says nothing of other keys, as vLLM's strict mode reads
+    schemas: a small model otherwise adds keys until its tokens run out. A
+    schema opts out by saying `additionalProperties` (true, or a schema) or
+    `patternProperties`; an object without `properties` stays free-form. `allOf`
+    and its parts are left open: closing one would refuse the others' keys."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(s, closable=False) for s in out["allOf"]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed_objects(out["additionalProperties"])
+    opened = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf")
+    if closable and isinstance(out.get("properties"), dict) and not any(k in out for k in opened):
+        out["additionalProperties"] = False
+    return out
 
 
 class ModelGrammars:

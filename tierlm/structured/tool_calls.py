@@ -352,6 +352,7 @@ class ToolCallParser:
         self._block_started = False
         self._junk = False
         self._body: _JsonCalls | None = None
+        self._end = fmt.end  # the end marker of the block open now
 
     @property
     def called(self) -> bool:
@@ -387,25 +388,27 @@ class ToolCallParser:
         return _WS + ";" if self._after_call and self.fmt.bare_json else _WS
 
     def _in_text(self) -> bool:
-        start = self.fmt.start
+        openings = [start for start, _ in self.fmt.openings]
         if self._segment_start and self._buf:
             rest = self._buf.lstrip(self._separators())
-            if not rest or (len(rest) < len(start) and start.startswith(rest)):
+            if not rest or any(len(rest) < len(s) and s.startswith(rest) for s in openings):
                 return False  # cannot tell yet whether only separators stand before a call
-            if rest.startswith(start) or (self.fmt.bare_json and rest[0] == "{"):
+            marker = next((s for s in openings if rest.startswith(s)), None)
+            if marker is not None or (self.fmt.bare_json and rest[0] == "{"):
                 # Whitespace between calls (or before the first) is dropped.
-                marker = start if rest.startswith(start) else ""
+                marker = marker or ""
                 self._buf = rest[len(marker) :]
                 self._open_block(marker)
                 return True
             self._segment_start = False
-        j = self._buf.find(start)
-        if j >= 0:
+        found = [(j, -len(s), s) for s in openings if (j := self._buf.find(s)) >= 0]
+        if found:
+            j, _, marker = min(found)  # the first, and the longest of those starting there
             self._text(self._buf[:j])
-            self._buf = self._buf[j + len(start) :]
-            self._open_block(start)
+            self._buf = self._buf[j + len(marker) :]
+            self._open_block(marker)
             return True
-        keep = _marker_prefix_len(self._buf, start)
+        keep = max(_marker_prefix_len(self._buf, s) for s in openings)
         self._text(self._buf[: len(self._buf) - keep])
         self._buf = self._buf[len(self._buf) - keep :]
         return False
@@ -416,6 +419,7 @@ class ToolCallParser:
 
     def _open_block(self, marker: str) -> None:
         self._raw, self._block_started = marker, False
+        self._end = dict(self.fmt.openings).get(marker, "")  # a bare JSON call has no end marker
         if self.fmt.json_body:
             self._body = _JsonCalls(headers=self.fmt.name == "mistral")
             self._mode = "json"
@@ -484,7 +488,7 @@ class ToolCallParser:
     # -- what follows a JSON body: its end marker, or text --
 
     def _in_after(self) -> bool:
-        end, start = self.fmt.end, self.fmt.start
+        end, start = self._end, self.fmt.start
         if not end:
             self._to_text(after_call=True)
             return True
@@ -505,7 +509,7 @@ class ToolCallParser:
     # -- a body for mlx-lm's parser, buffered to its end marker --
 
     def _in_raw(self) -> bool:
-        end = self.fmt.end
+        end = self._end
         k = self._buf.find(end) if end else -1
         if k < 0:
             return False

@@ -21,9 +21,19 @@ class ToolFormat:
     json_body: bool = True  # body is {"name": .., args_key: {..}} (or a JSON list of them)
     native: bool = True  # the chat template renders `tools` itself; False: tierlm puts them in the prompt
     bare_json: bool = False  # a call may also open with its JSON object alone (Llama 3.1 `{"name": ...}`)
+    # other (start, end) spellings of a call that the family's models write in text
+    fenced: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def openings(self) -> tuple[tuple[str, str], ...]:
+        return ((self.start, self.end), *self.fenced)
 
 
-HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
+# Qwen2.5(-Coder) models write a call in a ```json fence, or as a bare JSON
+# object, about as often as in <tool_call>; llama.cpp's Hermes parser reads all
+# three, and so does tierlm.
+_JSON_FENCES = (("```json\n", "```"), ("```json", "```"), ("```\n", "```"))
+HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", bare_json=True, fenced=_JSON_FENCES)
 LLAMA3_JSON = ToolFormat("llama3_json", "<|python_tag|>", "", "parameters", bare_json=True)
 MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "")
 GENERIC = ToolFormat("generic", "<tool_call>", "</tool_call>", native=False)

@@ -190,19 +190,46 @@ def call_schema(tools: list[Tool], fmt: ToolFormat, only: str | None = None) -> 
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def no_call_grammar(fmt: ToolFormat, literal: Callable[[str], str]) -> str | None:
+def no_call_grammar(fmt: ToolFormat, literal: Callable[[str], str], tools: list[Tool] = ()) -> str | None:
     """A Lark grammar (llguidance's dialect) for tool_choice "none", whose prompt
     still lists the tools (the prefix the conversation's other turns cached): any
     text in which the call's opening marker never appears. A marker that is one
-    special token is never written by text anyway; a marker spelled in text is
-    taken out of the text's language (llguidance's regex complement, `~`). None
-    where the format has no marker to keep out."""
+    special token is never written by text anyway; a marker spelled in text, and
+    a call in JSON text (`fenced`), are taken out of the text's language
+    (llguidance's regex complement, `~`). None where the format has no marker to
+    keep out."""
     if not fmt.start:
         return None
     text = r"/(.|\n)*/"
     if not literal(fmt.start).startswith("<["):
         text += r" & ~/(.|\n)*" + _regex_literal(fmt.start) + r"(.|\n)*/"
+    if fmt.fenced and tools:
+        text += r" & ~/(.|\n)*" + _json_call_opening(tools) + r"(.|\n)*/"
     return f"%llguidance {{}}\nstart: TEXT\nTEXT: {text}\n"
+
+
+def _json_call_opening(tools: list[Tool]) -> str:
+    """A regex for the start of a call written as JSON text: `{"name": "<a tool>"`."""
+    names = "|".join(_regex_literal(json.dumps(t.name)) for t in tools)
+    return r'\{\s*"name"\s*:\s*(' + names + ")"
+
+
+def _fenced_calls(tools: list[Tool], fmt: ToolFormat, single: bool) -> list[str]:
+    """Rules for calls written as JSON in text (`fenced`), in a ```json fence or
+    bare: text runs free until it opens `{"name": "<one of the tools>"` (a lazy
+    trigger, as llama.cpp's), and from there the call must be well formed, and
+    close its fence if it opened one."""
+    rules = [f"fenced: {'fcall' if single else f'fcall{{1,{MAX_PARALLEL_CALLS}}}'} \"\\n\"?",
+             "fcall: " + " | ".join(f"fcall_{i}" for i in range(len(tools))),
+             f'ARGS_KEY: /[ \\n]{{0,8}},[ \\n]{{0,8}}"{fmt.args_key}"[ \\n]{{0,4}}:[ \\n]{{0,4}}/',
+             r"CLOSE: /[ \n]{0,8}\}/", r'FENCE_END: /\n?```/']
+    for i, tool in enumerate(tools):
+        name = _regex_literal(json.dumps(tool.name))
+        rules += [
+            f"fcall_{i}: fopen_{i} ARGS_KEY {json_body(tool.schema, lenient=True)} CLOSE FENCE_END?",
+            f'fopen_{i}[lazy]: TEXT? /(```(json)?\\n?)?\\{{\\s*"name"\\s*:\\s*{name}/',
+        ]
+    return rules
 
 
 def _regex_literal(text: str) -> str:
@@ -219,30 +246,42 @@ def call_grammar(tools: list[Tool], fmt: ToolFormat, choice: ToolChoice, literal
     - `auto`: free text until the model writes the call's opening marker (a lazy
       trigger, as llguidance's structural tags); from there the call must be
       well formed. With `text_schema`, the answer is calls or JSON of that schema.
-    - One call only unless `choice.parallel`; then up to MAX_PARALLEL_CALLS,
-      one per line at most.
+    - One call for a named tool or unless `choice.parallel`; else up to
+      MAX_PARALLEL_CALLS, one per line at most. The answer ends after its calls.
     `literal` writes a marker as Lark (a special token is named, not spelled)."""
     if choice.mode == "none" or not tools or not fmt.json_body or not fmt.start:
         return None
     body = json_body(call_schema(tools, fmt, choice.name), lenient=True)
     pad = ' "\\n"?' if fmt.name in ("hermes", "json_tools") else ""  # the newlines its models write
     close = f"{pad} {literal(fmt.end)}" if fmt.end else ""
-    calls = f'call ("\\n"? call){{0,{MAX_PARALLEL_CALLS - 1}}}' if choice.parallel else "call"
+    single = choice.name is not None or not choice.parallel
+    calls = "call" if single else f'call ("\\n"? call){{0,{MAX_PARALLEL_CALLS - 1}}}'
+    # the newline its models write after the last call, before the end of the
+    # turn: without it, a newline could only lead to another call
+    calls += pad
+    opening = literal(fmt.start)
     lines = ["%llguidance {}"]
     if choice.mode == "required" or text_schema is not None:
         answer = " | answer" if choice.mode != "required" else ""
-        lines += [f"start: {calls}{answer}", f"call: {literal(fmt.start)}{pad} {body}{close}"]
+        lines += [f"start: {calls}{answer}", f"call: {opening}{pad} {body}{close}"]
         if answer:
             lines.append(f"answer: {json_body(text_schema)}")
+    elif opening.startswith("<["):
+        # a marker that is one special token: text never writes it, so the text
+        # runs free until the model emits it, and the calls follow
+        lines += ["start: TEXT? calls?", f"calls: {calls}", r"TEXT: /(.|\n)+/", f"call: {opening}{pad} {body}{close}"]
+        if fmt.fenced:
+            lines[1] += " | fenced"
+            lines += _fenced_calls(tools, fmt, single)
     else:
-        # the trigger is the marker alone: a model that leaves out the newline
-        # after it is held to the grammar all the same. One call (not parallel)
-        # ends the answer.
+        # a marker spelled in text: a lazy trigger on it (llguidance lexes no
+        # special token inside one). A model that leaves out the newline after
+        # the marker is held to the grammar all the same.
         lines += [
-            f"start: {f'call{{0,{MAX_PARALLEL_CALLS}}} tail' if choice.parallel else 'call | tail'}",
+            f"start: {'call | tail' if single else f'call{{0,{MAX_PARALLEL_CALLS}}} tail'}",
             "tail: TEXT",
             r"TEXT: /(.|\n)*/",
-            f"call_open[lazy]: TEXT {literal(fmt.start)}",
+            f"call_open[lazy]: TEXT {opening}",
             f"call: call_open{pad} {body}{close}",
         ]
     return "\n".join(lines) + "\n"

@@ -10,6 +10,7 @@ constraint on the request and feeds the generated text to the parser.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from tierlm.engine.constraint import AllOf, TokenConstraint
@@ -105,9 +106,23 @@ class ModelTurns:
             self.grammars.check(grammar)
             return self.grammars.constraint(grammar)
         except GrammarError as e:
+            if spec.calls_tools:
+                self._check_each_tool(spec.tools)
             param = "grammar" if spec.grammar is not None else "tools"
             param = "response_format" if spec.json_schema is not None and not spec.calls_tools else param
             raise TurnError(f"the grammar engine cannot compile this: {e}", param) from e
+
+    def _check_each_tool(self, tools: list[Tool]) -> None:
+        """A TurnError naming the first tool whose parameters schema does not compile alone."""
+        for i, tool in enumerate(tools):
+            try:
+                self.grammars.check(_lark(f"%llguidance {{}}\nstart: {json_body(tool.schema, lenient=True)}\n"))
+            except GrammarError as e:
+                # llguidance's message, less its listing of the grammar (numbered lines, carets)
+                lines = (line.strip() for line in str(e).splitlines())
+                reason = " ".join(line for line in lines if line and not re.match(r"(\d+ \||\^)", line))
+                raise TurnError(f"tool {tool.name!r}: its parameters schema cannot be used: {reason}",
+                                f"tools[{i}].function.parameters") from e
 
     def _budget(self, spec: TurnSpec, thinking: bool) -> ThinkingBudget | None:
         budget = spec.max_thinking_tokens if spec.max_thinking_tokens is not None else self.max_thinking_tokens
@@ -134,7 +149,7 @@ class ModelTurns:
         if lark is None and spec.json_schema is not None:
             lark = f"%llguidance {{}}\nstart: {json_body(spec.json_schema)}\n"
         if lark is None and spec.tools and not spec.calls_tools:  # "none": the tools are listed all the same
-            lark = no_call_grammar(self.format, self.grammars.literal)
+            lark = no_call_grammar(self.format, self.grammars.literal, spec.tools)
         if lark is None:
             return None
         if spec.grammar is not None:
