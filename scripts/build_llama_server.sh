@@ -2,13 +2,16 @@
 # Build llama.cpp's llama-server (real continuous batching) once, from the
 # llama.cpp source vendored in the llama-cpp-python sdist, into
 # ~/.cache/tierlm/llama.cpp/build/bin/llama-server. Later runs do nothing.
+# TARGETS="llama-server llama-tokenize" builds llama.cpp's tokenizer too (the
+# reference of scripts/tokenizer_reference.py).
 set -euo pipefail
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 CACHE=${TIERLM_BENCH_CACHE:-$HOME/.cache/tierlm}
 SRC=$CACHE/llama.cpp
 BIN=$SRC/build/bin/llama-server
 PY=${PY:-python3}
-if [ -x "$BIN" ] && [ -z "${REBUILD:-}" ]; then echo "$BIN"; exit 0; fi
+TARGETS=${TARGETS:-llama-server}
+if [ -x "$BIN" ] && [ "$TARGETS" = "llama-server" ] && [ -z "${REBUILD:-}" ]; then echo "$BIN"; exit 0; fi
 mkdir -p "$CACHE/src"
 if [ ! -f "$SRC/CMakeLists.txt" ]; then
   $PY -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$CACHE/src"
@@ -29,5 +32,6 @@ cd "$SRC"
 # shellcheck disable=SC2086
 cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF $ARCH_FLAGS \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-cmake --build build --target llama-server -j"$(nproc)"
+# shellcheck disable=SC2086
+cmake --build build --target $TARGETS -j"$(nproc)"
 echo "$BIN"

