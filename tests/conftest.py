@@ -125,10 +125,9 @@ GEMMA_KEY = "agent-test-key"
 
 @pytest.fixture(scope="session")
 def gemma_server(gemma_path, tmp_path_factory):
-    """Gemma 3 270M as the coding agents need it (test_agents, test_gguf_gemma): the
-    aliases claude-* and gpt-* for the model names the agents ask for, an API key,
-    and, as it is a base model, greedy answers that end with their first line unless
-    a request says otherwise."""
+    """Gemma 3 270M served (test_gguf_gemma): the aliases claude-* and gpt-*, an API
+    key, and, as it is a base model, greedy answers that end with their first line
+    unless a request says otherwise."""
     root = tmp_path_factory.mktemp("gemma-server")
     config = root / "settings.toml"
     config.write_text(f'[models."{GEMMA}"]\naliases = ["claude-*", "gpt-*"]\ndefault_temperature = 0\n'
