@@ -120,37 +120,35 @@ def uncached_server(model_path, tmp_path_factory):
 
 
 GEMMA = "gemma-3-270m"
-GEMMA_KEY = "agent-test-key"
+QWEN = "qwen2.5-coder-0.5b-instruct"
+AGENT_KEY = GEMMA_KEY = "agent-test-key"
+
+
+def _served(fixture: str, path: Path, model: str, settings: str, tmp_path_factory):
+    """A shared server of `model` with an API key and, in its settings file, the
+    aliases claude-* and gpt-* for the names coding agents ask for, greedy answers
+    and `settings`."""
+    root = tmp_path_factory.mktemp(fixture)
+    config = root / "settings.toml"
+    config.write_text(f'[models."{model}"]\naliases = ["claude-*", "gpt-*"]\ndefault_temperature = 0\n{settings}')
+    yield from _shared(fixture, start_server(path, root / "server.log", "--config", str(config),
+                                             "--api-key", AGENT_KEY, timeout=300))
 
 
 @pytest.fixture(scope="session")
 def gemma_server(gemma_path, tmp_path_factory):
-    """Gemma 3 270M served (test_gguf_gemma): the aliases claude-* and gpt-*, an API
-    key, and, as it is a base model, greedy answers that end with their first line
-    unless a request says otherwise."""
-    root = tmp_path_factory.mktemp("gemma-server")
-    config = root / "settings.toml"
-    config.write_text(f'[models."{GEMMA}"]\naliases = ["claude-*", "gpt-*"]\ndefault_temperature = 0\n'
-                      'default_stop = ["\\n"]\n')
-    yield from _shared("gemma_server", start_server(gemma_path, root / "server.log", "--config", str(config),
-                                                    "--api-key", GEMMA_KEY, timeout=300))
-
-
-QWEN = "qwen2.5-coder-0.5b-instruct"
-AGENT_KEY = "agent-test-key"
+    """Gemma 3 270M served (test_gguf_gemma); a base model, so its answers end with
+    their first line unless a request says otherwise."""
+    yield from _served("gemma_server", gemma_path, GEMMA, 'default_stop = ["\\n"]\n', tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def qwen_server(qwen_path, tmp_path_factory):
     """Qwen2.5-Coder-0.5B-Instruct, a real model that calls tools with special
-    tokens, as the coding agents need it (test_agents, test_qwen_coder): the
-    aliases claude-* and gpt-* for the model names the agents ask for, an API
-    key, and greedy answers unless a request says otherwise."""
-    root = tmp_path_factory.mktemp("qwen-server")
-    config = root / "settings.toml"
-    config.write_text(f'[models."{QWEN}"]\naliases = ["claude-*", "gpt-*"]\ndefault_temperature = 0\n')
-    yield from _shared("qwen_server", start_server(qwen_path, root / "server.log", "--config", str(config),
-                                                   "--api-key", AGENT_KEY, timeout=300))
+    tokens, as the coding agents need it (test_agents, test_qwen_coder). At most
+    256 tokens unless a request says otherwise: Codex sends no max_output_tokens,
+    and a small model that loops would write to the end of its context."""
+    yield from _served("qwen_server", qwen_path, QWEN, "default_max_tokens = 256\n", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

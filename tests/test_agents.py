@@ -8,9 +8,10 @@ server's usage. The agents ask for their own model names (claude-*, gpt-*),
 which the settings file's aliases map to Qwen (conftest's qwen_server, shared
 with test_qwen_coder).
 
-Claude Code runs with few of its tools instead of its 25: its whole prompt is
-21.8k tokens, a 1.5-4k-token one keeps each turn to seconds on a 2-core CPU
-(`tierlm bench agents` measures the whole one). A model of 0.5B parameters
+Claude Code runs with few of its tools instead of its 25 and Codex with a
+one-line instruction file instead of its own: their whole prompts are 21.8k and
+~9k tokens, smaller ones keep each turn to seconds on a 2-core CPU (`tierlm
+bench agents` measures the whole ones). A model of 0.5B parameters
 calls its tool again after the result rather than answering, so the writing
 task ends at Claude Code's own turn limit, after the call that wrote the file.
 Skipped only where npm is missing."""
@@ -83,12 +84,25 @@ def test_claude_code_completes_turns_and_the_second_reads_the_first_from_cache(a
     assert second["usage"]["cache_read_input_tokens"] >= prompt - 256, (first["usage"], second["usage"])
 
 
-def codex_turn(agents: Path, srv, home: Path, prompt: str, *args: str) -> dict:
-    """One `codex exec` turn; the usage of its turn.completed event."""
+def _codex_config(srv, home: Path) -> None:
     config = home / ".codex" / "config.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text('model = "gpt-5-codex"\nmodel_provider = "tierlm"\n\n[model_providers.tierlm]\n'
                       f'name = "tierlm"\nbase_url = "{srv.v1}"\nwire_api = "responses"\nenv_key = "TIERLM_API_KEY"\n')
+
+
+def _short_instructions(home: Path) -> list[str]:
+    """Codex's options for a one-line instruction file instead of its own ~6k
+    tokens of instructions (its tools stay): the prompt a 2-core CPU prefills."""
+    instructions = home / "instructions.md"
+    instructions.write_text("You are a coding agent working in the current directory. You do each task by "
+                            "calling a tool.\n")
+    return ["-c", f'model_instructions_file="{instructions}"']
+
+
+def codex_turn(agents: Path, srv, home: Path, prompt: str, *args: str) -> dict:
+    """One `codex exec` turn; the usage of its turn.completed event."""
+    _codex_config(srv, home)
     done = _run([agents / "codex", "exec", *args, "--skip-git-repo-check", "--json", prompt], home,
                 {"TIERLM_API_KEY": KEY})
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -98,7 +112,9 @@ def codex_turn(agents: Path, srv, home: Path, prompt: str, *args: str) -> dict:
 
 
 def test_codex_completes_turns_and_the_second_reads_the_first_from_cache(agents, qwen_server, tmp_path):
-    first = codex_turn(agents, qwen_server, tmp_path, "Say hello in one short sentence.")
+    short = _short_instructions(tmp_path)
+    first = codex_turn(agents, qwen_server, tmp_path, "Say hello in one short sentence.", *short)
     assert first["input_tokens"] > 2000 and first["output_tokens"] > 0
-    second = codex_turn(agents, qwen_server, tmp_path, "Thank you.", "resume", "--last")
+    second = codex_turn(agents, qwen_server, tmp_path, "Thank you.", *short, "resume", "--last")
     assert second["cached_input_tokens"] >= first["input_tokens"] - 256, (first, second)
+

@@ -105,7 +105,7 @@ def test_auto_leaves_text_free(client):
     ([WEATHER, WEATHER], "auto", "tools[1].function.name"),
     ([{"type": "retrieval"}], "auto", "tools[0]"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "(?<=x)"}}}],
-     "required", "tools"),
+     "required", "tools[0].function.parameters"),
 ])
 def test_bad_tools_are_a_400_naming_the_field(client, tools, choice, param):
     with pytest.raises(openai.BadRequestError) as e:

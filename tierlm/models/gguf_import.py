@@ -158,21 +158,14 @@ def _rope_scaling(meta: dict, arch: str) -> dict | None:
     return None
 
 
-def _qwen2_config(meta: dict) -> dict:
-    config = _common_config(meta, "qwen2", "qwen2")
-    config["rms_norm_eps"] = _scalar(meta, "qwen2.attention.layer_norm_rms_epsilon", 1e-6)
-    scaling = _rope_scaling(meta, "qwen2")
-    if scaling:
-        config["rope_scaling"] = {**scaling, "type": scaling["rope_type"]}
-    return config
-
-
-def _qwen3_config(meta: dict) -> dict:
-    config = _common_config(meta, "qwen3", "qwen3")
-    config["rms_norm_eps"] = _scalar(meta, "qwen3.attention.layer_norm_rms_epsilon", 1e-6)
-    config["head_dim"] = _scalar(meta, "qwen3.attention.key_length",
-                                 config["hidden_size"] // config["num_attention_heads"])
-    scaling = _rope_scaling(meta, "qwen3")
+def _qwen_config(meta: dict, arch: str) -> dict:
+    """Qwen2 and Qwen3: Qwen3 adds Q/K norms and a head size of its own."""
+    config = _common_config(meta, arch, arch)
+    config["rms_norm_eps"] = _scalar(meta, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    if arch == "qwen3":
+        config["head_dim"] = _scalar(meta, "qwen3.attention.key_length",
+                                     config["hidden_size"] // config["num_attention_heads"])
+    scaling = _rope_scaling(meta, arch)
     if scaling:
         config["rope_scaling"] = {**scaling, "type": scaling["rope_type"]}
     return config
@@ -274,8 +267,8 @@ GEMMA3_CHAT_TEMPLATE = (
 
 ARCHITECTURES = {
     "llama": _Arch(_LLAMA_LAYER_NAMES, _llama_config, end_of_turn=("<|eot_id|>", "<|eom_id|>")),
-    "qwen2": _Arch(_LLAMA_LAYER_NAMES, _qwen2_config, end_of_turn=("<|im_end|>",)),
-    "qwen3": _Arch(_QWEN3_LAYER_NAMES, _qwen3_config, end_of_turn=("<|im_end|>",)),
+    "qwen2": _Arch(_LLAMA_LAYER_NAMES, lambda meta: _qwen_config(meta, "qwen2"), end_of_turn=("<|im_end|>",)),
+    "qwen3": _Arch(_QWEN3_LAYER_NAMES, lambda meta: _qwen_config(meta, "qwen3"), end_of_turn=("<|im_end|>",)),
     "phi3": _Arch(_PHI3_LAYER_NAMES, _phi3_config, end_of_turn=("<|end|>",)),
     "gemma3": _Arch(_GEMMA3_LAYER_NAMES, _gemma3_config, norm_shift=1.0,
                     end_of_turn=("<end_of_turn>",), chat_template=GEMMA3_CHAT_TEMPLATE),

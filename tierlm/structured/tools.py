@@ -244,8 +244,9 @@ def call_grammar(tools: list[Tool], fmt: ToolFormat, choice: ToolChoice, literal
 
     - `required` and a named tool: calls and nothing else.
     - `auto`: free text until the model writes the call's opening marker (a lazy
-      trigger, as llguidance's structural tags); from there the call must be
-      well formed. With `text_schema`, the answer is calls or JSON of that schema.
+      trigger, as llguidance's structural tags, or the marker's own token);
+      from there the call must be well formed. With `text_schema`, the answer
+      is calls or JSON of that schema.
     - One call for a named tool or unless `choice.parallel`; else up to
       MAX_PARALLEL_CALLS, one per line at most. The answer ends after its calls.
     `literal` writes a marker as Lark (a special token is named, not spelled)."""
@@ -269,9 +270,9 @@ def call_grammar(tools: list[Tool], fmt: ToolFormat, choice: ToolChoice, literal
     elif opening.startswith("<["):
         # a marker that is one special token: text never writes it, so the text
         # runs free until the model emits it, and the calls follow
-        lines += ["start: TEXT? calls?", f"calls: {calls}", r"TEXT: /(.|\n)+/", f"call: {opening}{pad} {body}{close}"]
+        start = "TEXT? calls? | fenced" if fmt.fenced else "TEXT? calls?"
+        lines += [f"start: {start}", f"calls: {calls}", r"TEXT: /(.|\n)+/", f"call: {opening}{pad} {body}{close}"]
         if fmt.fenced:
-            lines[1] += " | fenced"
             lines += _fenced_calls(tools, fmt, single)
     else:
         # a marker spelled in text: a lazy trigger on it (llguidance lexes no
