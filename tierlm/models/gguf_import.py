@@ -350,10 +350,8 @@ _LLAMA3_SPLIT = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # one digit a piece
 _LLAMA3_FAMILY = {"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"}
-_SPLITS = {
-    "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT, "pixtral": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT,
-}
+_SPLITS = {**dict.fromkeys(_LLAMA3_FAMILY, _LLAMA3_SPLIT),
+           **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT)}
 
 
 def _byte_level_pre_tokenizer(pre: str | None):
@@ -394,14 +392,17 @@ def _adds_bos(meta: dict) -> bool:
     return bool(_scalar(meta, "tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.pre") in _LLAMA3_FAMILY))
 
 
-def _add_whole_tokens(tokenizer: Tokenizer, tokens: list[str], types: list[int]) -> None:
-    """Control tokens as special ones; user-defined ones (Qwen's `<tool_call>`)
-    matched whole wherever they stand in a text, as llama.cpp matches both."""
+def _add_whole_tokens(tokenizer: Tokenizer, tokens: list[str], types: list[int],
+                      user_defined: Callable[[int], bool] = lambda i: True) -> None:
+    """Control tokens as special ones; user-defined ones (Qwen's `<tool_call>`,
+    those `user_defined(i)` keeps) matched whole wherever they stand in a text,
+    as llama.cpp matches both."""
     tokenizer.add_special_tokens([
         AddedToken(tok, special=True, normalized=False) for tok, t in zip(tokens, types) if t == _CONTROL_TOKEN
     ])
     tokenizer.add_tokens([
-        AddedToken(tok, special=False, normalized=False) for tok, t in zip(tokens, types) if t == _USER_DEFINED
+        AddedToken(tok, special=False, normalized=False)
+        for i, (tok, t) in enumerate(zip(tokens, types)) if t == _USER_DEFINED and user_defined(i)
     ])
 
 
@@ -443,14 +444,9 @@ def _sentencepiece_bpe(meta: dict, tokens: list[str], types: list[int]) -> Token
     tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), replace]) if add_prefix else replace
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if add_prefix else steps)
-    tokenizer.add_special_tokens([
-        AddedToken(tok, special=True, normalized=False) for tok, t in zip(tokens, types) if t == _CONTROL_TOKEN
-    ])
-    # user-defined pieces (newline runs, HTML tags, ...) are matched whole, as llama.cpp does
-    tokenizer.add_tokens([
-        AddedToken(tok, special=False, normalized=False)
-        for tok, sp, t in zip(tokens, spelled, types) if t == _USER_DEFINED and tok == sp
-    ])
+    # user-defined pieces (newline runs, HTML tags, ...) are matched whole, but
+    # not those spelled with spaces: the normalizer has made those `▁`
+    _add_whole_tokens(tokenizer, tokens, types, user_defined=lambda i: tokens[i] == spelled[i])
     bos_id = _scalar(meta, "tokenizer.ggml.bos_token_id")
     if bos_id is not None and _scalar(meta, "tokenizer.ggml.add_bos_token", True):
         bos = tokens[bos_id]

@@ -209,7 +209,7 @@ def no_call_grammar(fmt: ToolFormat, literal: Callable[[str], str], tools: list[
 
 
 def _json_call_opening(tools: list[Tool]) -> str:
-    """A regex for the start of a call written as JSON text: `{"name": "<a tool>"`."""
+    """A regex for the start of a call written as JSON text: `{"name": "<one of the tools>"`."""
     names = "|".join(_regex_literal(json.dumps(t.name)) for t in tools)
     return r'\{\s*"name"\s*:\s*(' + names + ")"
 
@@ -224,10 +224,9 @@ def _fenced_calls(tools: list[Tool], fmt: ToolFormat, single: bool) -> list[str]
              f'ARGS_KEY: /[ \\n]{{0,8}},[ \\n]{{0,8}}"{fmt.args_key}"[ \\n]{{0,4}}:[ \\n]{{0,4}}/',
              r"CLOSE: /[ \n]{0,8}\}/", r'FENCE_END: /\n?```/']
     for i, tool in enumerate(tools):
-        name = _regex_literal(json.dumps(tool.name))
         rules += [
             f"fcall_{i}: fopen_{i} ARGS_KEY {json_body(tool.schema, lenient=True)} CLOSE FENCE_END?",
-            f'fopen_{i}[lazy]: TEXT? /(```(json)?\\n?)?\\{{\\s*"name"\\s*:\\s*{name}/',
+            f"fopen_{i}[lazy]: TEXT? /(```(json)?\\n?)?{_json_call_opening([tool])}/",
         ]
     return rules
 

@@ -116,7 +116,7 @@ class ModelTurns:
         """A TurnError naming the first tool whose parameters schema does not compile alone."""
         for i, tool in enumerate(tools):
             try:
-                self.grammars.check(_lark(f"%llguidance {{}}\nstart: {json_body(tool.schema, lenient=True)}\n"))
+                self.grammars.check(_lark(_json_lark(tool.schema, lenient=True)))
             except GrammarError as e:
                 # llguidance's message, less its listing of the grammar (numbered lines, carets)
                 lines = (line.strip() for line in str(e).splitlines())
@@ -147,7 +147,7 @@ class ModelTurns:
             lark = call_grammar(spec.tools, self.format, spec.tool_choice, self.grammars.literal,
                                 spec.json_schema)
         if lark is None and spec.json_schema is not None:
-            lark = f"%llguidance {{}}\nstart: {json_body(spec.json_schema)}\n"
+            lark = _json_lark(spec.json_schema)
         if lark is None and spec.tools and not spec.calls_tools:  # "none": the tools are listed all the same
             lark = no_call_grammar(self.format, self.grammars.literal, spec.tools)
         if lark is None:
@@ -157,6 +157,11 @@ class ModelTurns:
         if not thinking:
             return _lark(lark)
         return _after_thinking(lark, self.markers, self.grammars.literal, sorted(self.tokenizer.eos_token_ids))
+
+
+def _json_lark(schema: dict | bool, lenient: bool = False) -> str:
+    """A Lark grammar whose answer is JSON valid against `schema`."""
+    return f"%llguidance {{}}\nstart: {json_body(schema, lenient)}\n"
 
 
 def _lark(lark: str) -> str:
