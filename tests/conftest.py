@@ -147,8 +147,11 @@ def qwen_server(qwen_path, tmp_path_factory):
     """Qwen2.5-Coder-0.5B-Instruct, a real model that calls tools with special
     tokens, as the coding agents need it (test_agents, test_qwen_coder). At most
     256 tokens unless a request says otherwise: Codex sends no max_output_tokens,
-    and a small model that loops would write to the end of its context."""
-    yield from _served("qwen_server", qwen_path, QWEN, "default_max_tokens = 256\n", tmp_path_factory)
+    and a small model that loops would write to the end of its context. One tool
+    call an answer: given more, the 0.5B model repeats its call (an edit made
+    twice)."""
+    yield from _served("qwen_server", qwen_path, QWEN, "default_max_tokens = 256\nparallel_tool_calls = false\n",
+                       tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -72,6 +72,29 @@ def test_claude_code_writes_a_file(agents, qwen_server, tmp_path):
     assert (tmp_path / "project" / "notes.txt").read_text() == "hello world"
 
 
+CALC = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+
+
+def test_claude_code_changes_a_function(agents, qwen_server, tmp_path):
+    """Two turns of one conversation, as a user would: read the file, then
+    change it. Claude Code's Edit refuses a file not read first, and asked both
+    at once the 0.5B model edits first, so the reading is a turn of its own.
+    Each turn is one answer (--max-turns 1): the model's next would edit again."""
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "calc.py").write_text(CALC)
+    edit = ("--system-prompt", "You are a coding agent in the current directory. You do each task by calling a "
+            "tool.", "--permission-mode", "acceptEdits", "--max-turns", "1")
+    read = claude(agents, qwen_server, tmp_path, "Read calc.py.", *edit, tools="Read,Edit")
+    changed = claude(agents, qwen_server, tmp_path, "In calc.py, change the function add: replace return a + b "
+                     "with return a + b + 1.", *edit, "--continue", tools="Read,Edit")
+    assert (tmp_path / "project" / "calc.py").read_text() == CALC.replace("a + b", "a + b + 1")
+    for result in (read, changed):
+        assert result["subtype"] in ("success", "error_max_turns"), result
+    # the second turn reads what the first sent from the cache, but its last, partial block
+    sent = read["usage"]["input_tokens"] + read["usage"]["cache_read_input_tokens"]
+    assert changed["usage"]["cache_read_input_tokens"] >= sent - 256, (read["usage"], changed["usage"])
+
+
 def test_claude_code_completes_turns_and_the_second_reads_the_first_from_cache(agents, qwen_server, tmp_path):
     first = claude_turn(agents, qwen_server, tmp_path, "Say hello in one short sentence.")
     assert first["result"].strip()
@@ -91,24 +114,56 @@ def _codex_config(srv, home: Path) -> None:
                       f'name = "tierlm"\nbase_url = "{srv.v1}"\nwire_api = "responses"\nenv_key = "TIERLM_API_KEY"\n')
 
 
-def _short_instructions(home: Path) -> list[str]:
+def _short_instructions(home: Path, text: str = "You are a coding agent working in the current directory. You do "
+                        "each task by calling a tool.") -> list[str]:
     """Codex's options for a one-line instruction file instead of its own ~6k
     tokens of instructions (its tools stay): the prompt a 2-core CPU prefills."""
     instructions = home / "instructions.md"
-    instructions.write_text("You are a coding agent working in the current directory. You do each task by "
-                            "calling a tool.\n")
+    instructions.write_text(text + "\n")
     return ["-c", f'model_instructions_file="{instructions}"']
 
 
-def codex_turn(agents: Path, srv, home: Path, prompt: str, *args: str) -> dict:
-    """One `codex exec` turn; the usage of its turn.completed event."""
+def codex_events(agents: Path, srv, home: Path, prompt: str, *args: str) -> list[dict]:
+    """One `codex exec` turn's events; it completed."""
     _codex_config(srv, home)
     done = _run([agents / "codex", "exec", *args, "--skip-git-repo-check", "--json", prompt], home,
                 {"TIERLM_API_KEY": KEY})
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    failures = [e for e in events if e.get("type") in ("turn.failed", "error")]
+    failures = [e for e in events if e.get("type") in ("turn.failed", "error") and "metadata" not in str(e)]
     assert not failures, failures
+    return events
+
+
+def codex_turn(agents: Path, srv, home: Path, prompt: str, *args: str) -> dict:
+    """One `codex exec` turn; the usage of its turn.completed event."""
+    events = codex_events(agents, srv, home, prompt, *args)
     return next(e for e in events if e.get("type") == "turn.completed")["usage"]
+
+
+# Codex's tools for a model it has no metadata for, less those a coding task
+# here has no use for (sub-agents, goals, images, apps, plugins, web search):
+# exec_command, write_stdin and request_user_input stay
+_FEW_TOOLS = [arg for feature in ("multi_agent", "goals", "view_image", "image_generation", "apps", "plugins",
+                                  "skill_search", "tool_suggest", "sleep_tool")
+              for arg in ("--disable", feature)] + ["-c", 'web_search="disabled"']
+
+
+def test_codex_runs_a_command_that_writes_a_file(agents, qwen_server, tmp_path):
+    """The file is checked on disk. The 0.5B model fills every optional field
+    of exec_command, sandbox_permissions "require_escalated" among them, which
+    `codex exec` refuses unless approvals are routed to its automatic review
+    (--approve-for-me): Codex then asks the same model, with a JSON schema for
+    the verdict, whether to allow the command. Told what to do in words ("create
+    the file ..."), the model runs `touch` or `echo` without the redirection, so
+    the task names the command."""
+    short = _short_instructions(tmp_path, "You are a coding agent working in the current directory. You do each "
+                                          "task by running a shell command with exec_command.")
+    events = codex_events(agents, qwen_server, tmp_path, "Run this shell command: echo 'hello world' > notes.txt",
+                          *short, "--approve-for-me", *_FEW_TOOLS)
+    assert (tmp_path / "project" / "notes.txt").read_text() == "hello world\n"
+    commands = [e["item"] for e in events if e.get("type") == "item.completed"
+                and e["item"].get("type") == "command_execution"]
+    assert any("notes.txt" in c["command"] and c["exit_code"] == 0 for c in commands), commands
 
 
 def test_codex_completes_turns_and_the_second_reads_the_first_from_cache(agents, qwen_server, tmp_path):

@@ -200,3 +200,38 @@ def test_a_bad_tool_schema_is_a_400_naming_the_tool(client):
     assert "'write_file'" in e.value.message and "unclosed group" in e.value.message, e.value.message
     assert e.value.body["param"] == "tools[0].function.parameters"
     assert _chat(client, tool_choice="auto").finish_reason == "tool_calls"  # the next request is answered
+
+
+@pytest.fixture(scope="module")
+def turns(qwen_path):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from tierlm.structured.turn import ModelTurns
+
+    return ModelTurns(load_tokenizer(qwen_path))
+
+
+def _allowed_after(turns, text: str) -> set[str]:
+    """What the grammar of auto, one call, lets the model write after `text` (checked token by token)."""
+    from tierlm.structured.tools import Tool, ToolChoice
+    from tierlm.structured.turn import TurnSpec
+
+    spec = TurnSpec(tools=[Tool(WRITE["name"], WRITE["description"], WRITE["parameters"])],
+                    tool_choice=ToolChoice("auto", parallel=False))
+    constraint = turns.start(spec, turns.tokenizer.encode("hello")).constraint
+    for token in turns.tokenizer.encode(text, add_special_tokens=False):
+        assert constraint.allowed(len(turns.tokenizer.vocab))[token], (text, turns.tokenizer.decode([token]))
+        constraint.consume(token)
+    mask = constraint.allowed(len(turns.tokenizer.vocab))
+    return {turns.tokenizer.decode([t]) for t in mask.nonzero()[0]}
+
+
+CALL = '{"name": "write_file", "arguments": {\n    "path": "a.py",\n    "content": "x"\n  }\n}'
+
+
+def test_a_call_in_a_fence_closes_it_and_a_bare_call_writes_none(turns):
+    """Qwen's calls written as JSON text, indented as it writes them: a fence
+    that opened must close, and a bare call cannot close one (the ``` would
+    be left in the text)."""
+    assert "```" in _allowed_after(turns, "```json\n" + CALL + "\n")
+    assert not any("`" in t for t in _allowed_after(turns, CALL + "\n"))

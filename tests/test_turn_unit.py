@@ -447,6 +447,16 @@ def test_native_tools_are_a_template_variable(native_turns, tokenizer):
     drive(native_turns.grammars, run.constraint, hermes_call())
 
 
+@pytest.mark.parametrize("parallel_calls", [True, False])
+def test_a_model_held_to_one_call_gets_one_whatever_the_request_allows(tokenizer, parallel_calls):
+    """The parallel_tool_calls setting: false holds the model to one call an answer."""
+    turns = ModelTurns(tokenizer, tool_format="hermes", parallel_calls=parallel_calls)
+    run = turns.start(TurnSpec(tools=TOOLS, tool_choice=ToolChoice("required")), list(tokenizer.encode("hello")))
+    drive(turns.grammars, run.constraint, hermes_call() + "\n")
+    [lt] = tokenizer.encode("<", add_special_tokens=False)
+    assert run.constraint.allowed(turns.grammars.ll_tokenizer.vocab_size)[lt] == parallel_calls
+
+
 def test_a_grammar_with_tools_is_refused_unless_tool_choice_is_none(turns):
     grammar = '%llguidance {}\nstart: "yes" | "no"\n'
     with pytest.raises(TurnError) as e:

@@ -162,6 +162,9 @@ class Settings:
                              per_model=True)
     max_thinking_tokens: int | None = setting(None, "thinking tokens after which the thinking section is "
                                               "closed (a request's max_thinking_tokens wins)", per_model=True)
+    parallel_tool_calls: bool = setting(True, "several tool calls in one answer where the request allows "
+                                              "them; false: one call an answer whatever the request says "
+                                              "(llama.cpp's default; small models repeat a call)", per_model=True)
     prefix_cache: bool = setting(True, "reuse the KV of prompt prefixes seen before", per_model=True)
     cache_block_size: int = setting(256, "tokens per prefix-cache block", per_model=True)
     hot_cache_size: str = setting("10%", "memory for cached blocks (bytes, 4GB, or 10% of memory)",

@@ -55,7 +55,7 @@ class TurnsCache:
         """The model's ModelTurns, cached or loading in a thread of its own now
         (a failed load is not kept)."""
         key = (str(path), tokenizer_stamp(path), settings.tool_format, settings.reasoning,
-               settings.max_thinking_tokens)
+               settings.max_thinking_tokens, settings.parallel_tool_calls)
         with self._lock:
             found = self._entries.get(key)
             if found is not None:
@@ -162,7 +162,7 @@ async def serve(entry: ModelEntry, settings: Settings, is_default: bool = False,
 def _model_turns(tokenizer, settings: Settings) -> ModelTurns:
     """How the model takes turns (tools, reasoning)."""
     return ModelTurns(tokenizer, None if settings.tool_format == "auto" else settings.tool_format,
-                      settings.reasoning, settings.max_thinking_tokens)
+                      settings.reasoning, settings.max_thinking_tokens, settings.parallel_tool_calls)
 
 
 def _build_ll_tokenizer(turns: ModelTurns) -> None:

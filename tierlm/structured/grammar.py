@@ -16,8 +16,14 @@ import llguidance.hf
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-# Compact JSON: flexible whitespace lets small models write newlines forever
+# Compact JSON for answers: free whitespace lets small models write newlines
+# forever (and SmolLM2-135M, given any layout, writes some numbers forever).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# A tool call's arguments laid out as the model learned to write them, compact
+# or indented, with at most one newline between two tokens: held to compact
+# JSON where it indents (Qwen2.5-Coder in a ```json fence), a model writes worse
+# values (`echo 'hello world'` for `echo 'hello world' > notes.txt`).
+TOOL_JSON_OPTIONS = {"whitespace_flexible": False, "whitespace_pattern": r"\n?[ \t]{0,16}", "lenient": True}
 
 
 class GrammarError(ValueError):
@@ -40,17 +46,18 @@ def lark_grammar(lark: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
-def json_body(schema: dict | bool, lenient: bool = False) -> str:
+def json_body(schema: dict | bool, tool: bool = False) -> str:
     """A JSON schema as a body inside a Lark rule (`%json {...}`), compact as above,
     its objects closed (closed_objects).
-    `lenient`: keywords llguidance does not implement (`propertyNames`, ...) are
-    ignored rather than refused: for tools, whose schemas an agent writes for
-    models that read them, not for grammars (Claude Code's use propertyNames)."""
+    `tool`: a tool's arguments, in the model's layout (TOOL_JSON_OPTIONS), and
+    keywords llguidance does not implement (`propertyNames`, ...) are ignored
+    rather than refused: an agent writes a tool's schema for models that read it,
+    not for grammars (Claude Code's use propertyNames)."""
     if schema is True or schema == {}:
         schema = {}
     elif schema is False:
         raise GrammarError("the JSON schema `false` accepts nothing")
-    options = {**JSON_OPTIONS, "lenient": True} if lenient else JSON_OPTIONS
+    options = TOOL_JSON_OPTIONS if tool else JSON_OPTIONS
     return "%json " + json.dumps({**closed_objects(schema), "x-guidance": options})
 
 

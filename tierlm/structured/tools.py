@@ -223,10 +223,14 @@ def _fenced_calls(tools: list[Tool], fmt: ToolFormat, single: bool) -> list[str]
              "fcall: " + " | ".join(f"fcall_{i}" for i in range(len(tools))),
              f'ARGS_KEY: /[ \\n]{{0,8}},[ \\n]{{0,8}}"{fmt.args_key}"[ \\n]{{0,4}}:[ \\n]{{0,4}}/',
              r"CLOSE: /[ \n]{0,8}\}/", r'FENCE_END: /\n?```/']
+    # a fence closes only where one opened (a bare call followed by ``` would
+    # leave the ``` in the text)
     for i, tool in enumerate(tools):
+        opening, body = _json_call_opening([tool]), f"ARGS_KEY {json_body(tool.schema, tool=True)} CLOSE"
         rules += [
-            f"fcall_{i}: fopen_{i} ARGS_KEY {json_body(tool.schema, lenient=True)} CLOSE FENCE_END?",
-            f"fopen_{i}[lazy]: TEXT? /(```(json)?\\n?)?{_json_call_opening([tool])}/",
+            f"fcall_{i}: ffence_{i} {body} FENCE_END | fbare_{i} {body}",
+            f"ffence_{i}[lazy]: TEXT? /```(json)?\\n?{opening}/",
+            f"fbare_{i}[lazy]: TEXT? /{opening}/",
         ]
     return rules
 
@@ -251,7 +255,7 @@ def call_grammar(tools: list[Tool], fmt: ToolFormat, choice: ToolChoice, literal
     `literal` writes a marker as Lark (a special token is named, not spelled)."""
     if choice.mode == "none" or not tools or not fmt.json_body or not fmt.start:
         return None
-    body = json_body(call_schema(tools, fmt, choice.name), lenient=True)
+    body = json_body(call_schema(tools, fmt, choice.name), tool=True)
     pad = ' "\\n"?' if fmt.name in ("hermes", "json_tools") else ""  # the newlines its models write
     close = f"{pad} {literal(fmt.end)}" if fmt.end else ""
     single = choice.name is not None or not choice.parallel

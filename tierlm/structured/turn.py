@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tierlm.engine.constraint import AllOf, TokenConstraint
 from tierlm.structured.events import Event, ReasoningDelta, TextDelta
@@ -67,12 +67,13 @@ class ModelTurns:
     its grammars. Built once per served model."""
 
     def __init__(self, tokenizer, tool_format: str | None = None, reasoning: str | None = None,
-                 max_thinking_tokens: int | None = None):
+                 max_thinking_tokens: int | None = None, parallel_calls: bool = True):
         self.tokenizer = tokenizer
         self.grammars = ModelGrammars(tokenizer)
         self.format = format_named(tool_format) if tool_format else format_for(tokenizer)
         self.markers = markers_for(tokenizer, reasoning)
         self.max_thinking_tokens = max_thinking_tokens
+        self.parallel_calls = parallel_calls  # False: one call an answer, whatever a request allows
 
     def prepare(self, spec: TurnSpec, messages: list[dict]) -> tuple[list[dict], dict]:
         """The messages for the chat template, and what to add to its variables."""
@@ -116,7 +117,7 @@ class ModelTurns:
         """A TurnError naming the first tool whose parameters schema does not compile alone."""
         for i, tool in enumerate(tools):
             try:
-                self.grammars.check(_lark(_json_lark(tool.schema, lenient=True)))
+                self.grammars.check(_lark(_json_lark(tool.schema, tool=True)))
             except GrammarError as e:
                 # llguidance's message, less its listing of the grammar (numbered lines, carets)
                 lines = (line.strip() for line in str(e).splitlines())
@@ -144,8 +145,8 @@ class ModelTurns:
         if spec.calls_tools:
             if spec.grammar is not None:
                 raise TurnError("a grammar cannot be combined with tools; send tool_choice 'none'", "grammar")
-            lark = call_grammar(spec.tools, self.format, spec.tool_choice, self.grammars.literal,
-                                spec.json_schema)
+            choice = spec.tool_choice if self.parallel_calls else replace(spec.tool_choice, parallel=False)
+            lark = call_grammar(spec.tools, self.format, choice, self.grammars.literal, spec.json_schema)
         if lark is None and spec.json_schema is not None:
             lark = _json_lark(spec.json_schema)
         if lark is None and spec.tools and not spec.calls_tools:  # "none": the tools are listed all the same
@@ -159,9 +160,9 @@ class ModelTurns:
         return _after_thinking(lark, self.markers, self.grammars.literal, sorted(self.tokenizer.eos_token_ids))
 
 
-def _json_lark(schema: dict | bool, lenient: bool = False) -> str:
+def _json_lark(schema: dict | bool, tool: bool = False) -> str:
     """A Lark grammar whose answer is JSON valid against `schema`."""
-    return f"%llguidance {{}}\nstart: {json_body(schema, lenient)}\n"
+    return f"%llguidance {{}}\nstart: {json_body(schema, tool)}\n"
 
 
 def _lark(lark: str) -> str:
