@@ -1,10 +1,10 @@
 """Two real coding agents, installed from npm and pointed at a real server on
 Qwen2.5-Coder-0.5B-Instruct (32k context, a chat template that knows tools,
 `<tool_call>` a token of its own): Claude Code over the Anthropic Messages API
-and Codex CLI over the Responses API. Claude Code writes a file the test then
-reads from disk; each agent completes a turn, and its second turn reads the
-first turn's prompt from the prefix cache, as the agent itself reports the
-server's usage. The agents ask for their own model names (claude-*, gpt-*),
+and Codex CLI over the Responses API. Claude Code writes a file and changes a
+function, Codex runs a command that writes a file, each checked on disk; each
+agent completes a turn, and its second turn reads the first turn's prompt from
+the prefix cache, as the agent itself reports the server's usage. The agents ask for their own model names (claude-*, gpt-*),
 which the settings file's aliases map to Qwen (conftest's qwen_server, shared
 with test_qwen_coder).
 
@@ -12,8 +12,8 @@ Claude Code runs with few of its tools instead of its 25 and Codex with a
 one-line instruction file instead of its own: their whole prompts are 21.8k and
 ~9k tokens, smaller ones keep each turn to seconds on a 2-core CPU (`tierlm
 bench agents` measures the whole ones). A model of 0.5B parameters
-calls its tool again after the result rather than answering, so the writing
-task ends at Claude Code's own turn limit, after the call that wrote the file.
+calls its tool again after the result rather than answering, so the file
+tasks end at Claude Code's own turn limit, after the call that did the work.
 Skipped only where npm is missing."""
 
 from __future__ import annotations
