@@ -58,26 +58,28 @@ def test_the_mask_covers_a_wider_model_vocabulary(grammars):
     assert mask.shape == (vocab + 100,) and not mask[vocab:].any()
 
 
+def _call_of_a(tool: bool = False) -> str:
+    """A Lark grammar: "call " and an object whose key "a" holds an array."""
+    return lark_grammar(f'start: "call " {json_body({"type": "object", "properties": {"a": {"type": "array"}}}, tool)}')
+
+
 @pytest.mark.parametrize("text", ['{"a": [1, 2]}', '{"a":[1,2]}', '{\n  "a": [\n    1,\n    2\n  ]\n}'])
 def test_a_tool_calls_json_is_laid_out_as_the_model_likes(grammars, text):
     """Compact or indented, as the model writes it (a small model held to one
     layout it did not choose writes worse values)."""
-    lark = f'start: "call " {json_body({"type": "object", "properties": {"a": {"type": "array"}}}, tool=True)}'
-    drive(grammars, lark_grammar(lark), "call " + text)
+    drive(grammars, _call_of_a(tool=True), "call " + text)
 
 
 def test_json_allows_no_run_of_newlines(grammars):
     """At most one newline between two tokens: a small model would otherwise write newlines forever."""
-    lark = f'start: "call " {json_body({"type": "object", "properties": {"a": {"type": "array"}}}, tool=True)}'
     with pytest.raises(AssertionError, match="refused"):
-        drive(grammars, lark_grammar(lark), 'call {\n\n"a": [1]}')
+        drive(grammars, _call_of_a(tool=True), 'call {\n\n"a": [1]}')
 
 
 def test_an_answers_json_is_compact(grammars):
-    lark = f'start: "call " {json_body({"type": "object", "properties": {"a": {"type": "array"}}})}'
-    drive(grammars, lark_grammar(lark), 'call {"a": [1, 2]}')
+    drive(grammars, _call_of_a(), 'call {"a": [1, 2]}')
     with pytest.raises(AssertionError, match="refused"):
-        drive(grammars, lark_grammar(lark), 'call {"a" :[1,2]}')
+        drive(grammars, _call_of_a(), 'call {"a" :[1,2]}')
 
 
 @pytest.mark.parametrize("grammar", [
