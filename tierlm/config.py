@@ -429,8 +429,8 @@ def disk_size(path: Path) -> int:
 
 
 def settings_markdown() -> str:
-    """The README's table of every setting, from their declarations (a test keeps
-    the README's copy equal to this)."""
+    """The table of every setting in docs/configuration.md, from their declarations
+    (a test keeps the page's copy equal to this)."""
     rows = ["| flag | environment | default | per model | what it does |", "|---|---|---|---|---|"]
     for f in setting_fields():
         flag = "--" + f.name.replace("_", "-")
