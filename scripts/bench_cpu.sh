@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 OUT=${OUT:-docs/bench-results/cpu}
 ROUNDS=${ROUNDS:-2}
+PY=${PY:-python}  # the Python tierlm is installed in: bench_lab runs from this tree
 mkdir -p "$OUT"
 bash scripts/build_llama_server.sh >/dev/null
 if [ -z "${SKIP_COMPARE:-}" ]; then
@@ -20,18 +21,18 @@ if [ -z "${SKIP_ENGINE:-}" ]; then
   tierlm bench engine --batch 1,8,32 --input-len 32 --output-len 64 --rounds "${ENGINE_ROUNDS:-6}" \
     --json "$OUT/engine-smollm2.json"  # 6 rounds: 2-3 could not resolve 3 % on this machine
 fi
-tierlm bench docs
+"$PY" -m bench_lab.docs
 if [ -n "${MULTI_TURN:-}" ]; then  # a coding agent's pattern: the history is resent every turn
   tierlm bench compare --servers tierlm,llama --threads "${LLAMA_THREADS:-1}" --concurrency 1,4 \
     --rounds "$ROUNDS" --workload multi-turn --turns 3 --system-len 256 --input-len 32 --output-len 16 \
     --num-prompts 4 --json "$OUT/compare-multi-turn.json"
-  tierlm bench docs
+  "$PY" -m bench_lab.docs
 fi
 if [ -n "${SHARED_PREFIX:-}" ]; then  # many requests over a few long prefixes: the prefix cache's case
   tierlm bench compare --servers tierlm,llama --threads "${LLAMA_THREADS:-1}" --concurrency 1,4 \
     --rounds "$ROUNDS" --workload shared-prefix --num-prefixes 2 --prefix-len 1024 --suffix-len 32 \
     --output-len 16 --num-prompts 8 --json "$OUT/compare-shared-prefix.json"
-  tierlm bench docs
+  "$PY" -m bench_lab.docs
 fi
 if [ -n "${CPU_TARGETS:-}" ]; then  # the CPU fast path's targets: 1 and 16 streams, TTFT of a 500-token prompt
   for threads in 1 2; do
@@ -42,5 +43,5 @@ if [ -n "${CPU_TARGETS:-}" ]; then  # the CPU fast path's targets: 1 and 16 stre
       --rounds "$ROUNDS" --workload random --input-len 500 --output-len 4 --num-prompts 3 \
       --json "$OUT/compare-ttft500-llama-t$threads.json"
   done
-  tierlm bench docs
+  "$PY" -m bench_lab.docs
 fi

@@ -5,7 +5,7 @@
 # and tokenizer of $TOKENIZER, a model folder), its decode roofline, tierlm's
 # engine vs a bare BatchGenerator, and tierlm served over HTTP at each of
 # $BATCHES streams. Results: $OUT/{roofline,engine,serve}-<preset>.json; copy
-# them to docs/bench-results/<machine>/ and run `tierlm bench docs`.
+# them to docs/bench-results/<machine>/ and run `python -m bench_lab.docs`.
 # Without .git in the tree, set TIERLM_BENCH_GIT=<commit> for the result files.
 set -uo pipefail
 OUT=${OUT:-/tmp/bench-out}
@@ -26,9 +26,9 @@ $PY -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())
 for preset in $PRESETS; do
   model=$MODELS/$preset
   log "$preset: writing random weights"
-  timeout 240 $PY -m tierlm.cli bench make-model "$preset" "$model" --tokenizer "$TOKENIZER" || continue
+  timeout 240 $PY -m bench_lab.make_model "$preset" "$model" --tokenizer "$TOKENIZER" || continue
   log "$preset: roofline"
-  timeout 120 $PY -m tierlm.cli bench roofline --model "$model" --batch "$BATCHES" \
+  timeout 120 $PY -m bench_lab.roofline --model "$model" --batch "$BATCHES" \
     --context $((INPUT_LEN + OUTPUT_LEN)) --json "$OUT/roofline-$preset.json"
   log "$preset: engine vs bare BatchGenerator"
   timeout 300 $PY -m tierlm.cli bench engine --model "$model" --batch "$BATCHES" \

@@ -1,10 +1,10 @@
-"""`tierlm bench constrained` on the default model, a tiny run: both arms run
+"""bench_lab.constrained on the default model, a tiny run: both arms run
 in alternating order, every request generates its tokens, and the table has its
 fields. How near 1 the ratios are is the benchmark's finding, not the test's."""
 
 import math
 
-from tierlm.bench.constrained import HEADER, run_constrained, table_rows
+from bench_lab.constrained import HEADER, run_constrained, table_rows
 
 
 def test_a_tiny_run_alternates_the_arms_and_fills_the_table(model_path):
@@ -30,7 +30,7 @@ def test_a_tiny_run_alternates_the_arms_and_fills_the_table(model_path):
 
 
 def test_a_result_renders_as_markdown():
-    from tierlm.bench.constrained import markdown, title
+    from bench_lab.constrained import markdown, title
 
     arm = {
         "step_us": 1000.0,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from tierlm.bench.docs import render_docs
+from bench_lab.docs import render_docs
 
 PCT = {"p50": 0.1, "p90": 0.1, "p99": 0.1}
 SUMMARY = {"requests_s": 1.0, "output_tok_s": 10.0, "ttft_s": PCT, "tpot_s": PCT, "itl_s": PCT,

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tierlm.bench.docs import render_engine
+from bench_lab.docs import render_engine
 from tierlm.bench.engine_overhead import (
     EngineRunner,
     merge_results,

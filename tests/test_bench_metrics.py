@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tierlm.bench.metrics import RequestRecord, percentile, steady_decode_rate, summarize
+from tierlm.loadgen.metrics import RequestRecord, percentile, steady_decode_rate, summarize
 
 
 def test_percentile_interpolates_like_numpy():
@@ -66,7 +66,7 @@ def test_steady_decode_rate_counts_the_full_batch_window():
 
 
 def test_engine_table_shows_each_rounds_ratio_and_their_geometric_mean(tmp_path):
-    from tierlm.bench.docs import render_engine
+    from bench_lab.docs import render_engine
 
     def run(runner, decode):
         return {"batch": 8, "runner": runner, "decode_tok_s": decode, "total_tok_s": decode, "mean_ttft_s": 0.1}
@@ -81,13 +81,13 @@ def test_engine_table_shows_each_rounds_ratio_and_their_geometric_mean(tmp_path)
     row = next(line for line in render_engine(doc, tmp_path / "e.json").splitlines() if line.startswith("| 8 "))
     assert "| 0.90–1.10 |" in row
     assert "| 0.995 ± 0.100 |" in row  # sqrt(0.9 * 1.1), and the s.e. of the two logs
-    from tierlm.bench.metrics import geometric_mean_se
+    from tierlm.loadgen.metrics import geometric_mean_se
 
     assert all(math.isnan(x) for x in geometric_mean_se([1.2]))  # one pair: no error to give
 
 
 def test_engine_table_checks_the_target_on_the_wall_clock_pairs_not_the_step_accounted_ratio(tmp_path):
-    from tierlm.bench.docs import render_engine
+    from bench_lab.docs import render_engine
 
     def run(runner, decode, steps):
         return {"batch": 8, "runner": runner, "decode_tok_s": decode, "total_tok_s": decode,

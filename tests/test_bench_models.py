@@ -1,4 +1,4 @@
-"""`tierlm bench models` on two tiny random-weight models, a tiny run: every phase
+"""bench_lab.models_bench on two tiny random-weight models, a tiny run: every phase
 runs against a real server (loads cold and warm, TTFT with and without a load,
 both workload arms), and the tables, JSON and markdown have their fields. How long
 anything takes is the benchmark's finding, not the test's."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from tierlm.bench.models_bench import (
+from bench_lab.models_bench import (
     LOAD_HEADER,
     MIXED_HEADER,
     ModelsBenchConfig,
@@ -85,7 +85,7 @@ def test_a_tiny_run_measures_every_phase_and_fills_the_tables(tmp_path, model_pa
 
 
 def test_the_docs_render_a_models_result(tmp_path):
-    from tierlm.bench.docs import render_docs
+    from bench_lab.docs import render_docs
 
     rows = {"cold_s": 1.0, "warm_s": 0.5, "unload_s": 0.1, "cold_n": 1, "warm_n": 1, "memory_bytes": 2**20}
     arm = {

@@ -1,17 +1,17 @@
-"""`tierlm bench streaming`'s cold starts: every run sends prompts of its own, so
+"""bench_lab.streaming's cold starts: every run sends prompts of its own, so
 no run is timed on blocks an earlier one left in the prefix cache."""
 
 from __future__ import annotations
 
 import itertools
 
-from tierlm.bench import runs, streaming
-from tierlm.cli import build_parser
+from bench_lab import streaming
+from tierlm.bench import runs
 
 
 def test_each_run_draws_new_prompts_of_the_same_lengths(model_path):
-    args = build_parser().parse_args(["bench", "streaming", "--input-len", "300", "--output-len", "8",
-                                      "--min-prompts", "4", "--warmup", "2"])
+    args = streaming.parser().parse_args(["--input-len", "300", "--output-len", "8", "--min-prompts", "4",
+                                          "--warmup", "2"])
     seeds = itertools.count(1)
     first, second = streaming._new_prompts(args, seeds), streaming._new_prompts(args, seeds)
     assert first.warmup == second.warmup == 0  # the first request timed is the first the server sees

@@ -382,7 +382,7 @@ def _get_job(http: HTTPRequest, job_id: str) -> dict:
 @api.post("/bench")
 async def bench(http: HTTPRequest):
     """{"model", "concurrencies": [1, 2, 4], "max_tokens": 32, "requests": 4 per
-    concurrency}: the built-in load generator (tierlm.bench.client) against this
+    concurrency}: the built-in load generator (tierlm.loadgen.client) against this
     server's own address, one concurrency after another; GET /admin/api/bench/{id}
     reports tok/s and TTFT per concurrency as each ends."""
     dash = _dash(http)
@@ -420,9 +420,9 @@ _PROMPT = "Write a short story about a lighthouse keeper and a storm. Number {i}
 
 
 async def _run_bench(dash: Dashboard, job: dict, base: str, key: str | None) -> None:
-    from tierlm.bench.client import LoadConfig, run_load
-    from tierlm.bench.metrics import summarize
-    from tierlm.bench.workloads import BenchRequest, Workload
+    from tierlm.loadgen.client import LoadConfig, run_load
+    from tierlm.loadgen.metrics import summarize
+    from tierlm.loadgen.workloads import BenchRequest, Workload
 
     try:
         for c in job["concurrencies"]:

@@ -1,1 +1,2 @@
-"""Benchmark harness: load generator, side-by-side runs, engine overhead. Not imported by the server."""
+"""`tierlm bench`: side-by-side runs, engine overhead, cache tiers, agents, over tierlm.loadgen.
+Not imported by the server or the dashboard; the lab instruments live in bench_lab/ (not installed)."""

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierlm.bench.constrained import cpu_flags
+from tierlm.bench.report import cpu_flags
 from tierlm.bench.servers import RunningServer, ServerSpec
 
 KEY = "bench-agents-key"

@@ -1,16 +1,14 @@
-"""`tierlm bench ...`: the command line of the benchmark harness.
+"""`tierlm bench ...`: the command line of the benchmark harness users run.
 
 tierlm bench serve     load generator against any OpenAI-compatible server
 tierlm bench compare   starts tierlm, mlx_lm.server and llama-server in turn, same workload
 tierlm bench engine    EngineCore vs a bare mlx-lm BatchGenerator loop, in process
-tierlm bench constrained  a batch with one grammar-constrained request vs none, in process
-tierlm bench roofline  decode roofline: weight bytes per step over measured copy bandwidth
-tierlm bench make-model  a random-weight model folder with real shapes (GPU runs)
-tierlm bench docs      regenerate docs/benchmarks.md from result JSON files
-tierlm bench soak      chaos run against one server: 5xx, hung, wrong answers, memory kept
-tierlm bench models    many models in one server: cold and warm loads, TTFT of a loading request, two models vs one
 tierlm bench agents    a Claude Code session against tierlm: time per turn, prompt tokens read from cache
 tierlm bench cache     the prefix cache's tiers: TTFT cold / hot / SSD, restore and write rates vs the disk's
+
+The lab's instruments (streaming, constrained, roofline, make_model, soak,
+models_bench, docs, cache_figures) are not installed: `python -m bench_lab.<name>`
+from the repository root.
 
 tierlm/cli.py imports this module for every command, `tierlm serve` included, so
 each subcommand imports what it runs inside its function: the server never loads
@@ -27,14 +25,14 @@ from pathlib import Path
 
 
 def add_bench_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: load generator, side-by-side runs, engine overhead")
+    bench = sub.add_parser("bench", help="benchmarks: load, side by side, engine overhead, cache, agents")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
 
     p = bsub.add_parser("serve", help="benchmark a running OpenAI-compatible server")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model id to send (default: the first the server lists)")
     p.add_argument("--api-key", default=None)
-    _add_load_args(p)
+    add_load_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = bsub.add_parser("compare", help="start each server on the same weights and workload, in turns")
@@ -45,7 +43,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--llama-server", default=None, help="llama-server binary")
     p.add_argument("--threads", type=int, default=None, help="llama-server threads (default: all cores)")
     p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
-    _add_load_args(p, default_concurrency="1,4,16")
+    add_load_args(p, default_concurrency="1,4,16")
     p.set_defaults(func=cmd_compare)
 
     p = bsub.add_parser("engine", help="EngineCore vs a bare BatchGenerator loop, same model and prompts")
@@ -70,81 +68,6 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", default=None, help="write results here")
     p.set_defaults(func=cmd_engine)
 
-    p = bsub.add_parser("streaming", help="ITL against TPOT per concurrency (before/after), and cold starts")
-    p.add_argument("--model", default=None, help="MLX model folder (default: the default model)")
-    p.add_argument("--base-tree", default=None, help="a checkout of another commit, served first, for a before/after")
-    p.add_argument("--cold", default="8,32", help="concurrencies of the cold-start runs (empty: none)")
-    p.add_argument("--cold-kernels", default="fresh,kept", help="fresh and/or kept: the kernel folder per start")
-    p.add_argument("--cold-repeats", type=int, default=3, help="cold starts per concurrency and kernel folder")
-    p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
-    _add_load_args(p, default_concurrency="1,4,32")
-    p.set_defaults(func=cmd_streaming)
-
-    p = bsub.add_parser("constrained", help="one JSON-schema-constrained request in a batch vs none, in process")
-    p.add_argument("--model", default=None)
-    p.add_argument("--batch", default="1,8", help="comma list of batch sizes")
-    p.add_argument("--repeats", type=int, default=4, help="rounds per batch; the arms alternate each round")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--json", default=None, help="write results here")
-    p.set_defaults(func=cmd_constrained)
-
-    p = bsub.add_parser("roofline", help="measure copy bandwidth and the decode roofline of a model")
-    p.add_argument("--model", default=None)
-    p.add_argument("--batch", default="1,8,32,64")
-    p.add_argument("--context", type=int, default=1024, help="tokens of KV per sequence for the KV term")
-    p.add_argument("--json", default=None)
-    p.set_defaults(func=cmd_roofline)
-
-    p = bsub.add_parser("make-model", help="write a random-weight model folder with real shapes")
-    p.add_argument("preset", help="llama-1b | llama-8b | tiny, or a tiny llama | gemma3_text | qwen3_next")
-    p.add_argument("out")
-    p.add_argument("--tokenizer", default=None, help="model folder whose tokenizer files to copy")
-    p.add_argument("--dtype", default="bfloat16")
-    p.set_defaults(func=cmd_make_model)
-
-    p = bsub.add_parser("docs", help="regenerate docs/benchmarks.md from result JSON files")
-    p.add_argument("--results", default="docs/bench-results")
-    p.add_argument("--out", default="docs/benchmarks.md")
-    p.set_defaults(func=cmd_docs)
-
-    p = bsub.add_parser("soak", help="chaos run: 5xx, hung requests, answers unlike alone, RSS kept")
-    p.add_argument("--base-url", default=None, help="a server on 127.0.0.1 (default: start tierlm here)")
-    p.add_argument("--pid", type=int, default=None, help="with --base-url: its process, for RSS")
-    p.add_argument("--model", default=None, help="model folder (default: the default model)")
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
-    p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="environment of the started server (repeatable)")
-    p.add_argument("--max-concurrent", type=int, default=None,
-                   help="the server's --max-concurrent-requests (default: --concurrency)")
-    p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--prefix-len", type=int, default=600, help="tokens of the shared system prompt")
-    p.add_argument("--hang-s", type=float, default=180.0, help="no answer by then: hung")
-    p.add_argument("--max-duration-s", type=float, default=3600.0, help="no new request after this")
-    p.add_argument("--rss-tolerance-pct", type=float, default=5.0, help="RSS after the clear vs before")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write results here")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.set_defaults(func=_soak)
-
-    p = bsub.add_parser("models", help="model loads cold and warm, TTFT of a loading request, two models vs one")
-    p.add_argument("--models", default=None, help="comma list of model folders (default: SmolLM2-135M-Instruct,"
-                   "gemma-3-270m in tierlm's model folder); the mixed workload uses the first two")
-    p.add_argument("--rounds", type=int, default=3, help="a fresh server each; arms alternate each round")
-    p.add_argument("--repeats", type=int, default=2, help="warm loads and TTFT pairs per model per round")
-    p.add_argument("--streams", type=int, default=8)
-    p.add_argument("--requests-per-stream", type=int, default=2)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--ttft-max-tokens", type=int, default=8)
-    p.add_argument("--max-model-memory", default="8GB")
-    p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
-    p.add_argument("--json", default=None, help="write results here")
-    p.set_defaults(func=cmd_models)
-
     p = bsub.add_parser("agents", help="a Claude Code session of N turns: time per turn, prompt read from cache")
     p.add_argument("--model", default="gemma-3-270m", help="a model folder, or a name in tierlm's model folder")
     p.add_argument("--claude", default=None, help="Claude Code's command (default: on PATH, or the tests' copy)")
@@ -163,7 +86,8 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=_cache)
 
 
-def _add_load_args(p: argparse.ArgumentParser, default_concurrency: str = "1") -> None:
+def add_load_args(p: argparse.ArgumentParser, default_concurrency: str = "1") -> None:
+    """The load flags `bench serve`, `bench compare` and bench_lab.streaming share."""
     p.add_argument(
         "--tokenizer",
         default=None,
@@ -309,94 +233,6 @@ def _run_engine(args, save) -> dict:
     )
 
 
-def cmd_streaming(args) -> int:
-    from tierlm.bench import runs, streaming
-    from tierlm.bench.report import console, write_json
-
-    def save(result: dict) -> None:
-        if args.json:
-            write_json(args.json, "streaming", result, runs.command_line())
-
-    result = streaming.run_streaming(args, save)
-    console.print(streaming.markdown(result))
-    save(result)
-    return 0
-
-
-def cmd_constrained(args) -> int:
-    from tierlm.bench import runs
-    from tierlm.bench.constrained import HEADER, run_constrained, table_rows
-    from tierlm.bench.report import console, machine_info, num, print_table, write_json
-
-    result = run_constrained(
-        args.model or runs.default_tokenizer(args),
-        runs.concurrencies(args.batch),
-        args.max_tokens,
-        args.repeats,
-        args.prefill_step_size,
-        on_progress=lambda r: console.print(
-            f"  batch {r['batch']:3d} {r['runner']:11s} step {num(r['step_tok_s'])} tok/s, "
-            f"decode {num(r['decode_tok_s'])} tok/s, tokens {r['generated']}"
-        ),
-    )
-    cpu = machine_info().get("cpu", "?")
-    print_table(
-        f"constrained decoding on {result['device']}, {cpu} ({result['cpu_flags']}); "
-        f"medians of {args.repeats} rounds",
-        HEADER,
-        table_rows(result),
-    )
-    if args.json:
-        write_json(args.json, "constrained", result, runs.command_line())
-    return 0
-
-
-def cmd_roofline(args) -> int:
-    from tierlm.bench import runs
-    from tierlm.bench.report import write_json
-    from tierlm.bench.roofline import roofline
-
-    result = roofline(args.model or runs.default_tokenizer(args), runs.concurrencies(args.batch), args.context)
-    print(result)
-    if args.json:
-        write_json(args.json, "roofline", result, runs.command_line())
-    return 0
-
-
-def cmd_make_model(args) -> int:
-    from tierlm.bench import runs
-    from tierlm.models.random_model import make_random_model
-
-    tokenizer = args.tokenizer or runs.default_tokenizer(args)
-    print(make_random_model(args.preset, Path(args.out), Path(tokenizer), args.dtype))
-    return 0
-
-
-def _soak(args) -> int:
-    from tierlm.bench import runs
-    from tierlm.bench.soak import cmd_soak
-
-    return cmd_soak(args, runs.command_line(), runs.default_tokenizer(args))
-
-
-def cmd_models(args) -> int:
-    import shlex
-
-    from tierlm.bench import runs
-    from tierlm.bench.models_bench import ModelsBenchConfig, default_models, print_tables, run_models_bench
-    from tierlm.bench.report import console, write_json
-
-    models = [Path(m).expanduser() for m in args.models.split(",")] if args.models else default_models()
-    cfg = ModelsBenchConfig(models, args.rounds, args.repeats, args.streams, args.requests_per_stream,
-                            args.input_len, args.output_len, args.ttft_max_tokens, args.max_model_memory,
-                            server_args=shlex.split(args.tierlm_args))
-    result = run_models_bench(cfg, on_progress=lambda line: console.print("  " + line))
-    print_tables(result)
-    if args.json:
-        write_json(args.json, "models", result, runs.command_line())
-    return 0
-
-
 def cmd_agents(args) -> int:
     from tierlm.bench import runs
     from tierlm.bench.agents_bench import AgentsBenchConfig, find_claude, print_table, run_agents_bench
@@ -413,13 +249,6 @@ def cmd_agents(args) -> int:
     print_table(result)
     if args.json:
         write_json(args.json, "agents", result, runs.command_line())
-    return 0
-
-
-def cmd_docs(args) -> int:
-    from tierlm.bench.docs import render_docs
-
-    print(render_docs(Path(args.results), Path(args.out)))
     return 0
 
 

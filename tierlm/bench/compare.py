@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from tierlm.bench import runs, servers
-from tierlm.bench.metrics import median
 from tierlm.bench.report import console, ms, num, print_table, ratio, write_json
+from tierlm.loadgen.metrics import median
 
 MEDIAN_KEYS = {
     "output_tok_s": lambda s: s["output_tok_s"],

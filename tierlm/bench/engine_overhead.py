@@ -7,7 +7,7 @@ thread hand-offs, per-request samplers, detokenizing, collectors). Runs
 alternate (bare, engine, engine, bare, ...) and the medians are compared.
 
 MLX, mlx-lm and the engine are imported inside the functions that run models:
-`tierlm bench docs` imports this module for pair_ratios and step_ratios only,
+bench_lab.docs imports this module for pair_ratios and step_ratios only,
 and renders the docs without loading any of them.
 """
 
@@ -21,8 +21,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from tierlm.bench.metrics import geometric_mean_se, median, steady_decode_rate
 from tierlm.bench.step_timing import full_decode_steps, step_accounted_ratio, time_next
+from tierlm.loadgen.metrics import geometric_mean_se, median, steady_decode_rate
 
 
 @dataclass

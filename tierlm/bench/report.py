@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tierlm.bench.metrics import geometric_mean_se
+from tierlm.loadgen.metrics import geometric_mean_se
 
 console = Console(stderr=True)
 
@@ -158,6 +158,19 @@ def machine_info() -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return info
+
+
+def cpu_flags() -> str:
+    """The AMX and AVX-512 flags of this machine's CPU (MLX's CPU backend uses them)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                wanted = sorted(f for f in flags if f.startswith(("amx", "avx512")))
+                return " ".join(wanted) or "no amx, no avx512"
+    except OSError:
+        pass
+    return "?"
 
 
 def write_json(path: str | Path, kind: str, data: dict, command: str | None = None) -> Path:

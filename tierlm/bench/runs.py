@@ -13,11 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-from tierlm.bench.client import LoadConfig, run_load
-from tierlm.bench.metrics import summarize
 from tierlm.bench.report import progress_bar
 from tierlm.bench.servers import default_model_folder
-from tierlm.bench.workloads import (
+from tierlm.loadgen.client import LoadConfig, run_load
+from tierlm.loadgen.metrics import summarize
+from tierlm.loadgen.workloads import (
     BenchRequest,
     TokenSoup,
     Workload,
@@ -32,9 +32,9 @@ def concurrencies(text: str) -> list[int]:
     return [int(x) for x in str(text).split(",") if x.strip()]
 
 
-def command_line() -> str:
-    """This process's command line, as `tierlm ...`, for the result files."""
-    return "tierlm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+def command_line(prog: str = "tierlm") -> str:
+    """This process's command line, as `tierlm ...` (or `prog ...`), for the result files."""
+    return prog + " " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
 def default_tokenizer(args) -> str:

@@ -30,11 +30,12 @@ from pathlib import Path
 
 import httpx
 
-from tierlm.bench.client import LoadConfig, make_client, send
-from tierlm.bench.constrained import cpu_flags
-from tierlm.bench.metrics import RequestRecord, median, summarize
+from bench_lab import lab_parser, write_result
+from tierlm.bench.report import cpu_flags
 from tierlm.bench.servers import RunningServer, tierlm_server
-from tierlm.bench.workloads import BenchRequest, TokenSoup
+from tierlm.loadgen.client import LoadConfig, make_client, send
+from tierlm.loadgen.metrics import RequestRecord, median, summarize
+from tierlm.loadgen.workloads import BenchRequest, TokenSoup
 
 DEFAULT_MODELS = ("SmolLM2-135M-Instruct", "gemma-3-270m")  # folders of tierlm's model folder
 PLACEHOLDER = "placeholder-default"
@@ -527,3 +528,36 @@ def default_models() -> list[Path]:
 
 def dumps(result: dict) -> str:
     return json.dumps(result, indent=1, default=str)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import shlex
+
+    p = lab_parser("bench_lab.models_bench", __doc__)
+    p.add_argument("--models", default=None, help="comma list of model folders (default: SmolLM2-135M-Instruct,"
+                   "gemma-3-270m in tierlm's model folder); the mixed workload uses the first two")
+    p.add_argument("--rounds", type=int, default=3, help="a fresh server each; arms alternate each round")
+    p.add_argument("--repeats", type=int, default=2, help="warm loads and TTFT pairs per model per round")
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--requests-per-stream", type=int, default=2)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--ttft-max-tokens", type=int, default=8)
+    p.add_argument("--max-model-memory", default="8GB")
+    p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
+    p.add_argument("--json", default=None, help="write results here")
+    args = p.parse_args(argv)
+    from tierlm.bench.report import console
+
+    models = [Path(m).expanduser() for m in args.models.split(",")] if args.models else default_models()
+    cfg = ModelsBenchConfig(models, args.rounds, args.repeats, args.streams, args.requests_per_stream,
+                            args.input_len, args.output_len, args.ttft_max_tokens, args.max_model_memory,
+                            server_args=shlex.split(args.tierlm_args))
+    result = run_models_bench(cfg, on_progress=lambda line: console.print("  " + line))
+    print_tables(result)
+    write_result(args, p, "models", result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

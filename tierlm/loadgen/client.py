@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tierlm.bench.metrics import RequestRecord
-from tierlm.bench.workloads import BenchRequest, Workload
+from tierlm.loadgen.metrics import RequestRecord
+from tierlm.loadgen.workloads import BenchRequest, Workload
 
 
 @dataclass
@@ -52,7 +52,7 @@ def request_body(req: BenchRequest, cfg: LoadConfig, model: str) -> tuple[str, d
     return "/completions", {**body, "prompt": req.prompt}
 
 
-def _chunk_text(chunk: dict) -> str:
+def chunk_text(chunk: dict) -> str:
     choices = chunk.get("choices") or []
     if not choices:
         return ""
@@ -82,7 +82,7 @@ async def send(client: httpx.AsyncClient, cfg: LoadConfig, model: str, req: Benc
                 if "error" in chunk:
                     record.error = str(chunk["error"])[:200]
                     break
-                if _chunk_text(chunk):
+                if chunk_text(chunk):
                     record.chunk_times.append(time.perf_counter())
                 usage = chunk.get("usage")
                 if usage:

@@ -1,5 +1,5 @@
 """How tokens reach a client, and how the first requests after a start fare:
-`tierlm bench streaming`.
+`python -m bench_lab.streaming`.
 
 - *Smoothness*: for each tree (this one, and `--base-tree` for a before/after in
   one run), one `tierlm serve` and the workload at each concurrency: the median
@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import itertools
@@ -30,7 +31,9 @@ from pathlib import Path
 
 import httpx
 
+from bench_lab import lab_parser, write_result
 from tierlm.bench import runs, servers
+from tierlm.bench.cli import add_load_args
 from tierlm.bench.report import console, markdown_table, ms, num, ratio
 
 SMOOTH_TARGET = ("Times in ms. Target: ITL p50 ≤ 2 × TPOT p50 at 1 and 4 streams, aggregate tok/s at 32 "
@@ -215,3 +218,28 @@ def markdown(doc: dict) -> str:
                  _warm_cell(c.get("warmup_at_ready"), "shapes_left", "")] for c in cold]
         out += [COLD_TARGET, markdown_table(header, rows), "", _cold_medians(cold), ""]
     return "\n".join(out)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = lab_parser("bench_lab.streaming", __doc__)
+    p.add_argument("--model", default=None, help="MLX model folder (default: the default model)")
+    p.add_argument("--base-tree", default=None, help="a checkout of another commit, served first, for a before/after")
+    p.add_argument("--cold", default="8,32", help="concurrencies of the cold-start runs (empty: none)")
+    p.add_argument("--cold-kernels", default="fresh,kept", help="fresh and/or kept: the kernel folder per start")
+    p.add_argument("--cold-repeats", type=int, default=3, help="cold starts per concurrency and kernel folder")
+    p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
+    add_load_args(p, default_concurrency="1,4,32")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    result = run_streaming(args, lambda so_far: write_result(args, p, "streaming", so_far))
+    console.print(markdown(result))
+    write_result(args, p, "streaming", result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

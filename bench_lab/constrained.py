@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench_lab import lab_parser, write_result
 from tierlm.bench.engine_overhead import EngineRunner, OverheadResult
-from tierlm.bench.metrics import median
+from tierlm.bench.report import cpu_flags
+from tierlm.loadgen.metrics import median
 
 SCHEMA = {
     "type": "object",
@@ -39,19 +41,6 @@ SCHEMA = {
 }
 ASK = [{"role": "user", "content": 'List fifty fruits as JSON: {"fruits": [...]}.'}]
 ARMS = ("free", "constrained")
-
-
-def cpu_flags() -> str:
-    """The AMX and AVX-512 flags of this machine's CPU (MLX's CPU backend uses them)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                wanted = sorted(f for f in flags if f.startswith(("amx", "avx512")))
-                return " ".join(wanted) or "no amx, no avx512"
-    except OSError:
-        pass
-    return "?"
 
 
 class ConstrainedRunner(EngineRunner):
@@ -222,3 +211,41 @@ def markdown(doc: dict) -> str:
             "",
         ]
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = lab_parser("bench_lab.constrained", __doc__)
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch", default="1,8", help="comma list of batch sizes")
+    p.add_argument("--repeats", type=int, default=4, help="rounds per batch; the arms alternate each round")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--json", default=None, help="write results here")
+    args = p.parse_args(argv)
+    from tierlm.bench import runs
+    from tierlm.bench.report import console, machine_info, num, print_table
+
+    result = run_constrained(
+        args.model or runs.default_tokenizer(args),
+        runs.concurrencies(args.batch),
+        args.max_tokens,
+        args.repeats,
+        args.prefill_step_size,
+        on_progress=lambda r: console.print(
+            f"  batch {r['batch']:3d} {r['runner']:11s} step {num(r['step_tok_s'])} tok/s, "
+            f"decode {num(r['decode_tok_s'])} tok/s, tokens {r['generated']}"
+        ),
+    )
+    cpu = machine_info().get("cpu", "?")
+    print_table(
+        f"constrained decoding on {result['device']}, {cpu} ({result['cpu_flags']}); "
+        f"medians of {args.repeats} rounds",
+        HEADER,
+        table_rows(result),
+    )
+    write_result(args, p, "constrained", result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,7 +2,7 @@
 shared prefix (cold, hot-tier hit, SSD hit after a restart) and the decode cost
 of the cache's bookkeeping and of the SSD writer.
 
-    python -m tierlm.bench.cache_figures --model ~/.tierlm/models/SmolLM2-135M-Instruct
+    python -m bench_lab.cache_figures --model ~/.tierlm/models/SmolLM2-135M-Instruct
 
 Each figure is a median over rounds; the configurations of a round run one after
 another in alternating order, so the ratios compare like with like.
@@ -10,7 +10,6 @@ another in alternating order, so the ratios compare like with like.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -18,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_lab import lab_parser
 from tierlm.cache.block_hash import model_fingerprint
 from tierlm.config import Settings
 from tierlm.engine.core import EngineCore
@@ -131,10 +131,8 @@ async def main_async(args) -> dict:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv: list[str] | None = None) -> None:
+    parser = lab_parser("bench_lab.cache_figures", __doc__)
     parser.add_argument("--model", required=True)
     parser.add_argument("--prefix", type=int, nargs="*", default=[2048, 8000], help="prefix lengths; none: skip TTFT")
     parser.add_argument("--rounds", type=int, default=2)
@@ -142,7 +140,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--json", help="write the figures here too")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = asyncio.run(main_async(args))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+from bench_lab import lab_parser, write_result
+
 
 def copy_bandwidth(gib: float = 2.0, iters: int = 10) -> float:
     """Bytes read + written per second by an elementwise copy of `gib` GiB."""
@@ -59,3 +61,22 @@ def roofline(model_path: str, batches: list[int], context: int) -> dict:
         "context": context,
         "rows": rows,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = lab_parser("bench_lab.roofline", __doc__)
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch", default="1,8,32,64")
+    p.add_argument("--context", type=int, default=1024, help="tokens of KV per sequence for the KV term")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    from tierlm.bench import runs
+
+    result = roofline(args.model or runs.default_tokenizer(args), runs.concurrencies(args.batch), args.context)
+    print(result)
+    write_result(args, p, "roofline", result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

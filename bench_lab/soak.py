@@ -1,6 +1,6 @@
 """Soak: a seeded chaos run against one tierlm server, counting what was lost.
 
-`tierlm bench soak` starts a tierlm server on 127.0.0.1 (or targets one there
+`python -m bench_lab.soak` starts a tierlm server on 127.0.0.1 (or targets one there
 with --base-url, and --pid for its memory), then:
 
 1. runs every distinct greedy request of the mix alone, one after another, for
@@ -36,7 +36,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from tierlm.bench.client import LoadConfig, _chunk_text, make_client, served_model_id
+from bench_lab import lab_parser
+from tierlm.loadgen.client import LoadConfig, chunk_text, make_client, served_model_id
 
 MIX = {  # shares of the N requests
     "normal": 0.24,
@@ -265,7 +266,7 @@ async def _exchange(client: httpx.AsyncClient, v1: str, model: str, req: SoakReq
             if "error" in chunk:
                 out.outcome, out.detail = "stream_error", str(chunk["error"])[:300]
                 return
-            piece = _chunk_text(chunk)
+            piece = chunk_text(chunk)
             if piece:
                 out.text += piece
                 chunks += 1
@@ -467,11 +468,11 @@ def _local_only(base_url: str) -> None:
 
 
 def cmd_soak(args, command: str, tokenizer: str) -> int:
-    """`tierlm bench soak`: starts the server (or targets --base-url), soaks it, prints and saves.
-    bench/cli.py passes its command line and the tokenizer's folder in (no import back)."""
+    """Starts the server (or targets --base-url), soaks it, prints and saves; `command`:
+    the command line, for the result file; `tokenizer`: the folder its prompts come from."""
     from tierlm.bench.report import console, print_table, progress_bar, write_json
     from tierlm.bench.servers import RunningServer, default_model_folder, tierlm_server
-    from tierlm.bench.workloads import TokenSoup
+    from tierlm.loadgen.workloads import TokenSoup
 
     cfg = SoakConfig(requests=args.requests, concurrency=args.concurrency, seed=args.seed,
                      max_tokens=args.max_tokens, prefix_len=args.prefix_len, hang_s=args.hang_s,
@@ -531,3 +532,34 @@ def cmd_soak(args, command: str, tokenizer: str) -> int:
                  or result["post_alone_mismatched"])
     within = not rss["before"] or abs(result["rss_growth"]["after_clear_pct"]) <= args.rss_tolerance_pct
     return 0 if clean and within else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = lab_parser("bench_lab.soak", __doc__)
+    p.add_argument("--base-url", default=None, help="a server on 127.0.0.1 (default: start tierlm here)")
+    p.add_argument("--pid", type=int, default=None, help="with --base-url: its process, for RSS")
+    p.add_argument("--model", default=None, help="model folder (default: the default model)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
+    p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the started server (repeatable)")
+    p.add_argument("--max-concurrent", type=int, default=None,
+                   help="the server's --max-concurrent-requests (default: --concurrency)")
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prefix-len", type=int, default=600, help="tokens of the shared system prompt")
+    p.add_argument("--hang-s", type=float, default=180.0, help="no answer by then: hung")
+    p.add_argument("--max-duration-s", type=float, default=3600.0, help="no new request after this")
+    p.add_argument("--rss-tolerance-pct", type=float, default=5.0, help="RSS after the clear vs before")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    args = p.parse_args(argv)
+    from tierlm.bench import runs
+
+    return cmd_soak(args, runs.command_line(p.prog), runs.default_tokenizer(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
