@@ -284,7 +284,7 @@ def test_claude_codes_whole_tool_set_compiles():
     a request: read, then held to a grammar for auto, any and a named tool."""
     from mlx_lm.tokenizer_utils import load
 
-    from tierlm.api.anthropic_turns import read_tool_choice, read_tools
+    from tierlm.api.anthropic.turns import read_tool_choice, read_tools
     from tierlm.models.default_model import ensure_default_model
     from tierlm.structured.turn import ModelTurns, TurnSpec
 

@@ -13,8 +13,8 @@ import pytest
 from conftest import start_server, stop_server
 from tokenizers import Tokenizer
 
-from tierlm.api.fill_in_middle import FimFormat, find_format
 from tierlm.models.random_model import make_random_model
+from tierlm.serving.fill_in_middle import FimFormat, find_format
 
 RENAMED = {"<repo_name>": "<fim_prefix>", "<reponame>": "<fim_suffix>", "<file_sep>": "<fim_middle>",
            "<filename>": "<fim_pad>"}

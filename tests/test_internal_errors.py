@@ -14,10 +14,11 @@ import httpx
 import pytest
 import uvicorn
 
-from tierlm.api import openai_routes, serving
 from tierlm.api.app import create_app
 from tierlm.bench.servers import free_port
 from tierlm.config import Settings
+from tierlm.engine.core import EngineCore
+from tierlm.serving.served_model import ServedModel
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -45,24 +46,24 @@ def app_url(model_path):
 
 
 @pytest.fixture
-def buggy_template(monkeypatch):
-    real = serving.render_chat
+def buggy_requests(monkeypatch):
+    """A bug in making the engine's request, for requests with seed 666."""
+    real = ServedModel.make_request
 
-    def render(model, body, *args):
-        if body.messages[-1].content == "boom":
+    def make_request(self, prefix, tokens, body, *args, **kwargs):
+        if body.seed == 666:
             raise RuntimeError("injected bug")
-        return real(model, body, *args)
+        return real(self, prefix, tokens, body, *args, **kwargs)
 
-    monkeypatch.setattr(serving, "render_chat", render)  # where the chat route's turn renders its prompt
+    monkeypatch.setattr(ServedModel, "make_request", make_request)
 
 
-def test_a_500_leaves_the_keep_alive_connection_usable(app_url, buggy_template):
+def test_a_500_leaves_the_keep_alive_connection_usable(app_url, buggy_requests):
     with httpx.Client(base_url=app_url + "/v1", timeout=60) as client:
         statuses = []
         for i in range(20):
-            content = "boom" if i % 2 == 0 else "hi"
-            r = client.post("/chat/completions", json={"messages": [{"role": "user", "content": content}],
-                                                       "max_tokens": 2, "temperature": 0})
+            r = client.post("/chat/completions", json={"messages": MSG, "max_tokens": 2, "temperature": 0,
+                                                       "seed": 666 if i % 2 == 0 else 1})
             statuses.append(r.status_code)
             if r.status_code == 500:
                 error = r.json()["error"]
@@ -74,10 +75,17 @@ def test_a_500_leaves_the_keep_alive_connection_usable(app_url, buggy_template):
 
 
 def test_a_bug_mid_stream_ends_with_an_error_event_and_done(app_url, monkeypatch):
-    def broken_usage(output):
-        raise RuntimeError("injected bug in the usage chunk")
+    real = EngineCore.stream_outputs
 
-    monkeypatch.setattr(openai_routes, "usage", broken_usage)
+    async def broken_after_one(self, request, keepalive_s=None):
+        outputs = real(self, request, keepalive_s)
+        try:
+            yield await anext(outputs)
+            raise RuntimeError("injected bug mid-stream")
+        finally:
+            await outputs.aclose()
+
+    monkeypatch.setattr(EngineCore, "stream_outputs", broken_after_one)
     with httpx.Client(base_url=app_url + "/v1", timeout=60) as client:
         body = {"messages": MSG, "max_tokens": 3, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}

@@ -289,37 +289,36 @@ def test_a_models_tokenizer_and_turns_come_without_loading_it_and_a_load_reuses_
     its tokenizer encodes as mlx-lm's `load` makes it; a load then uses the same
     tokenizer and turns, and they outlive its unload."""
     import asyncio
-    from types import SimpleNamespace
 
     from mlx_lm import load
 
-    from tierlm.api.errors import APIError
-    from tierlm.api.model_pool import make_pool, turns_for
     from tierlm.config import Settings
+    from tierlm.serving.assembly import make_pool
+    from tierlm.serving.errors import APIError
+    from tierlm.serving.leases import turns_for
 
     settings = Settings(model_dir=str(models_dir / "models"), hf_cache=False, ssd_cache=False)
     pool = make_pool(settings, None)
-    http = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(pool=pool)))
     _, expected = load(str(model_path))
 
     async def run():
         with pytest.raises(APIError) as e:
-            await turns_for(http, "gpt-5")
+            await turns_for(pool, "gpt-5")
         assert e.value.status == 404 and "tiny1" in str(e.value)
-        entry, turns, model_settings = await turns_for(http, "tiny1")
+        entry, turns, model_settings = await turns_for(pool, "tiny1")
         assert entry.name == "tiny1" and pool.slots["tiny1"].served is None
         assert model_settings.keep_alive == settings.for_model("tiny1").keep_alive
         text = "Name three colours, please."
         assert turns.tokenizer.encode(text) == expected.encode(text)
         assert turns.tokenizer.eos_token_ids == expected.eos_token_ids
-        assert (await turns_for(http, "tiny1"))[1] is turns  # cached
+        assert (await turns_for(pool, "tiny1"))[1] is turns  # cached
         lease = await pool.acquire("tiny1")
         try:
             assert lease.served.turns is turns and lease.served.tokenizer is turns.tokenizer
-            assert (await turns_for(http, "tiny1"))[1] is lease.served.turns
+            assert (await turns_for(pool, "tiny1"))[1] is lease.served.turns
         finally:
             lease.release()
             await pool.close()
-        assert pool.slots["tiny1"].served is None and (await turns_for(http, "tiny1"))[1] is turns
+        assert pool.slots["tiny1"].served is None and (await turns_for(pool, "tiny1"))[1] is turns
 
     asyncio.run(run())

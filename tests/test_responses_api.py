@@ -6,11 +6,9 @@ not know, a request Codex CLI sent, and the errors."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -21,16 +19,12 @@ from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 from tool_testing import TIME, WEATHER, schema_of
 
-from tierlm.api.response_store import ResponseStore
-from tierlm.api.responses_routes import Answer, _events
-from tierlm.api.responses_schemas import ResponsesRequest
-from tierlm.api.responses_stream import StreamWriter
-from tierlm.api.responses_turns import chat_messages, output_items, read_tools
-from tierlm.api.sse import KEEPALIVE
-from tierlm.config import Settings
-from tierlm.engine.request import Request, RequestOutput, SamplingParams
+from tierlm.api.responses.routes import Answer
+from tierlm.api.responses.schemas import ResponsesRequest
+from tierlm.api.responses.store import ResponseStore
+from tierlm.api.responses.stream import StreamWriter
+from tierlm.api.responses.turns import chat_messages, output_items, read_tools
 from tierlm.structured.events import Gathered, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallStart
-from tierlm.structured.turn import TurnParser, TurnRun
 
 MODEL = "SmolLM2-135M-Instruct"
 ASK_WEATHER = "What is the weather like in Paris today?"
@@ -332,41 +326,6 @@ def test_streamed_events_are_the_sdks_own_and_agree_with_the_whole_answer():
     assert [i["type"] for i in whole] == ["reasoning", "message", "function_call", "function_call"]
     assert whole[0]["content"] == [{"type": "reasoning_text", "text": "Let me think."}]
     assert "namespace" not in whole[2] and whole[3]["namespace"] == "ns"
-
-
-class FailingEngine:
-    """Outputs that a failing generation gives: a wait, some text, then the
-    failure (an error output, or a bug raised)."""
-
-    def __init__(self, bug: bool):
-        self.bug = bug
-
-    async def stream_outputs(self, request, keepalive_s=None):
-        yield None
-        yield RequestOutput(request.request_id, text="Hello")
-        if self.bug:
-            raise RuntimeError("injected bug")
-        yield RequestOutput(request.request_id, finished=True, error="the step failed", error_type="internal")
-
-
-@pytest.mark.parametrize("bug", [False, True])
-def test_a_failure_mid_stream_ends_with_error_and_response_failed(bug):
-    model = SimpleNamespace(engine=FailingEngine(bug))
-    http = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(settings=Settings(), response_store=None)))
-    turn = TurnRun(None, TurnParser(None, None))
-
-    async def run():
-        events = _events(model, Request("resp-1", [1, 2], SamplingParams()), http, turn, answer_of(input="hi"), [])
-        return [chunk async for chunk in events]
-
-    chunks = asyncio.run(run())
-    assert KEEPALIVE in chunks
-    payloads = sse_payloads(chunks)
-    assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
-    assert [p["type"] for p in payloads][-2:] == ["error", "response.failed"]
-    failed = payloads[-1]["response"]
-    assert failed["status"] == "failed" and failed["output"][0]["content"][0]["text"] == "Hello"
-    assert failed["error"]["code"] == ("internal_error" if bug else "generation_failed")
 
 
 def test_the_store_keeps_the_most_recently_used():

@@ -227,8 +227,8 @@ def test_a_requested_name_resolves_to_a_model(clean_env, tmp_path):
 
 
 def test_a_models_default_stop_strings_fill_a_request_that_sends_none():
-    from tierlm.api.openai_schemas import SamplingFields
-    from tierlm.api.served_model import ServedModel
+    from tierlm.api.fields import SamplingFields
+    from tierlm.serving.served_model import ServedModel
 
     model = ServedModel.__new__(ServedModel)  # the sampling defaults alone: no engine needed
     model.settings = Settings(default_stop=("\n\n", "User:"))

@@ -36,7 +36,7 @@ def model_folder(name: str) -> Path:
 
 
 def engine_for(path: Path, settings: Settings, tokenizer=None) -> EngineCore:
-    """As the server builds one (api/model_pool.py): load_model on the worker
+    """As the server builds one (serving/assembly.py): load_model on the worker
     thread, with the tokenizer the server keeps across loads when one is given."""
     def load():
         return load_model(path, settings.cpu_weights_dtype, use_cpu_kernels=settings.cpu_kernels,
@@ -192,7 +192,7 @@ def test_repeated_load_unload_cycles_of_two_models_give_the_memory_back(tmp_path
     - after every close(), with the engine object still referenced, the model has
       been collected (a weak reference is dead) and the engine holds no tokenizer
       (the tokenizer is loaded once per model and kept, as the server keeps it:
-      api/model_pool.TurnsCache);
+      serving/assembly.TurnsCache);
     - after every close(), MLX's active memory is back to its level before the
       first load, within 1 MiB, and its buffer cache holds at most 1 MiB;
     - the process has as many threads after the last cycle as after the first:

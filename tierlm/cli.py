@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 from tierlm.config import Settings, load_settings, setting_fields, settings_file_path
-from tierlm.models.default_model import ensure_default_model
 
 log = logging.getLogger("tierlm")
 
@@ -49,16 +48,6 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def resolve_model(settings: Settings) -> Path:
-    if settings.model and settings.model != "default":
-        path = Path(settings.model).expanduser()
-        if not path.is_dir():
-            candidate = Path(settings.model_dir).expanduser() / settings.model
-            path = candidate if candidate.is_dir() else path
-        return path
-    return ensure_default_model(Path(settings.model_dir).expanduser())
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _setup_logging(settings.log_level)
@@ -75,6 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tierlm.api.app import create_app
     from tierlm.backends import keep_compiled_kernels
     from tierlm.engine.allocator import configure_allocator
+    from tierlm.serving.assembly import resolve_model
     from tierlm.settings_watch import SettingsWatcher
 
     configure_allocator()  # the C heap's free pages go back when idle; started before the model loads
@@ -159,7 +149,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     """Every model a server with these settings can serve, as `ollama list`."""
     from rich.table import Column, Table
 
-    from tierlm.api.model_pool import hf_cache_of, model_dirs_of
+    from tierlm.serving.assembly import hf_cache_of, model_dirs_of
     from tierlm.pool.discovery import discover
 
     settings = _settings(args)

@@ -7,7 +7,7 @@ loads it), runs on a private asyncio event loop in a background thread, so
 runs in the calling thread (Jupyter). Every prompt of a call is submitted at
 once: continuous batching decodes up to `max_concurrent_requests` of them
 together and queues the rest. Values are checked as the HTTP layer checks them
-(tierlm.api.validation), so a bad one raises ValueError before anything runs.
+(tierlm.serving.validation), so a bad one raises ValueError before anything runs.
 
     from tierlm import LLM, SamplingParams
 
@@ -27,14 +27,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierlm.api.errors import APIError
-from tierlm.api.templates import render_chat_template
-from tierlm.api.validation import check_request, check_template_args
-from tierlm.cache.block_hash import model_fingerprint
-from tierlm.config import Settings, _checked, load_settings, total_memory
+from tierlm.config import Settings, _checked, load_settings
 from tierlm.engine.core import EngineCore
 from tierlm.engine.request import MemoryGuardError, Request, RequestOutput, SamplingParams, TokenLogprobs
-from tierlm.models.loader import load_model, read_model_info, usable_vocab_size
+from tierlm.pool.discovery import read_entry
+from tierlm.serving.assembly import resolve_model, serve
+from tierlm.serving.errors import APIError
+from tierlm.serving.templates import render_chat_template
+from tierlm.serving.validation import check_request, check_template_args
 
 __all__ = ["LLM", "Completion", "SamplingParams"]
 
@@ -67,8 +67,6 @@ class LLM:
         (tierlm.config.Settings: max_concurrent_requests=16, prefix_cache=False,
         ssd_cache=False, memory_limit="8GB", ...) and win over the environment's
         TIERLM_* and the file, as the command line's flags do."""
-        from tierlm.cli import resolve_model
-
         overrides = _checked(settings, "LLM()")
         if model is not None:
             overrides["model"] = str(model)
@@ -78,22 +76,16 @@ class LLM:
             raise FileNotFoundError(f"no model {base.model!r}: not a folder, nor a model in {base.model_dir}")
         name = base.for_model(path.name).served_model_name or path.name
         self.settings: Settings = base.for_model(name)
-        self.info = read_model_info(path, name)
-        s = self.settings
-        memory = s.memory_limit_bytes() or total_memory()
-        self.engine = EngineCore(name, lambda: load_model(
-            path, s.cpu_weights_dtype, memory, use_cpu_kernels=s.cpu_kernels, use_amx=s.cpu_amx),
-            s, model_fingerprint(path, {}))
         self._runner = _LoopThread(f"tierlm-llm-{name}")
+        try:  # loaded as the server loads it; a load that fails gives back what it took
+            served = self._runner.submit(serve(read_entry(path, name), self.settings, grammars=False)).result()
+        except BaseException:
+            self._runner.stop()
+            raise
+        self.info, self.engine, self.vocab_size = served.info, served.engine, served.vocab_size
         self._close = weakref.finalize(self, _shut_down, self._runner, self.engine)
         # not at exit: by then concurrent.futures has shut the engine's worker down
         self._close.atexit = False
-        try:
-            self._runner.submit(self.engine.start()).result()
-        except BaseException:
-            self.close()
-            raise
-        self.vocab_size = usable_vocab_size(self.engine.tokenizer, self.engine.model, name)
 
     # ---- what is loaded -----------------------------------------------------
 

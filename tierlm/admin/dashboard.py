@@ -27,9 +27,9 @@ from tierlm.admin.access import Access, _match, is_loopback, secret_of
 from tierlm.admin.logbuffer import LogBuffer
 from tierlm.admin.session import COOKIE, Sessions, cookie_value
 from tierlm.admin.settings_file import EDITABLE, edit_model_section
-from tierlm.api.errors import APIError
-from tierlm.api.model_pool import load_slot, slot_of, unload_slot
 from tierlm.pool.pool import ModelPool, PoolError, Slot
+from tierlm.serving.errors import APIError
+from tierlm.serving.leases import load_slot, slot_of, unload_slot
 
 log = logging.getLogger(__name__)
 
@@ -249,15 +249,15 @@ async def models(http: HTTPRequest):
 
 @api.post("/models/{name:path}/load")
 async def load(name: str, http: HTTPRequest):
-    slot = slot_of(http, name)
-    await load_slot(http, slot)
+    slot = slot_of(http.app.state.pool, name)
+    await load_slot(http.app.state.pool, slot)
     return _model(http, slot)
 
 
 @api.post("/models/{name:path}/unload")
 async def unload(name: str, http: HTTPRequest, force: bool = False):
-    slot = slot_of(http, name)
-    await unload_slot(http, slot, force)
+    slot = slot_of(http.app.state.pool, name)
+    await unload_slot(http.app.state.pool, slot, force)
     return _model(http, slot)
 
 
@@ -289,7 +289,7 @@ async def _write_settings(http: HTTPRequest, model: str, changes: dict) -> dict:
 async def model_settings(name: str, http: HTTPRequest):
     """Per-model settings (EDITABLE), written into the settings file's
     [models."NAME"] section; null or "" removes one."""
-    slot = slot_of(http, name)
+    slot = slot_of(http.app.state.pool, name)
     body = await _body(http)
     aliases = body.get("aliases")
     if isinstance(aliases, str):
@@ -302,11 +302,11 @@ async def model_settings(name: str, http: HTTPRequest):
 @api.post("/models/{name:path}/pin")
 async def pin(name: str, http: HTTPRequest):
     """{"pinned": true}: kept loaded (loaded now), saved in the settings file."""
-    slot = slot_of(http, name)
+    slot = slot_of(http.app.state.pool, name)
     pinned = bool((await _body(http)).get("pinned", True))
     await _write_settings(http, slot.entry.name, {"pinned": True if pinned else None})
     if pinned and slot.served is None:
-        await load_slot(http, slot)
+        await load_slot(http.app.state.pool, slot)
     return _model(http, slot)
 
 
@@ -387,7 +387,7 @@ async def bench(http: HTTPRequest):
     reports tok/s and TTFT per concurrency as each ends."""
     dash = _dash(http)
     body = await _body(http)
-    slot = slot_of(http, str(body.get("model") or "default"))
+    slot = slot_of(http.app.state.pool, str(body.get("model") or "default"))
     try:
         levels = [int(c) for c in body.get("concurrencies", [1, 2, 4])]
         max_tokens, per = int(body.get("max_tokens", 32)), int(body.get("requests", 4))

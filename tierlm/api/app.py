@@ -18,17 +18,18 @@ from tierlm.admin.logbuffer import QuietDashboardPolls
 from tierlm.admin.metrics import ServerMetrics, make_registry
 from tierlm.admin.metrics import router as metrics_router
 from tierlm.admin.session import Sessions
-from tierlm.api.anthropic_routes import router as anthropic_router
-from tierlm.api.errors import APIError, error_response, install_error_handlers
-from tierlm.api.model_pool import apply_settings, make_pool
+from tierlm.api.anthropic.routes import router as anthropic_router
+from tierlm.api.errors import error_response, install_error_handlers
 from tierlm.api.model_routes import router as model_router
-from tierlm.api.ollama_routes import router as ollama_router
-from tierlm.api.openai_routes import router as openai_router
-from tierlm.api.responses_routes import router as responses_router
-from tierlm.api.served_model import ServedModel
+from tierlm.api.ollama.routes import router as ollama_router
+from tierlm.api.openai.routes import router as openai_router
+from tierlm.api.responses.routes import router as responses_router
 from tierlm.config import Settings
 from tierlm.pool.enforcer import MemoryEnforcer
 from tierlm.pool.pool import ModelPool
+from tierlm.serving.assembly import apply_settings, make_pool
+from tierlm.serving.errors import APIError
+from tierlm.serving.served_model import ServedModel
 from tierlm.settings_watch import SettingsWatcher
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ def _ready(app: FastAPI) -> ServedModel:
 
 
 def _settings_changed(app: FastAPI, new: Settings) -> None:
-    """The settings file changed: the models' settings (model_pool.apply_settings)
+    """The settings file changed: the models' settings (serving.assembly.apply_settings)
     and the keys take effect now. Keys that could not start a server (a key both
     an API and an admin key; no API key left on an address other than loopback,
     unless the server was started with --insecure-no-auth) are refused with an

@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tierlm.serving.errors import APIError
+
 log = logging.getLogger(__name__)
 
 _TYPES = {
@@ -27,15 +29,6 @@ _TYPES = {
     503: "service_unavailable",
     507: "insufficient_storage",
 }
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        return error_body(self.status, self.message, self.param, self.code)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

@@ -8,8 +8,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 
-from tierlm.api.model_pool import load_slot, slot_of, unload_slot
 from tierlm.pool.pool import ModelPool, Slot
+from tierlm.serving.leases import load_slot, slot_of, unload_slot
 
 router = APIRouter(prefix="/v1")
 
@@ -27,22 +27,22 @@ async def list_models(http: HTTPRequest):
 
 @router.post("/models/{model_id:path}/load")
 async def load_model(model_id: str, http: HTTPRequest):
-    slot = slot_of(http, model_id)
-    await load_slot(http, slot)
+    slot = slot_of(http.app.state.pool, model_id)
+    await load_slot(http.app.state.pool, slot)
     return _card(_pool(http), slot)
 
 
 @router.post("/models/{model_id:path}/unload")
 async def unload_model(model_id: str, http: HTTPRequest, force: bool = False):
     """Unload after the model's requests in flight, or (`?force=true`) aborting them."""
-    slot = slot_of(http, model_id)
-    await unload_slot(http, slot, force)
+    slot = slot_of(http.app.state.pool, model_id)
+    await unload_slot(http.app.state.pool, slot, force)
     return _card(_pool(http), slot)
 
 
 @router.get("/models/{model_id:path}")
 async def get_model(model_id: str, http: HTTPRequest):
-    return _card(_pool(http), slot_of(http, model_id))
+    return _card(_pool(http), slot_of(http.app.state.pool, model_id))
 
 
 def _card(pool: ModelPool, slot: Slot) -> dict:

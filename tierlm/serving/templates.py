@@ -13,7 +13,7 @@ import time
 
 import jinja2
 
-from tierlm.api.errors import APIError
+from tierlm.serving.errors import APIError
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,9 @@ import logging
 import re
 from typing import Any
 
-from tierlm.api.anthropic_schemas import CountTokensRequest
-from tierlm.api.errors import APIError
+from tierlm.api.anthropic.schemas import CountTokensRequest
+from tierlm.api.turns import tool_of
+from tierlm.serving.errors import APIError
 from tierlm.structured.events import Gathered
 from tierlm.structured.reasoning import with_reasoning
 from tierlm.structured.tools import Tool, ToolChoice
@@ -41,12 +42,7 @@ def read_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
             # Anthropic; nothing here can run them
             log.debug("tool %s of type %s skipped: a server tool", tool.get("name"), tool.get("type"))
             continue
-        name, schema = tool.get("name"), tool.get("input_schema")
-        if not isinstance(name, str):
-            raise APIError(400, "a tool needs a name", f"tools.{i}.name")
-        if schema is not None and not isinstance(schema, dict):
-            raise APIError(400, "input_schema must be a JSON schema object", f"tools.{i}.input_schema")
-        out.append(Tool(name, str(tool.get("description") or ""), schema))
+        out.append(tool_of(tool, "input_schema", f"tools.{i}"))
     return out
 
 

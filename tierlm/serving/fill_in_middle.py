@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tierlm.api.errors import APIError
+from tierlm.serving.errors import APIError
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tierlm.api.errors import APIError, validation_message
-from tierlm.api.ollama_schemas import OllamaBody, OllamaChatRequest, OllamaGenerateRequest
-from tierlm.api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from tierlm.api.chat_body import ChatCompletionRequest, CompletionRequest
+from tierlm.api.errors import validation_message
+from tierlm.api.ollama.schemas import OllamaBody, OllamaChatRequest, OllamaGenerateRequest
 from tierlm.pool.discovery import ModelEntry
+from tierlm.serving.errors import APIError
 from tierlm.structured.events import Gathered
 
 # Ollama's options that have an OpenAI-shaped field of another name; those of

@@ -5,7 +5,7 @@ numbered (`sequence_number`). The items it builds are the response's output."""
 
 from __future__ import annotations
 
-from tierlm.api.responses_turns import Tools, call_item, message_item, new_id, output_text, reasoning_item
+from tierlm.api.responses.turns import Tools, call_item, message_item, new_id, output_text, reasoning_item
 from tierlm.api.sse import sse_event
 from tierlm.structured.events import Event, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallStart
 

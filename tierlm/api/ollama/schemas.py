@@ -1,7 +1,7 @@
 """Request bodies of Ollama's API (/api/chat, /api/generate, /api/show). As
 Ollama does, unknown fields and options (num_ctx, num_gpu, mirostat, ...) are
 ignored; the fields here are checked again once turned into the OpenAI shape
-(api/ollama_turns.py)."""
+(ollama/turns.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import Field
 
-from tierlm.api.openai_schemas import RequestBody
+from tierlm.api.fields import RequestBody
 
 
 class OllamaBody(RequestBody):

@@ -10,31 +10,28 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
-from tierlm.api import ollama_turns as ollama
-from tierlm.api.errors import APIError
-from tierlm.api.fill_in_middle import find_format
-from tierlm.api.model_pool import turns_for
-from tierlm.api.ollama_schemas import OllamaBody, OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
-from tierlm.api.openai_schemas import ChatCompletionRequest
-from tierlm.api.openai_turns import completion_tokens, make_completion
-from tierlm.api.served_model import ServedModel, error_of, raise_for_error
-from tierlm.api.serving import chat_turn, with_model
+from tierlm.api.answer import Encoder, collect, finish_of, stream, verbatim, with_model
+from tierlm.api.chat_body import ChatCompletionRequest
+from tierlm.api.ollama import turns as ollama
+from tierlm.api.ollama.schemas import OllamaBody, OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
+from tierlm.api.turns import chat_turn, completion_tokens, make_completion
 from tierlm.config import parse_duration
-from tierlm.engine.request import FinishReason, Request, RequestOutput
+from tierlm.engine.request import Request, RequestOutput
 from tierlm.pool.pool import ModelPool, Slot
+from tierlm.serving.errors import APIError
+from tierlm.serving.fill_in_middle import find_format
+from tierlm.serving.leases import turns_for
+from tierlm.serving.served_model import ServedModel
 from tierlm.structured.events import Event, Gathered, ReasoningDelta, TextDelta
 from tierlm.structured.turn import TurnParser
 
 router = APIRouter(prefix="/api")
-log = logging.getLogger(__name__)
 
 # the Ollama API version whose shapes these routes follow (clients check it for features)
 OLLAMA_API_VERSION = "0.12.0"
@@ -82,7 +79,7 @@ async def ps(http: HTTPRequest):
 async def show(body: OllamaShowRequest, http: HTTPRequest):
     """What a model is, without loading it: its context length (what clients
     size their prompts by), its chat template and what it can do."""
-    entry, turns, settings = await turns_for(http, body.model or body.name)
+    entry, turns, settings = await turns_for(http.app.state.pool, body.model or body.name)
     capabilities = ["completion"]
     if turns.format.native:
         capabilities.append("tools")
@@ -132,7 +129,7 @@ async def _generate(model: ServedModel, body: OllamaGenerateRequest, http: HTTPR
         request_body = ollama.completion_request(body)
         tokens = await asyncio.to_thread(completion_tokens, model, request_body)
         request = make_completion(model, request_body, tokens, request_body.max_tokens)
-        return await _answer(model, request, http, _Verbatim(), body.stream, started, "response")
+        return await _answer(model, request, http, verbatim(), body.stream, started, "response")
     return await _templated(model, ollama.generate_chat_request(body), http, body.stream, started, "response")
 
 
@@ -154,55 +151,40 @@ def _loaded(model: ServedModel, body: OllamaBody, http: HTTPRequest, kind: str) 
             "done_reason": "unload" if unloading else "load"}
 
 
-class _Verbatim:
-    """The parser of a raw or fill-in-the-middle answer: its text as it is."""
-
-    def feed(self, text: str) -> list[Event]:
-        return [TextDelta(text)] if text else []
-
-    def finish(self) -> list[Event]:
-        return []
-
-
-async def _answer(model: ServedModel, request: Request, http: HTTPRequest, parser: TurnParser | _Verbatim,
-                  stream: bool, started: float, kind: str):
-    if stream:
-        lines = _lines(model, request, parser, started, kind)
+async def _answer(model: ServedModel, request: Request, http: HTTPRequest, parser: TurnParser,
+                  stream_it: bool, started: float, kind: str):
+    if stream_it:
+        lines = stream(model, request, parser, OllamaLines(model, started, kind), keepalive_s=None)
         return StreamingResponse(lines, media_type="application/x-ndjson")
-    output = await model.generate_unless_disconnected(request, http)
-    raise_for_error(output)
-    events = parser.feed(output.text) + parser.finish()
-    answer = _piece(kind, Gathered().add(events))
-    return {**_head(model), **answer, **_done(output, output.first_token_time, started)}
+    output, gathered = await collect(model, request, http, parser)
+    return {**_head(model), **_piece(kind, gathered), **_done(output, output.first_token_time, started)}
 
 
-async def _lines(model: ServedModel, request: Request, parser: TurnParser | _Verbatim, started: float,
-                 kind: str) -> AsyncIterator[str]:
+class OllamaLines(Encoder):
     """The answer as Ollama streams it: a line per piece of text or thinking,
     the tool calls whole once the answer ends, then the line that is `done`. A
-    failure ends with a line holding `error`; leaving early aborts the request."""
-    outputs = model.engine.stream_outputs(request)
-    calls, first = Gathered(), None
-    try:
-        async for output in outputs:
-            if output.error is not None:
-                yield _line({"error": error_of(output).message})
-                return
-            first = first or output.first_token_time
-            events = parser.feed(output.text) if output.text else []
-            if output.finished:
-                events += parser.finish()
-            for piece in _pieces(events, calls):
-                yield _line({**_head(model), **_piece(kind, piece), "done": False})
-            if output.finished:
-                if calls.tool_calls:
-                    yield _line({**_head(model), **_piece(kind, calls), "done": False})
-                yield _line({**_head(model), **_piece(kind, Gathered()), **_done(output, first, started)})
-    except Exception as e:  # a bug: the stream still ends with an error line, never silence
-        log.exception("stream of %s failed", request.request_id)
-        yield _line({"error": f"internal error: {type(e).__name__}"})
-    finally:
-        await outputs.aclose()  # aborts the request if it has not finished
+    failure ends with a line holding `error`."""
+
+    keepalive = None  # Ollama's clients read lines: nothing is sent while a prompt prefills
+
+    def __init__(self, model: ServedModel, started: float, kind: str):
+        self.model, self.started, self.kind = model, started, kind
+        self.calls, self.first = Gathered(), None
+
+    def events(self, events: list[Event], output: RequestOutput, logprobs: list | None) -> list[str]:
+        self.first = self.first or output.first_token_time
+        return [_line({**_head(self.model), **_piece(self.kind, piece), "done": False})
+                for piece in _pieces(events, self.calls)]
+
+    def finish(self, events: list[Event], output: RequestOutput, logprobs: list | None) -> list[str]:
+        lines = self.events(events, output, logprobs)
+        if self.calls.tool_calls:
+            lines.append(_line({**_head(self.model), **_piece(self.kind, self.calls), "done": False}))
+        done = _done(output, self.first, self.started)
+        return lines + [_line({**_head(self.model), **_piece(self.kind, Gathered()), **done})]
+
+    def error(self, error: APIError) -> list[str]:
+        return [_line({"error": error.message})]
 
 
 def _pieces(events: list[Event], calls: Gathered) -> list[Gathered]:
@@ -234,7 +216,7 @@ def _done(output: RequestOutput, first: float | None, started: float) -> dict:
     def ns(seconds: float) -> int:
         return int(max(0.0, seconds) * 1e9)
 
-    return {"done": True, "done_reason": ollama.done_reason((output.finish_reason or FinishReason.STOP).value),
+    return {"done": True, "done_reason": ollama.done_reason(finish_of(output)),
             "total_duration": ns(end - started), "load_duration": 0,
             "prompt_eval_count": output.prompt_tokens, "prompt_eval_duration": ns(first - started),
             "eval_count": output.completion_tokens, "eval_duration": ns(end - first)}

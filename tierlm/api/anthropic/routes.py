@@ -5,31 +5,27 @@ Anthropic's shape (api/errors.py)."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 
-from tierlm.api.anthropic_schemas import CountTokensRequest, MessagesRequest
-from tierlm.api.anthropic_turns import chat_messages, content_blocks, stop_reason, turn_spec, usage
-from tierlm.api.errors import APIError, anthropic_error_body
-from tierlm.api.model_pool import turns_for
-from tierlm.api.openai_schemas import SamplingFields
-from tierlm.api.openai_turns import turn_error
-from tierlm.api.served_model import ServedModel, error_of, raise_for_error
-from tierlm.api.serving import sse_response, start_turn, with_model
+from tierlm.api.answer import Encoder, collect, finish_of, sse_response, stream, with_model
+from tierlm.api.anthropic.schemas import CountTokensRequest, MessagesRequest
+from tierlm.api.anthropic.turns import chat_messages, content_blocks, stop_reason, turn_spec, usage
+from tierlm.api.errors import anthropic_error_body
+from tierlm.api.fields import SamplingFields
 from tierlm.api.sse import sse_event
-from tierlm.api.templates import render_chat_template
+from tierlm.api.turns import render_turn, start_turn
 from tierlm.config import Settings
-from tierlm.engine.request import FinishReason, Request
-from tierlm.structured.events import Event, Gathered, ReasoningDelta, TextDelta, ToolCallStart
-from tierlm.structured.tools import TurnError
+from tierlm.engine.request import Request, RequestOutput
+from tierlm.serving.errors import APIError
+from tierlm.serving.leases import turns_for
+from tierlm.serving.served_model import ServedModel
+from tierlm.structured.events import Event, ReasoningDelta, TextDelta, ToolCallStart
 from tierlm.structured.turn import ModelTurns, TurnParser, TurnSpec
 
 router = APIRouter(prefix="/v1")
-log = logging.getLogger(__name__)
 
 PING_EVERY_S = 10.0  # at most this long without an event, or agents give up on the server
 
@@ -43,7 +39,7 @@ async def messages(body: MessagesRequest, http: HTTPRequest):
 async def count_tokens(body: CountTokensRequest, http: HTTPRequest):
     """The prompt's true length, rendered as /v1/messages would render it, with the
     tokenizer alone: no model is loaded and no engine is asked."""
-    _, turns, settings = await turns_for(http, body.model)
+    _, turns, settings = await turns_for(http.app.state.pool, body.model)
     tokens = await asyncio.to_thread(_render, turns, settings, body, turn_spec(body))
     return {"input_tokens": len(tokens)}
 
@@ -57,18 +53,16 @@ async def _message(model: ServedModel, body: MessagesRequest, http: HTTPRequest)
     max_tokens = model.within_context(len(tokens), body.max_tokens)
     request = model.make_request("msg", tokens, _sampling(body), max_tokens, constraint=turn.constraint)
     if body.stream:
-        return sse_response(_events(model, request, http, turn.parser))
-    output = await model.generate_unless_disconnected(request, http)
-    raise_for_error(output)
-    gathered = Gathered().add(turn.parser.feed(output.text) + turn.parser.finish())
-    finish = (output.finish_reason or FinishReason.STOP).value
+        keepalive = min(http.app.state.settings.sse_keepalive_s, PING_EVERY_S)
+        return sse_response(stream(model, request, turn.parser, MessageEvents(model, request, turn.parser), keepalive))
+    output, gathered = await collect(model, request, http, turn.parser)
     return {
         "id": request.request_id,
         "type": "message",
         "role": "assistant",
         "model": model.info.name,
         "content": content_blocks(gathered),
-        "stop_reason": stop_reason(finish, turn.parser.called, output.stop_sequence),
+        "stop_reason": stop_reason(finish_of(output), turn.parser.called, output.stop_sequence),
         "stop_sequence": output.stop_sequence,
         "usage": usage(output.prompt_tokens, output.cached_tokens, output.completion_tokens),
     }
@@ -84,14 +78,9 @@ def _prompt_too_long(prompt_tokens: int, context: int) -> APIError:
 
 def _render(turns: ModelTurns, settings: Settings, body: CountTokensRequest, spec: TurnSpec) -> list[int]:
     volatile = [re.compile(p) for p in settings.volatile_prompt_blocks]
-    try:
-        messages, variables = turns.prepare(spec, chat_messages(body, volatile))
-    except TurnError as e:
-        raise turn_error(e) from e
-    kwargs = {**settings.template_kwargs(), **variables}
-    if spec.max_thinking_tokens == 0:
-        kwargs.setdefault("enable_thinking", False)  # templates with a switch (Qwen 3's) leave thinking out
-    return render_chat_template(turns.tokenizer, messages, kwargs, None, False)
+    # thinking off: templates with a switch (Qwen 3's) leave the section out, unless the settings say
+    defaults = {"enable_thinking": False} if spec.max_thinking_tokens == 0 else None
+    return render_turn(turns, settings, spec, chat_messages(body, volatile), defaults=defaults)
 
 
 def _sampling(body: MessagesRequest) -> SamplingFields:
@@ -147,41 +136,35 @@ class _Blocks:
         return sse_event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
 
 
-async def _events(model: ServedModel, request: Request, http: HTTPRequest, parser: TurnParser) -> AsyncIterator[str]:
-    """The message as Anthropic streams it: message_start, content blocks as they
-    are generated, message_delta (stop reason, usage), message_stop. Pings go out
+class MessageEvents(Encoder):
+    """The message as Anthropic streams it: message_start, content blocks as
+    they are generated, message_delta (stop reason, usage), message_stop. Pings
     while a long prompt prefills; a failure ends with an error event."""
-    yield sse_event("message_start", {"type": "message_start", "message": {
-        "id": request.request_id, "type": "message", "role": "assistant", "model": model.info.name,
-        "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": usage(len(request.prompt_tokens), 0, 0)}})
-    keepalive = min(http.app.state.settings.sse_keepalive_s, PING_EVERY_S)
-    outputs = model.engine.stream_outputs(request, keepalive_s=keepalive)
-    blocks = _Blocks()
-    try:
-        async for output in outputs:
-            if output is None:
-                yield sse_event("ping", {"type": "ping"})
-                continue
-            if output.error is not None:
-                error = error_of(output)
-                yield sse_event("error", anthropic_error_body(error.status, error.message))
-                return
-            for event in parser.feed(output.text) if output.text else ():
-                for data in blocks.feed(event):
-                    yield data
-            if output.finished:
-                for data in [d for e in parser.finish() for d in blocks.feed(e)] + blocks.stop():
-                    yield data
-                finish = (output.finish_reason or FinishReason.STOP).value
-                yield sse_event("message_delta", {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": stop_reason(finish, parser.called, output.stop_sequence),
-                              "stop_sequence": output.stop_sequence},
-                    "usage": usage(output.prompt_tokens, output.cached_tokens, output.completion_tokens)})
-                yield sse_event("message_stop", {"type": "message_stop"})
-    except Exception as e:  # a bug: the stream still ends with an error event, never silence
-        log.exception("stream of %s failed", request.request_id)
-        yield sse_event("error", anthropic_error_body(500, f"internal error: {type(e).__name__}"))
-    finally:
-        await outputs.aclose()  # aborts the request if it has not finished
+
+    keepalive = sse_event("ping", {"type": "ping"})
+
+    def __init__(self, model: ServedModel, request: Request, parser: TurnParser):
+        self.model, self.request, self.parser = model, request, parser
+        self.blocks = _Blocks()
+
+    def start(self) -> list[str]:
+        return [sse_event("message_start", {"type": "message_start", "message": {
+            "id": self.request.request_id, "type": "message", "role": "assistant", "model": self.model.info.name,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": usage(len(self.request.prompt_tokens), 0, 0)}})]
+
+    def events(self, events: list[Event], output: RequestOutput, logprobs: list | None) -> list[str]:
+        return [frame for e in events for frame in self.blocks.feed(e)]
+
+    def finish(self, events: list[Event], output: RequestOutput, logprobs: list | None) -> list[str]:
+        reason = stop_reason(finish_of(output), self.parser.called, output.stop_sequence)
+        return self.events(events, output, logprobs) + self.blocks.stop() + [
+            sse_event("message_delta", {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": output.stop_sequence},
+                "usage": usage(output.prompt_tokens, output.cached_tokens, output.completion_tokens)}),
+            sse_event("message_stop", {"type": "message_stop"}),
+        ]
+
+    def error(self, error: APIError) -> list[str]:
+        return [sse_event("error", anthropic_error_body(error.status, error.message))]

@@ -16,9 +16,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierlm.api.errors import APIError
-from tierlm.api.openai_turns import format_schema, read_tool_choice
-from tierlm.api.responses_schemas import ResponsesRequest
+from tierlm.api.responses.schemas import ResponsesRequest
+from tierlm.api.turns import format_schema, read_tool_choice, tool_of
+from tierlm.serving.errors import APIError
 from tierlm.structured.events import Gathered
 from tierlm.structured.reasoning import with_reasoning
 from tierlm.structured.tools import Tool, ToolChoice, TurnError
@@ -213,12 +213,7 @@ def _add_namespace(out: Tools, namespace: dict, where: str) -> None:
 
 def _function(tool: dict, where: str) -> Tool:
     function = tool["function"] if isinstance(tool.get("function"), dict) else tool
-    name, parameters = function.get("name"), function.get("parameters")
-    if not isinstance(name, str):
-        raise APIError(400, "a function tool needs a name", f"{where}.name", "invalid_value")
-    if parameters is not None and not isinstance(parameters, dict):
-        raise APIError(400, "parameters must be a JSON schema object", f"{where}.parameters", "invalid_value")
-    return Tool(name, str(function.get("description") or ""), parameters)
+    return tool_of(function, "parameters", where, "invalid_value")
 
 
 def read_tool_choice_of(choice: Any, have_tools: bool, parallel: bool) -> ToolChoice:

@@ -1,5 +1,5 @@
-"""The API's model pool: the models the settings name or the model folders
-hold, each served (engine, turns) when a request asks for it."""
+"""Model assembly: the pool of the models the settings name or the model
+folders hold, each served (load, engine, turns) when a request asks for it."""
 
 from __future__ import annotations
 
@@ -11,16 +11,14 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from pathlib import Path
 
-from fastapi import Request as HTTPRequest
-
-from tierlm.api.errors import APIError
-from tierlm.api.served_model import ServedModel
 from tierlm.cache.block_hash import model_fingerprint
-from tierlm.config import Settings, parse_duration, resolve_alias, total_memory
+from tierlm.config import Settings, resolve_alias, total_memory
 from tierlm.engine.core import EngineCore
+from tierlm.models.default_model import ensure_default_model
 from tierlm.models.loader import load_model, load_tokenizer, read_model_info, tokenizer_stamp
 from tierlm.pool.discovery import ModelEntry, default_hf_cache, discover, folders_signature, read_entry
-from tierlm.pool.pool import Lease, ModelPool, PoolError, Slot
+from tierlm.pool.pool import ModelPool
+from tierlm.serving.served_model import ServedModel
 from tierlm.structured.turn import ModelTurns
 
 log = logging.getLogger(__name__)
@@ -143,9 +141,11 @@ def _pinned(settings: Settings, names, default: str | None) -> frozenset[str]:
 
 
 async def serve(entry: ModelEntry, settings: Settings, is_default: bool = False,
-                turns_cache: TurnsCache | None = None) -> ServedModel:
-    """Load a model and start its engine; what the pool keeps for it. The
-    tokenizer and turns come from `turns_cache`, or load beside the weights."""
+                turns_cache: TurnsCache | None = None, grammars: bool = True) -> ServedModel:
+    """Load a model and start its engine: what the pool keeps for it, and what
+    tierlm.LLM runs. The tokenizer and turns come from `turns_cache`, or load
+    beside the weights. `grammars`: build llguidance's view of the tokenizer
+    (tools and JSON answers need it; the Python API does not)."""
     info = read_model_info(entry.path, entry.name)
     memory = settings.memory_limit_bytes() or total_memory()
     turns_future = (turns_cache or TurnsCache(1)).future(entry.path, settings)
@@ -155,7 +155,8 @@ async def serve(entry: ModelEntry, settings: Settings, is_default: bool = False,
         settings, model_fingerprint(entry.path, {}))
     await engine.start()
     turns = await asyncio.wrap_future(turns_future)  # done: the load waited for it
-    _build_ll_tokenizer(turns)
+    if grammars:
+        _build_ll_tokenizer(turns)
     return ServedModel(info, engine, aliases=("default",) if is_default else (), turns=turns, settings=settings)
 
 
@@ -174,79 +175,19 @@ def _build_ll_tokenizer(turns: ModelTurns) -> None:
     threading.Thread(target=lambda: turns.grammars.ll_tokenizer, name="llguidance-tokenizer", daemon=True).start()
 
 
-def slot_of(http: HTTPRequest, requested: str | None) -> Slot:
-    """The pool's slot for a model name or alias; an unknown one is a 404 naming
-    the models here."""
-    try:
-        return http.app.state.pool.resolve(requested)
-    except PoolError as e:
-        raise APIError(e.status, str(e), "model", e.code) from e
-
-
-async def load_slot(http: HTTPRequest, slot: Slot) -> None:
-    """Load a model by hand (the load routes, the dashboard); pool errors (507, a
-    failed load) as API errors naming `model`."""
-    try:
-        await http.app.state.pool.load(slot.entry.name)
-    except PoolError as e:
-        raise APIError(e.status, str(e), "model", e.code) from e
-
-
-async def unload_slot(http: HTTPRequest, slot: Slot, force: bool = False) -> None:
-    """Unload a model by hand after its requests in flight (`force`: aborting
-    them); a pinned one is a 409, it stays loaded."""
-    if slot.pinned:
-        raise APIError(409, f"{slot.entry.name} is pinned: unpin it first", "model", "model_pinned")
-    await http.app.state.pool.unload(slot.entry.name, force=force)
-
-
-async def turns_for(http: HTTPRequest, requested: str | None) -> tuple[ModelEntry, ModelTurns, Settings]:
-    """A model's tokenizer and turns (its chat template, tools, reasoning) and its
-    settings, never loading the model nor touching an engine (counting a
-    prompt's tokens): a loaded model's own, else the cached ones, else its
-    tokenizer alone loaded now, off the event loop. The name is resolved as
-    `lease_model` does it (an unknown one is the same 404)."""
-    pool: ModelPool = http.app.state.pool
-    slot = slot_of(http, requested)
-    served = slot.served
-    if served is not None:
-        return slot.entry, served.turns, served.settings
-    settings = pool.current.settings.for_model(slot.entry.name)
-    try:
-        turns = await pool.current.turns.get(slot.entry.path, settings)
-    except Exception as e:
-        log.exception("could not load the tokenizer of %s", slot.entry.name)
-        raise APIError(503, f"could not load the tokenizer of {slot.entry.name}: {type(e).__name__}: {e}",
-                       "model", "model_load_failed") from e
-    return slot.entry, turns, settings
-
-
-async def lease_model(http: HTTPRequest, requested: str | None, keep_alive=None) -> Lease:
-    """The requested model, loaded and held for this request (release the lease
-    when the request is done). Pool errors become API errors naming `model`."""
-    pool: ModelPool = http.app.state.pool
-    try:
-        if keep_alive is None:
-            lease = await pool.acquire(requested)
-        else:
-            lease = await pool.acquire(requested, _keep_alive_value(keep_alive))
-    except PoolError as e:
-        raise APIError(e.status, str(e), "model", e.code) from e
-    if not lease.served.engine.is_alive:
-        lease.release()
-        raise APIError(503, f"the model {lease.slot.entry.name} is not running", "model", "model_loading")
-    return lease
-
-
-def _keep_alive_value(value) -> float | None:
-    """A request's keep_alive in seconds (None: forever)."""
-    try:
-        return parse_duration(value)
-    except (TypeError, ValueError) as e:
-        raise APIError(400, f"keep_alive: {e}", "keep_alive", "invalid_value") from e
-
-
 # ---- what the settings say ----------------------------------------------------
+
+
+def resolve_model(settings: Settings) -> Path:
+    """The folder of the model the settings name: a folder, a model's name in
+    the model folder, or "default" (the built-in model, fetched on first use)."""
+    if settings.model and settings.model != "default":
+        path = Path(settings.model).expanduser()
+        if not path.is_dir():
+            candidate = Path(settings.model_dir).expanduser() / settings.model
+            path = candidate if candidate.is_dir() else path
+        return path
+    return ensure_default_model(Path(settings.model_dir).expanduser())
 
 
 def model_dirs_of(settings: Settings) -> list[Path]:

@@ -1,23 +1,20 @@
-"""What the HTTP layer knows of the model it serves: its engine, its name, its
-limits. Turns validated request fields into engine requests; knows no MLX."""
+"""A model as every front end serves it: its engine, its names, its limits,
+its settings and turns. Turns validated request fields into engine requests;
+knows no MLX."""
 
 from __future__ import annotations
 
-import asyncio
 from functools import cached_property
 
-from fastapi import Request as HTTPRequest
-
-from tierlm.api.errors import APIError
-from tierlm.api.fill_in_middle import FimFormat, find_format
-from tierlm.api.openai_schemas import SamplingFields
-from tierlm.api.validation import check_request, parse_logit_bias
 from tierlm.config import Settings
 from tierlm.engine.constraint import TokenConstraint
 from tierlm.engine.core import EngineCore
 from tierlm.engine.detokenizer import byte_level_table
-from tierlm.engine.request import MemoryGuardError, Request, RequestOutput, SamplingParams
+from tierlm.engine.request import MemoryGuardError, Request, SamplingParams
 from tierlm.models.loader import ModelInfo, usable_vocab_size
+from tierlm.serving.errors import APIError
+from tierlm.serving.fill_in_middle import FimFormat, find_format
+from tierlm.serving.validation import check_request, parse_logit_bias
 from tierlm.structured.turn import ModelTurns
 
 
@@ -81,11 +78,12 @@ class ServedModel:
             raise APIError(400, str(e), "messages", "memory_limit") from e
         return max_tokens
 
-    def sampling_params(self, body: SamplingFields, max_tokens: int, keep_leading_space: bool = False,
+    def sampling_params(self, body, max_tokens: int, keep_leading_space: bool = False,
                         logprobs: int | None = None) -> SamplingParams:
-        """The OpenAI fields as the engine's params, before `check_request` holds
-        them against the model. Fields the request leaves out take the model's
-        defaults from the settings, then OpenAI's."""
+        """A request's sampling fields (`body`: tierlm.api.fields.SamplingFields,
+        or any object with its attributes) as the engine's params, before
+        `check_request` holds them against the model. Fields the request leaves
+        out take the model's defaults from the settings, then OpenAI's."""
         default = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **self.settings.sampling_defaults()}
         return SamplingParams(
             max_tokens=max_tokens,
@@ -105,7 +103,7 @@ class ServedModel:
             logprobs=logprobs,
         )
 
-    def make_request(self, prefix: str, tokens: list[int], body: SamplingFields, max_tokens: int | None,
+    def make_request(self, prefix: str, tokens: list[int], body, max_tokens: int | None,
                      keep_leading_space: bool = False, logprobs: int | None = None,
                      constraint: TokenConstraint | None = None) -> Request:
         """`logprobs`: alternatives per token (SamplingParams.logprobs), None for none.
@@ -149,37 +147,3 @@ class ServedModel:
                     pass
             return piece.replace("\u2581", " ").encode()
         return self.tokenizer.decode([token]).encode()
-
-    async def generate_unless_disconnected(self, request: Request, http: HTTPRequest) -> RequestOutput:
-        """Run to completion, aborting if the client goes away meanwhile."""
-        task = asyncio.create_task(self.engine.generate(request))
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await http.is_disconnected():
-                task.cancel()  # stream_outputs' cleanup aborts the request
-                raise APIError(499, "client disconnected")
-
-
-def usage(output: RequestOutput) -> dict:
-    return {
-        "prompt_tokens": output.prompt_tokens,
-        "completion_tokens": output.completion_tokens,
-        "total_tokens": output.prompt_tokens + output.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": output.cached_tokens},
-    }
-
-
-def error_of(output: RequestOutput) -> APIError:
-    """A failed request's error as the API answers it, whole or in a stream."""
-    if output.error_type == "memory":
-        return APIError(400, output.error, "messages", "memory_limit")
-    if output.error_type == "overloaded":  # the memory enforcer ended it (tierlm.pool.enforcer)
-        return APIError(503, output.error, code="memory_pressure")
-    return APIError(500, output.error, code="generation_failed")
-
-
-def raise_for_error(output: RequestOutput) -> None:
-    if output.error is not None:
-        raise error_of(output)

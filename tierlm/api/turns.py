@@ -1,25 +1,29 @@
-"""The OpenAI chat API's side of a turn: `tools`, `tool_choice` and
-`response_format` read into a `TurnSpec`, and the turn's events written back
-as OpenAI messages and stream deltas. The turn's logic itself lives in
-tierlm.structured, shared with the other APIs."""
+"""A turn as every API begins it: the request read into a `TurnSpec` (tools,
+tool_choice, an answer format), its messages rendered into prompt ids by the
+chat template, the turn started (constraint and parser). A chat body
+(api/chat_body.py) is read here whole, for the OpenAI and Ollama routes; the
+other APIs read their own bodies and share the rest. The turn's logic itself
+lives in tierlm.structured."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tierlm.api.errors import APIError
-from tierlm.api.fill_in_middle import fim_tokens
-from tierlm.api.templates import render_chat_template
-from tierlm.api.validation import check_template_args
-from tierlm.structured.events import Event, Gathered, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallStart
+from tierlm.serving.errors import APIError
+from tierlm.serving.fill_in_middle import fim_tokens
+from tierlm.serving.templates import render_chat_template
+from tierlm.serving.validation import check_template_args
 from tierlm.structured.reasoning import with_reasoning
 from tierlm.structured.tools import Tool, ToolChoice, TurnError
-from tierlm.structured.turn import TurnSpec
+from tierlm.structured.turn import ModelTurns, TurnRun, TurnSpec
 
 if TYPE_CHECKING:
-    from tierlm.api.openai_schemas import ChatCompletionRequest, CompletionRequest
-    from tierlm.api.served_model import ServedModel
+    from tierlm.api.chat_body import ChatCompletionRequest, CompletionRequest
+    from tierlm.config import Settings
     from tierlm.engine.request import Request
+    from tierlm.serving.served_model import ServedModel
 
 
 def turn_spec(body) -> TurnSpec:
@@ -40,13 +44,20 @@ def read_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
             raise APIError(400, "each tool must be {\"type\": \"function\", \"function\": {...}}", f"tools[{i}]")
-        name, parameters = function.get("name"), function.get("parameters")
-        if not isinstance(name, str):
-            raise APIError(400, "a function tool needs a name", f"tools[{i}].function.name")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise APIError(400, "parameters must be a JSON schema object", f"tools[{i}].function.parameters")
-        out.append(Tool(name, str(function.get("description") or ""), parameters))
+        out.append(tool_of(function, "parameters", f"tools[{i}].function"))
     return out
+
+
+def tool_of(fields: dict, schema_key: str, where: str, code: str | None = None) -> Tool:
+    """A tool from its name, description and JSON schema (at `schema_key`), as
+    every API's tools hold them; `where` is the place of `fields` in the request
+    (`tools[0].function`, `tools.0`), named with the field a 400 is about."""
+    name, schema = fields.get("name"), fields.get(schema_key)
+    if not isinstance(name, str):
+        raise APIError(400, "a tool needs a name", f"{where}.name", code)
+    if schema is not None and not isinstance(schema, dict):
+        raise APIError(400, f"{schema_key} must be a JSON schema object", f"{where}.{schema_key}", code)
+    return Tool(name, str(fields.get("description") or ""), schema)
 
 
 def read_tool_choice(choice, have_tools: bool, parallel: bool = True) -> ToolChoice:
@@ -121,13 +132,50 @@ def flatten_content(content) -> str:
 
 def render_chat(model: ServedModel, body: ChatCompletionRequest, spec: TurnSpec,
                 allow_client_template: bool) -> list[int]:
-    """A chat request's prompt ids, rendered by the model's template."""
+    """A chat request's prompt ids, rendered by the model's template (or the
+    client's, where the server allows it)."""
+    messages = message_dicts(body.messages, flatten_content)
+    return render_turn(model.turns, model.settings, spec, messages, check_template_args(body.chat_template_kwargs),
+                       body.chat_template, allow_client_template)
+
+
+def render_turn(turns: ModelTurns, settings: Settings, spec: TurnSpec, messages: list[dict],
+                variables: dict | None = None, client_template: str | None = None,
+                allow_client_template: bool = False, defaults: dict | None = None,
+                error: Callable[[TurnError], APIError] | None = None) -> list[int]:
+    """A turn's prompt ids: `messages` (chat's shape) prepared for the turn
+    (tools, reasoning kept or dropped) and rendered by the chat template with
+    its variables: `defaults`, then the model's settings', then the request's
+    (`variables`), then the turn's own. A turn that cannot be is a 400
+    (`error` names the field as the request's API does)."""
     try:
-        messages, variables = model.turns.prepare(spec, message_dicts(body.messages, flatten_content))
+        messages, turn_variables = turns.prepare(spec, messages)
     except TurnError as e:
-        raise turn_error(e) from e
-    kwargs = {**model.settings.template_kwargs(check_template_args(body.chat_template_kwargs)), **variables}
-    return render_chat_template(model.tokenizer, messages, kwargs, body.chat_template, allow_client_template)
+        raise (error or turn_error)(e) from e
+    kwargs = {**(defaults or {}), **settings.template_kwargs(variables), **turn_variables}
+    return render_chat_template(turns.tokenizer, messages, kwargs, client_template, allow_client_template)
+
+
+def start_turn(model: ServedModel, spec: TurnSpec, tokens: list[int],
+               error: Callable[[TurnError], APIError] | None = None) -> TurnRun:
+    """The turn's constraint and parser for this prompt (compiling a grammar can
+    take a while: call off the event loop); a turn that cannot be is a 400."""
+    try:
+        return model.turns.start(spec, tokens)
+    except TurnError as e:
+        raise (error or turn_error)(e) from e
+
+
+async def chat_turn(model: ServedModel, body: ChatCompletionRequest,
+                    allow_client_template: bool) -> tuple[Request, TurnRun]:
+    """A chat body's request and its turn (constraint, parser): the prompt
+    rendered by the chat template and the grammar compiled, off the event loop."""
+    spec = turn_spec(body)
+    tokens = await asyncio.to_thread(render_chat, model, body, spec, allow_client_template)
+    turn = await asyncio.to_thread(start_turn, model, spec, tokens)
+    request = model.make_request("chatcmpl", tokens, body, body.max_completion_tokens or body.max_tokens,
+                                 logprobs=body.logprobs_count, constraint=turn.constraint)
+    return request, turn
 
 
 def single_prompt(prompt):
@@ -166,37 +214,3 @@ def make_completion(model: ServedModel, body: CompletionRequest, tokens: list[in
     if body.suffix:
         request.params.stop_token_ids += model.fim_format.stops
     return request
-
-
-# ---- back to OpenAI's shape --------------------------------------------------
-
-
-def delta_of(event: Event) -> dict:
-    """One event as a chat.completion.chunk delta."""
-    if isinstance(event, TextDelta):
-        return {"content": event.text}
-    if isinstance(event, ReasoningDelta):
-        return {"reasoning_content": event.text}
-    if isinstance(event, ToolCallStart):
-        call = {"index": event.index, "id": event.id, "type": "function",
-                "function": {"name": event.name, "arguments": ""}}
-        return {"tool_calls": [call]}
-    assert isinstance(event, ToolCallArgs)
-    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
-
-
-def message_of(turn: Gathered) -> dict:
-    message: dict[str, Any] = {"role": "assistant", "content": turn.content}
-    if turn.reasoning:
-        message["reasoning_content"] = turn.reasoning
-    if turn.tool_calls:
-        message["content"] = turn.content or None
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in turn.tool_calls
-        ]
-    return message
-
-
-def finish_reason(reason: str, called: bool) -> str:
-    return "tool_calls" if called and reason == "stop" else reason

@@ -3,7 +3,7 @@
 Agents drift ahead of every server: a new release sends a field, a content
 block or a beta option nobody has seen. So unknown fields are ignored here, and
 content blocks stay plain dicts, read (and unknown types skipped) in
-api/anthropic_turns.py. Known fields are range-checked as Anthropic does."""
+anthropic/turns.py. Known fields are range-checked as Anthropic does."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tierlm.api.openai_schemas import RequestBody
-from tierlm.api.validation import SEED_MAX, SEED_MIN
+from tierlm.api.fields import RequestBody
+from tierlm.serving.validation import SEED_MAX, SEED_MIN
 
 
 class InputMessage(BaseModel):

@@ -2,7 +2,7 @@
 
 Clients drift (Codex sends fields OpenAI added last month): unknown fields are
 ignored, never a 422. Items, tools and formats stay plain dicts here and are
-read leniently in api/responses_turns.py, where a wrong one is a 400 naming its
+read leniently in responses/turns.py, where a wrong one is a 400 naming its
 place (`input[3].content[0]`)."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from typing import Any
 
 from pydantic import Field
 
-from tierlm.api.openai_schemas import RequestBody, SamplingFields
-from tierlm.api.validation import SEED_MAX, SEED_MIN
+from tierlm.api.fields import RequestBody, SamplingFields
+from tierlm.serving.validation import SEED_MAX, SEED_MIN
 
 
 class ResponsesRequest(RequestBody):
     model: str | None = None
-    input: Any = None  # a string or a list of items: read in responses_turns.input_items
+    input: Any = None  # a string or a list of items: read in turns.input_items
     instructions: str | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -13,8 +13,8 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from tierlm.api.errors import APIError
 from tierlm.engine.request import SamplingParams
+from tierlm.serving.errors import APIError
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # any int64 or uint64; a negative seed is read as its uint64
 MAX_STOP_STRINGS = 16

@@ -1,90 +1,28 @@
-"""Request bodies of the OpenAI routes. Unknown fields are ignored, as OpenAI
-clients send many optional ones; known fields are range-checked here."""
+"""The chat and text completion bodies: OpenAI's shape, which chat templates,
+vLLM and llama.cpp speak too. The OpenAI routes take them as they come;
+Ollama's reads its bodies into them. Unknown fields are ignored, as clients
+send many optional ones; known fields are range-checked here."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from tierlm.api.errors import APIError
-from tierlm.api.validation import SEED_MAX, SEED_MIN, find_lone_surrogate
+from tierlm.api.fields import SamplingFields, BodyPart
+from tierlm.serving.errors import APIError
 
-log = logging.getLogger(__name__)
-
-
-class _Body(BaseModel):
-    # NaN and Infinity (which Python's JSON parser accepts) are no numbers to sample with
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class RequestBody(_Body):
-    """A whole request's body, for every API: its fields a client sends that this
-    server does not know are ignored (logged at debug: clients send fields newer
-    than any server), and its text must be valid Unicode."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_is_unicode(cls, data):
-        if (where := find_lone_surrogate(data)) is not None:
-            raise APIError(400, f"'{where}': the text holds a lone UTF-16 surrogate, which is not "
-                           "valid Unicode", where, "invalid_value")
-        if isinstance(data, dict) and (unknown := sorted(set(data) - set(cls.model_fields))):
-            log.debug("%s: ignoring fields %s", cls.__name__, ", ".join(unknown))
-        return data
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class SamplingFields(RequestBody):
-    """Fields shared by chat and text completions (vLLM's extras included). The
-    ranges that depend on the model are checked in api/validation.py."""
-
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int = Field(default=1, ge=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    # how long the model stays loaded after this request (seconds, or "5m"; -1
-    # forever, 0 unloaded after it), as Ollama's keep_alive
-    keep_alive: float | str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _single_choice(cls, v):
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
-
-
-class ContentPart(_Body):
+class ContentPart(BodyPart):
     type: str
     text: str | None = None
 
 
-class FunctionCall(_Body):
+class FunctionCall(BodyPart):
     name: str
     arguments: str | dict[str, Any] = ""  # JSON text, as OpenAI sends it (an object is accepted too)
 
 
-class ToolCallRef(_Body):
+class ToolCallRef(BodyPart):
     """A call the assistant made earlier in the conversation."""
 
     id: str | None = None
@@ -92,7 +30,7 @@ class ToolCallRef(_Body):
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(BodyPart):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -143,7 +81,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    suffix: str | None = None  # text after the completion: fill in the middle (api/fill_in_middle.py)
+    suffix: str | None = None  # text after the completion: fill in the middle (serving/fill_in_middle.py)
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = Field(default=None, ge=1, le=1)

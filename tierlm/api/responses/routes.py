@@ -2,27 +2,26 @@
 GET / DELETE /v1/responses/{id} for the answers kept for previous_response_id.
 
 One adapter: the body is read into chat messages and a TurnSpec
-(api/responses_turns.py), rendered and generated as a chat completion is, and
+(responses/turns.py), rendered and generated as a chat completion is, and
 the turn's events written back as output items, whole or streamed
-(api/responses_stream.py)."""
+(responses/stream.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 
-from tierlm.api.errors import APIError
-from tierlm.api.response_store import ResponseStore, StoredResponse
-from tierlm.api.responses_schemas import ResponsesRequest
-from tierlm.api.responses_stream import StreamWriter
-from tierlm.api.responses_turns import (
+from tierlm.api.answer import Encoder, collect, sse_response, stream, with_model
+from tierlm.api.responses.schemas import ResponsesRequest
+from tierlm.api.responses.store import ResponseStore, StoredResponse
+from tierlm.api.responses.stream import StreamWriter
+from tierlm.api.responses.turns import (
     Tools,
     chat_messages,
     input_items,
@@ -32,17 +31,14 @@ from tierlm.api.responses_turns import (
     turn_spec,
     wants_no_thinking,
 )
-from tierlm.api.served_model import ServedModel, error_of, raise_for_error
-from tierlm.api.serving import sse_response, with_model
-from tierlm.api.sse import KEEPALIVE
-from tierlm.api.templates import render_chat_template
-from tierlm.engine.request import FinishReason, Request, RequestOutput
-from tierlm.structured.events import Gathered
-from tierlm.structured.tools import TurnError
+from tierlm.api.turns import render_turn, start_turn
+from tierlm.engine.request import FinishReason, RequestOutput
+from tierlm.serving.errors import APIError
+from tierlm.serving.served_model import ServedModel
+from tierlm.structured.events import Event
 from tierlm.structured.turn import TurnRun, TurnSpec
 
 router = APIRouter(prefix="/v1")
-log = logging.getLogger(__name__)
 
 # the engine's names for the fields its checks name, as this API calls them
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens"}
@@ -149,17 +145,16 @@ async def _respond(model: ServedModel, body: ResponsesRequest, http: HTTPRequest
     tools = read_tools(body.tools)
     spec = turn_spec(body, tools, model.turns.markers is not None)
     tokens = await asyncio.to_thread(_render, model, body, spec, tools, earlier, items)
-    turn = await asyncio.to_thread(_start_turn, model, spec, tools, tokens)
+    turn = await asyncio.to_thread(start_turn, model, spec, tokens, lambda e: turn_error(e, tools))
     with _as_responses_params():
         request = model.make_request("resp", tokens, body.sampling(), body.max_output_tokens,
                                      constraint=turn.constraint)
     answer = Answer("resp_" + request.request_id.partition("-")[2], model.info.name, body, tools, int(time.time()))
     conversation = [*earlier, *items]
     if body.stream:
-        return sse_response(_events(model, request, http, turn, answer, conversation))
-    output = await model.generate_unless_disconnected(request, http)
-    raise_for_error(output)
-    gathered = Gathered().add(turn.parser.feed(output.text) + turn.parser.finish())
+        encoder = ResponseEvents(model, turn, answer, conversation, store)
+        return sse_response(stream(model, request, turn.parser, encoder, http.app.state.settings.sse_keepalive_s))
+    output, gathered = await collect(model, request, http, turn.parser)
     status = _status(output)
     response = answer.response(status, output_items(gathered, tools, status),
                                _usage(model, output, gathered.reasoning))
@@ -170,22 +165,11 @@ async def _respond(model: ServedModel, body: ResponsesRequest, http: HTTPRequest
 def _render(model: ServedModel, body: ResponsesRequest, spec: TurnSpec, tools: Tools,
             earlier: list[dict], items: list[dict]) -> list[int]:
     messages = chat_messages(body.instructions, earlier, items)
-    try:
-        messages, variables = model.turns.prepare(spec, messages)
-    except TurnError as e:
-        raise turn_error(e, tools) from e
-    kwargs = {**model.settings.template_kwargs(), **variables}
-    if wants_no_thinking(body) and model.turns.markers is not None:
-        kwargs["enable_thinking"] = False  # Qwen3-style templates then write an empty section
+    # effort none / minimal: Qwen3-style templates then write an empty section
+    variables = {"enable_thinking": False} if wants_no_thinking(body) and model.turns.markers is not None else None
     with _as_responses_params():
-        return render_chat_template(model.tokenizer, messages, kwargs, None, False)
-
-
-def _start_turn(model: ServedModel, spec: TurnSpec, tools: Tools, tokens: list[int]) -> TurnRun:
-    try:
-        return model.turns.start(spec, tokens)
-    except TurnError as e:
-        raise turn_error(e, tools) from e
+        return render_turn(model.turns, model.settings, spec, messages, variables,
+                           error=lambda e: turn_error(e, tools))
 
 
 def _keep(store: ResponseStore, response: dict, conversation: list[dict]) -> None:
@@ -196,42 +180,34 @@ def _keep(store: ResponseStore, response: dict, conversation: list[dict]) -> Non
 # ---- a streamed answer -------------------------------------------------------------
 
 
-async def _events(model: ServedModel, request: Request, http: HTTPRequest, turn: TurnRun, answer: Answer,
-                  conversation: list[dict]) -> AsyncIterator[str]:
-    """The answer as Responses stream events. Keep-alive comments go out while a
-    long prompt prefills; a failure ends with `error` and `response.failed`,
-    never silence; leaving early (client gone) aborts the request."""
-    writer = StreamWriter(answer.tools)
-    yield writer.event("response.created", response=answer.response("in_progress", []))
-    yield writer.event("response.in_progress", response=answer.response("in_progress", []))
-    outputs = model.engine.stream_outputs(request, keepalive_s=http.app.state.settings.sse_keepalive_s)
-    try:
-        async for output in outputs:
-            if output is None:
-                yield KEEPALIVE
-                continue
-            if output.error is not None:
-                for event in _failed(writer, answer, error_of(output)):
-                    yield event
-                break
-            for event in writer.feed(turn.parser.feed(output.text) if output.text else []):
-                yield event
-            if output.finished:
-                for event in _completed(model, writer, turn, answer, output, conversation, _store(http)):
-                    yield event
-    except Exception as e:  # a bug: the stream still ends with an error, never silence
-        log.exception("stream of %s failed", request.request_id)
-        for event in _failed(writer, answer, APIError(500, f"internal error: {type(e).__name__}",
-                                                      code="internal_error")):
-            yield event
-    finally:
-        await outputs.aclose()  # aborts the request if it has not finished
+class ResponseEvents(Encoder):
+    """The answer as Responses stream events: created and in progress first,
+    each output item opened, grown and closed (StreamWriter), then completed or
+    incomplete; a failure ends with `error` and `response.failed`."""
+
+    def __init__(self, model: ServedModel, turn: TurnRun, answer: Answer, conversation: list[dict],
+                 store: ResponseStore):
+        self.model, self.turn, self.answer, self.conversation, self.store = model, turn, answer, conversation, store
+        self.writer = StreamWriter(answer.tools)
+
+    def start(self) -> list[str]:
+        return [self.writer.event(kind, response=self.answer.response("in_progress", []))
+                for kind in ("response.created", "response.in_progress")]
+
+    def events(self, events: list[Event], output: RequestOutput, logprobs: list | None) -> list[str]:
+        return self.writer.feed(events)
+
+    def finish(self, events: list[Event], output: RequestOutput, logprobs: list | None) -> list[str]:
+        return _completed(self.model, self.writer, events, self.answer, output, self.conversation, self.store)
+
+    def error(self, error: APIError) -> list[str]:
+        return _failed(self.writer, self.answer, error)
 
 
-def _completed(model: ServedModel, writer: StreamWriter, turn: TurnRun, answer: Answer, output: RequestOutput,
+def _completed(model: ServedModel, writer: StreamWriter, held: list[Event], answer: Answer, output: RequestOutput,
                conversation: list[dict], store: ResponseStore) -> list[str]:
     status = _status(output)
-    events = writer.feed(turn.parser.finish()) + writer.finish(status)
+    events = writer.feed(held) + writer.finish(status)
     response = answer.response(status, writer.items, _usage(model, output, writer.reasoning))
     _keep(store, response, conversation)
     kind = "response.completed" if status == "completed" else "response.incomplete"
