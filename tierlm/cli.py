@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings_flags(serve)
     serve.set_defaults(func=cmd_serve)
     pull = sub.add_parser("pull", help="fetch and import a model without serving it")
-    pull.add_argument("name", nargs="?", default="default", help="default, gemma-3-270m")
+    pull.add_argument("name", nargs="?", default="default",
+                      help="default, gemma-3-270m, qwen2.5-coder-0.5b or all-minilm-l6-v2 (embeddings)")
     pull.add_argument("--bits", type=int, choices=(4, 8, 16), default=None,
                       help="MLX bits for re-quantized weights (default: the model's own choice)")
     _add_settings_flags(pull)

