@@ -207,3 +207,12 @@ def wait_until(predicate, timeout: float = 30, interval: float = 0.2):
             return value
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    """all-MiniLM-L6-v2, the sentence-transformers embedding model (a BERT encoder),
+    pulled once into the models dir (tierlm pull all-minilm-l6-v2)."""
+    from tierlm.models import catalog
+
+    return skip_unless_pulled(catalog.pull, "all-minilm-l6-v2", MODEL_DIR)
