@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "tierlm"
-ADAPTERS = ("openai", "anthropic", "responses", "ollama")
+ADAPTERS = ("openai", "anthropic", "responses", "ollama", "rerank")
 
 # top to bottom: a room may import the rooms below it
 LAYERS = [

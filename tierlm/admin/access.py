@@ -101,7 +101,7 @@ def level_of(method: str, path: str) -> str:
         return "admin"
     if path in MONITOR_PATHS:
         return "monitor"
-    if path == "/v1" or path.startswith(("/v1/", "/api/")):  # OpenAI's, Anthropic's; Ollama's
+    if path in ("/v1", "/rerank") or path.startswith(("/v1/", "/api/")):  # OpenAI's, Anthropic's; Ollama's
         return "api"
     return "open"
 

@@ -176,7 +176,7 @@ async def status(http: HTTPRequest):
     engines = []
     for name, slot in sorted(pool.slots.items()):
         served = slot.served
-        if served is None:
+        if served is None or served.engine.scheduler is None:  # not loaded, or an encoder
             continue
         scheduler = served.engine.scheduler
         counts = totals.get(name, {})

@@ -189,6 +189,8 @@ class ServerMetrics:
 
     def engine_loaded(self, model: str, engine) -> None:
         scheduler = engine.scheduler
+        if scheduler is None:  # an encoder: no generation to count
+            return
         cache = scheduler.cache
         self.engines.append(EngineRecord(
             model, weakref.ref(engine), scheduler.counters,

@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from tierlm.api.sse import KEEPALIVE
 from tierlm.engine.request import FinishReason, Request, RequestOutput
+from tierlm.models.model_folder import CHAT
 from tierlm.pool.pool import Lease
 from tierlm.serving.errors import APIError
 from tierlm.serving.leases import lease_model
@@ -41,11 +42,13 @@ def finish_of(output: RequestOutput) -> str:
 # ---- the model held ------------------------------------------------------------------
 
 
-async def with_model(http: HTTPRequest, body, handle: Callable[..., Awaitable]) -> object:
+async def with_model(http: HTTPRequest, body, handle: Callable[..., Awaitable], kind: str = CHAT) -> object:
     """`handle(model, body, http)` with the model `body.model` names held: until
     the answer is made, or for a stream until its last frame is sent. `body`
-    may carry `keep_alive` (Ollama's: how long the model stays loaded after)."""
-    lease = await lease_model(http.app.state.pool, body.model, getattr(body, "keep_alive", None))
+    may carry `keep_alive` (Ollama's: how long the model stays loaded after).
+    `kind`: what the route serves (chat, embedding, rerank); a model of another
+    kind is a 400 naming its routes."""
+    lease = await lease_model(http.app.state.pool, body.model, getattr(body, "keep_alive", None), kind)
     try:
         result = await handle(lease.served, body, http)
     except BaseException:

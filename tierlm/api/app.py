@@ -21,8 +21,11 @@ from tierlm.admin.session import Sessions
 from tierlm.api.anthropic.routes import router as anthropic_router
 from tierlm.api.errors import error_response, install_error_handlers
 from tierlm.api.model_routes import router as model_router
+from tierlm.api.ollama.embed import router as ollama_embed_router
 from tierlm.api.ollama.routes import router as ollama_router
+from tierlm.api.openai.embeddings import router as embeddings_router
 from tierlm.api.openai.routes import router as openai_router
+from tierlm.api.rerank.routes import router as rerank_router
 from tierlm.api.responses.routes import router as responses_router
 from tierlm.config import Settings
 from tierlm.pool.enforcer import MemoryEnforcer
@@ -112,10 +115,13 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
     app.state.dashboard = Dashboard(access, settings, watch)
     install_error_handlers(app)
     app.include_router(openai_router)
+    app.include_router(embeddings_router)
+    app.include_router(rerank_router)
     app.include_router(responses_router)
     app.include_router(anthropic_router)
     app.include_router(model_router)
     app.include_router(ollama_router)
+    app.include_router(ollama_embed_router)
     app.include_router(metrics_router)
     app.include_router(dashboard_router)
     app.include_router(dashboard_api)

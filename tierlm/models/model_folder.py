@@ -14,6 +14,19 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+CHAT, EMBEDDING, RERANK = "chat", "embedding", "rerank"
+_CROSS_ENCODERS = ("BertForSequenceClassification",)
+
+
+def model_kind(config: dict) -> str:
+    """What a model folder's config.json serves: "chat" (a generative model),
+    "embedding" (a BERT encoder, tierlm.models.encoder) or "rerank" (a BERT
+    cross-encoder)."""
+    if config.get("model_type") != "bert":
+        return CHAT
+    return RERANK if any(a in _CROSS_ENCODERS for a in config.get("architectures") or ()) else EMBEDDING
+
+
 def is_model_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierlm.models.loader import read_model_info
-from tierlm.models.model_folder import quantization_text
+from tierlm.models.model_folder import CHAT, model_kind, quantization_text
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class ModelEntry:
     model_type: str
     quantization: str | None  # "4-bit g64", "8-bit g32 (+4-bit layers)"; None for float weights
     created: int = 0  # the folder's modification time when found (OpenAI's `created`)
+    kind: str = CHAT  # what it serves: chat, embedding or rerank (models.model_folder.model_kind)
 
 
 class NotAModel(Exception):
@@ -94,7 +95,7 @@ def read_entry(path: Path, name: str) -> ModelEntry:
         raise NotAModel(f"weights cannot be read ({e})") from e
     info = read_model_info(path, name)
     return ModelEntry(name, path, size, info.context_length, info.model_type, quantization_text(config),
-                      int(path.stat().st_mtime))
+                      int(path.stat().st_mtime), model_kind(config))
 
 
 def folders_signature(model_dirs: list[Path], hf_cache: Path | None | bool = None) -> tuple:

@@ -15,9 +15,11 @@ from tierlm.cache.block_hash import model_fingerprint
 from tierlm.config import Settings, resolve_alias, total_memory
 from tierlm.engine.core import EngineCore
 from tierlm.models.default_model import ensure_default_model
+from tierlm.models.model_folder import CHAT
 from tierlm.models.loader import load_model, load_tokenizer, read_model_info, tokenizer_stamp
 from tierlm.pool.discovery import ModelEntry, default_hf_cache, discover, folders_signature, read_entry
 from tierlm.pool.pool import ModelPool
+from tierlm.serving.encoder import serve_encoder
 from tierlm.serving.served_model import ServedModel
 from tierlm.structured.turn import ModelTurns
 
@@ -145,7 +147,11 @@ async def serve(entry: ModelEntry, settings: Settings, is_default: bool = False,
     """Load a model and start its engine: what the pool keeps for it, and what
     tierlm.LLM runs. The tokenizer and turns come from `turns_cache`, or load
     beside the weights. `grammars`: build llguidance's view of the tokenizer
-    (tools and JSON answers need it; the Python API does not)."""
+    (tools and JSON answers need it; the Python API does not). An encoder
+    (embeddings, rerank) is served by an engine of its own (serving/encoder.py)."""
+    aliases = ("default",) if is_default else ()
+    if entry.kind != CHAT:
+        return await serve_encoder(entry, settings, aliases)
     info = read_model_info(entry.path, entry.name)
     memory = settings.memory_limit_bytes() or total_memory()
     turns_future = (turns_cache or TurnsCache(1)).future(entry.path, settings)
@@ -157,7 +163,7 @@ async def serve(entry: ModelEntry, settings: Settings, is_default: bool = False,
     turns = await asyncio.wrap_future(turns_future)  # done: the load waited for it
     if grammars:
         _build_ll_tokenizer(turns)
-    return ServedModel(info, engine, aliases=("default",) if is_default else (), turns=turns, settings=settings)
+    return ServedModel(info, engine, aliases=aliases, turns=turns, settings=settings)
 
 
 def _model_turns(tokenizer, settings: Settings) -> ModelTurns:

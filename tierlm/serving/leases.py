@@ -8,12 +8,29 @@ from __future__ import annotations
 import logging
 
 from tierlm.config import Settings, parse_duration
+from tierlm.models.model_folder import CHAT, EMBEDDING, RERANK
 from tierlm.pool.discovery import ModelEntry
 from tierlm.pool.pool import Lease, ModelPool, PoolError, Slot
 from tierlm.serving.errors import APIError
 from tierlm.structured.turn import ModelTurns
 
 log = logging.getLogger(__name__)
+
+# where each kind of model is asked (models.model_folder.model_kind)
+ROUTES = {
+    CHAT: "/v1/chat/completions, /v1/completions, /v1/messages, /v1/responses, /api/chat and /api/generate",
+    EMBEDDING: "/v1/embeddings, /api/embed and /api/embeddings",
+    RERANK: "/v1/rerank and /rerank",
+}
+
+
+def check_serves(entry: ModelEntry, kind: str) -> None:
+    """A 400 naming the routes that serve the model, if it is not a `kind` model
+    (an embedding model asked to chat, a chat model asked for embeddings)."""
+    if entry.kind != kind:
+        raise APIError(400, f"the model {entry.name} is a{'n' if entry.kind[0] in 'aeiou' else ''} "
+                       f"{entry.kind} model, served on {ROUTES[entry.kind]}, not this route", "model",
+                       "wrong_model_kind")
 
 
 def slot_of(pool: ModelPool, requested: str | None) -> Slot:
@@ -49,6 +66,7 @@ async def turns_for(pool: ModelPool, requested: str | None) -> tuple[ModelEntry,
     tokenizer alone loaded now, off the event loop. The name is resolved as
     `lease_model` does it (an unknown one is the same 404)."""
     slot = slot_of(pool, requested)
+    check_serves(slot.entry, CHAT)
     served = slot.served
     if served is not None:
         return slot.entry, served.turns, served.settings
@@ -62,9 +80,11 @@ async def turns_for(pool: ModelPool, requested: str | None) -> tuple[ModelEntry,
     return slot.entry, turns, settings
 
 
-async def lease_model(pool: ModelPool, requested: str | None, keep_alive=None) -> Lease:
+async def lease_model(pool: ModelPool, requested: str | None, keep_alive=None, kind: str = CHAT) -> Lease:
     """The requested model, loaded and held for this request (release the lease
-    when the request is done). Pool errors become API errors naming `model`."""
+    when the request is done); a model of another kind is a 400 before it loads.
+    Pool errors become API errors naming `model`."""
+    check_serves(slot_of(pool, requested).entry, kind)
     try:
         if keep_alive is None:
             lease = await pool.acquire(requested)

@@ -12,6 +12,7 @@ from tierlm.engine.core import EngineCore
 from tierlm.engine.detokenizer import byte_level_table
 from tierlm.engine.request import MemoryGuardError, Request, SamplingParams
 from tierlm.models.loader import ModelInfo, usable_vocab_size
+from tierlm.models.model_folder import CHAT
 from tierlm.serving.errors import APIError
 from tierlm.serving.fill_in_middle import FimFormat, find_format
 from tierlm.serving.validation import check_request, parse_logit_bias
@@ -19,6 +20,8 @@ from tierlm.structured.turn import ModelTurns
 
 
 class ServedModel:
+    kind = CHAT  # what it serves (an encoder is a ServedEncoder: serving/encoder.py)
+
     def __init__(self, info: ModelInfo, engine: EngineCore, aliases: tuple[str, ...] = (),
                  turns: ModelTurns | None = None, settings: Settings | None = None):
         self.info, self.engine = info, engine

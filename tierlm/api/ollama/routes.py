@@ -23,10 +23,11 @@ from tierlm.api.ollama.schemas import OllamaBody, OllamaChatRequest, OllamaGener
 from tierlm.api.turns import chat_turn, completion_tokens, make_completion
 from tierlm.config import parse_duration
 from tierlm.engine.request import Request, RequestOutput
+from tierlm.models.model_folder import CHAT
 from tierlm.pool.pool import ModelPool, Slot
 from tierlm.serving.errors import APIError
 from tierlm.serving.fill_in_middle import find_format
-from tierlm.serving.leases import turns_for
+from tierlm.serving.leases import slot_of, turns_for
 from tierlm.serving.served_model import ServedModel
 from tierlm.structured.events import Event, Gathered, ReasoningDelta, TextDelta
 from tierlm.structured.turn import TurnParser
@@ -79,7 +80,15 @@ async def ps(http: HTTPRequest):
 async def show(body: OllamaShowRequest, http: HTTPRequest):
     """What a model is, without loading it: its context length (what clients
     size their prompts by), its chat template and what it can do."""
-    entry, turns, settings = await turns_for(http.app.state.pool, body.model or body.name)
+    pool = http.app.state.pool
+    entry = slot_of(pool, body.model or body.name).entry
+    if entry.kind != CHAT:  # an encoder: Ollama says "embedding" (and we "rerank")
+        return {"modelfile": "", "parameters": "", "license": "", "template": "",
+                "details": ollama.details(entry), "modified_at": ollama.iso(entry.created),
+                "model_info": {"general.architecture": entry.model_type,
+                               f"{entry.model_type}.context_length": entry.context_length},
+                "capabilities": [entry.kind]}
+    entry, turns, settings = await turns_for(pool, body.model or body.name)
     capabilities = ["completion"]
     if turns.format.native:
         capabilities.append("tools")
