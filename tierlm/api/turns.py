@@ -142,18 +142,20 @@ def render_chat(model: ServedModel, body: ChatCompletionRequest, spec: TurnSpec,
 def render_turn(turns: ModelTurns, settings: Settings, spec: TurnSpec, messages: list[dict],
                 variables: dict | None = None, client_template: str | None = None,
                 allow_client_template: bool = False, defaults: dict | None = None,
-                error: Callable[[TurnError], APIError] | None = None) -> list[int]:
+                error: Callable[[TurnError], APIError] | None = None, messages_param: str = "messages") -> list[int]:
     """A turn's prompt ids: `messages` (chat's shape) prepared for the turn
     (tools, reasoning kept or dropped) and rendered by the chat template with
     its variables: `defaults`, then the model's settings', then the request's
     (`variables`), then the turn's own. A turn that cannot be is a 400
-    (`error` names the field as the request's API does)."""
+    (`error` names the field as the request's API does, `messages_param` the
+    messages)."""
     try:
         messages, turn_variables = turns.prepare(spec, messages)
     except TurnError as e:
         raise (error or turn_error)(e) from e
     kwargs = {**(defaults or {}), **settings.template_kwargs(variables), **turn_variables}
-    return render_chat_template(turns.tokenizer, messages, kwargs, client_template, allow_client_template)
+    return render_chat_template(turns.tokenizer, messages, kwargs, client_template, allow_client_template,
+                                messages_param)
 
 
 def start_turn(model: ServedModel, spec: TurnSpec, tokens: list[int],

@@ -4,6 +4,7 @@ knows no MLX."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cached_property
 
 from tierlm.config import Settings
@@ -54,31 +55,34 @@ class ServedModel:
         """Whether the prompt leaves no room for a single token of answer."""
         return prompt_tokens >= self.context
 
-    def check_prompt(self, prompt_tokens: int, max_tokens: int | None) -> int:
-        """Validate the prompt's length; returns the max_tokens to use."""
+    def check_prompt(self, prompt_tokens: int, max_tokens: int | None, names: Mapping[str, str] | None = None) -> int:
+        """Validate the prompt's length; returns the max_tokens to use. `names`:
+        the request's own names of the prompt and max_tokens fields."""
         context = self.context
+        prompt_field = (names or {}).get("prompt", "messages")
+        limit_field = (names or {}).get("max_tokens", "max_tokens")
         if prompt_tokens == 0:
-            raise APIError(400, "the prompt is empty", "messages", "empty_prompt")
+            raise APIError(400, "the prompt is empty", prompt_field, "empty_prompt")
         if self.prompt_too_long(prompt_tokens):
             raise APIError(
                 400,
                 f"This model's maximum context length is {context} tokens. However, your "
                 f"prompt has {prompt_tokens} tokens. Please shorten it.",
-                "messages", "context_length_exceeded",
+                prompt_field, "context_length_exceeded",
             )
         if max_tokens is not None and prompt_tokens + max_tokens > context:
             raise APIError(
                 400,
                 f"This model's maximum context length is {context} tokens. However, you "
                 f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
-                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-                "max_tokens", "context_length_exceeded",
+                f"{max_tokens} for the completion). Please reduce the prompt or {limit_field}.",
+                limit_field, "context_length_exceeded",
             )
         max_tokens = max_tokens if max_tokens is not None else context - prompt_tokens
         try:
             self.engine.scheduler.guard.check_alone(prompt_tokens, max_tokens)
         except MemoryGuardError as e:
-            raise APIError(400, str(e), "messages", "memory_limit") from e
+            raise APIError(400, str(e), prompt_field, "memory_limit") from e
         return max_tokens
 
     def sampling_params(self, body, max_tokens: int, keep_leading_space: bool = False,
@@ -108,12 +112,16 @@ class ServedModel:
 
     def make_request(self, prefix: str, tokens: list[int], body, max_tokens: int | None,
                      keep_leading_space: bool = False, logprobs: int | None = None,
-                     constraint: TokenConstraint | None = None) -> Request:
+                     constraint: TokenConstraint | None = None, names: Mapping[str, str] | None = None) -> Request:
         """`logprobs`: alternatives per token (SamplingParams.logprobs), None for none.
-        `constraint`: the tokens the answer may be made of (a grammar, a thinking budget)."""
-        limit = self.check_prompt(len(tokens), max_tokens or self.settings.default_max_tokens)
+        `constraint`: the tokens the answer may be made of (a grammar, a thinking budget).
+        `names`: the request's names of the engine's fields where they differ
+        ("prompt", "max_tokens", ...), for its errors; the prompt is `prompt` for
+        a text completion, `messages` for a chat, unless named."""
+        names = {"prompt": "prompt" if prefix == "cmpl" else "messages", **(names or {})}
+        limit = self.check_prompt(len(tokens), max_tokens or self.settings.default_max_tokens, names)
         params = check_request(self.sampling_params(body, limit, keep_leading_space, logprobs), tokens,
-                               self.vocab_size, {"prompt": "prompt" if prefix == "cmpl" else "messages"})
+                               self.vocab_size, names)
         params.constraint = constraint
         return Request(self.engine.new_request_id(prefix), tokens, params)
 

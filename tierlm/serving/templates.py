@@ -26,8 +26,9 @@ class _OutOfTime(Exception):
 
 
 def render_chat_template(tokenizer, messages: list[dict], variables: dict, client_template: str | None,
-                         allow_client_template: bool) -> list[int]:
-    """Prompt token ids of `messages`, or APIError(400) naming what the template refused."""
+                         allow_client_template: bool, messages_param: str = "messages") -> list[int]:
+    """Prompt token ids of `messages`, or APIError(400) naming what the template
+    refused (`messages_param`: the request's name of the messages)."""
     try:
         if client_template is None:
             return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **variables))
@@ -48,7 +49,7 @@ def render_chat_template(tokenizer, messages: list[dict], variables: dict, clien
                        "chat_template", "invalid_value") from None
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError, AttributeError,
             MemoryError, RecursionError) as e:
-        param = "messages" if client_template is None else "chat_template"
+        param = messages_param if client_template is None else "chat_template"
         raise APIError(400, f"the chat template rejected these messages: {e}", param, "invalid_value") from e
     except Exception as e:
         if client_template is None:

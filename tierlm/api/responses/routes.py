@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from fastapi import APIRouter
@@ -40,8 +38,8 @@ from tierlm.structured.turn import TurnRun, TurnSpec
 
 router = APIRouter(prefix="/v1")
 
-# the engine's names for the fields its checks name, as this API calls them
-_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens"}
+# this API's names of the engine's fields, for the errors that name them
+_NAMES = {"prompt": "input", "max_tokens": "max_output_tokens"}
 
 
 @router.post("/responses")
@@ -78,16 +76,6 @@ def _stored(http: HTTPRequest, response_id: str, param: str, status: int = 404) 
         raise APIError(status, f"Response with id '{response_id}' not found (this server keeps the most "
                        "recent responses in memory, none sent with store: false).", param, code)
     return stored
-
-
-@contextmanager
-def _as_responses_params() -> Iterator[None]:
-    """The shared checks name chat's fields; a client of this API sent others."""
-    try:
-        yield
-    except APIError as e:
-        e.param = _PARAMS.get(e.param, e.param)
-        raise
 
 
 # ---- one answer ------------------------------------------------------------------
@@ -146,9 +134,8 @@ async def _respond(model: ServedModel, body: ResponsesRequest, http: HTTPRequest
     spec = turn_spec(body, tools, model.turns.markers is not None)
     tokens = await asyncio.to_thread(_render, model, body, spec, tools, earlier, items)
     turn = await asyncio.to_thread(start_turn, model, spec, tokens, lambda e: turn_error(e, tools))
-    with _as_responses_params():
-        request = model.make_request("resp", tokens, body.sampling(), body.max_output_tokens,
-                                     constraint=turn.constraint)
+    request = model.make_request("resp", tokens, body.sampling(), body.max_output_tokens,
+                                 constraint=turn.constraint, names=_NAMES)
     answer = Answer("resp_" + request.request_id.partition("-")[2], model.info.name, body, tools, int(time.time()))
     conversation = [*earlier, *items]
     if body.stream:
@@ -167,9 +154,8 @@ def _render(model: ServedModel, body: ResponsesRequest, spec: TurnSpec, tools: T
     messages = chat_messages(body.instructions, earlier, items)
     # effort none / minimal: Qwen3-style templates then write an empty section
     variables = {"enable_thinking": False} if wants_no_thinking(body) and model.turns.markers is not None else None
-    with _as_responses_params():
-        return render_turn(model.turns, model.settings, spec, messages, variables,
-                           error=lambda e: turn_error(e, tools))
+    return render_turn(model.turns, model.settings, spec, messages, variables,
+                       error=lambda e: turn_error(e, tools), messages_param="input")
 
 
 def _keep(store: ResponseStore, response: dict, conversation: list[dict]) -> None:
