@@ -87,6 +87,7 @@ class BertReference:
         modules = folder / "modules.json"
         self.normalize = modules.is_file() and any(
             m["type"].endswith(".Normalize") for m in json.loads(modules.read_text()))
+        self._seen: dict[tuple[str, bool], np.ndarray] = {}  # (text, truncate) -> its embedding
 
     # ---- tokens ------------------------------------------------------------------
 
@@ -122,10 +123,13 @@ class BertReference:
         x = layer_norm(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], eps)
         heads = c["num_attention_heads"]
         d = c["hidden_size"] // heads
-        bias = np.where(mask[:, None, None, :] > 0, 0.0, -1e30)  # keys that are padding take no weight
+        lengths = [len(s) for s in ids]
 
-        def dense(v, name):
-            return v @ w[name + ".weight"].T + w[name + ".bias"]
+        def dense(v, name):  # as one 2-D product: numpy's stacked matmul is ~10x slower
+            out = v.reshape(-1, v.shape[-1]) @ w[name + ".weight"].T + w[name + ".bias"]
+            return out.reshape(*v.shape[:-1], -1)
+
+        valid = mask > 0
 
         def split(v):
             return v.reshape(n, length, heads, d).transpose(0, 2, 1, 3)
@@ -133,13 +137,19 @@ class BertReference:
         for i in range(c["num_hidden_layers"]):
             p = f"encoder.layer.{i}."
             q, k, v = (split(dense(x, p + f"attention.self.{m}")) for m in ("query", "key", "value"))
-            scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d) + bias
-            probs = np.exp(scores - scores.max(-1, keepdims=True))
-            probs /= probs.sum(-1, keepdims=True)
-            attended = (probs @ v).transpose(0, 2, 1, 3).reshape(n, length, heads * d)
+            attended = np.zeros((n, heads, length, d))
+            for b, real in enumerate(lengths):  # 2-D products: numpy's stacked ones are slow
+                for h in range(heads):
+                    # the padding mask: a row's queries attend to its own `real` keys only
+                    # (what adding -inf to padding's scores does), its padding to nothing
+                    scores = q[b, h, :real] @ k[b, h, :real].T / math.sqrt(d)
+                    probs = np.exp(scores - scores.max(-1, keepdims=True))
+                    attended[b, h, :real] = probs / probs.sum(-1, keepdims=True) @ v[b, h, :real]
+            attended = attended.transpose(0, 2, 1, 3).reshape(n, length, heads * d)
             x = layer_norm(dense(attended, p + "attention.output.dense") + x,
                            w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"], eps)
-            inner = gelu(dense(x, p + "intermediate.dense"))
+            inner = dense(x, p + "intermediate.dense")
+            inner[valid] = gelu(inner[valid])  # padding's rows are never attended to: left as they are
             x = layer_norm(dense(inner, p + "output.dense") + x,
                            w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"], eps)
         return x, mask
@@ -168,8 +178,15 @@ class BertReference:
         return out
 
     def embed(self, texts: list[str], truncate: bool = False, batch: int = 16) -> np.ndarray:
-        ids = [self.tokenize(t, truncate=truncate)[0] for t in texts]
-        return np.concatenate([self.embed_ids(ids[i : i + batch]) for i in range(0, len(ids), batch)])
+        """Embeddings (n, dim), in batches of similar lengths; each text's row is
+        kept, so asking again costs nothing."""
+        todo = sorted({t for t in texts if (t, truncate) not in self._seen},
+                      key=lambda t: len(self.tokenize(t, truncate=truncate)[0]))
+        for i in range(0, len(todo), batch):
+            chunk = todo[i : i + batch]
+            rows = self.embed_ids([self.tokenize(t, truncate=truncate)[0] for t in chunk])
+            self._seen.update({(t, truncate): row for t, row in zip(chunk, rows)})
+        return np.stack([self._seen[(t, truncate)] for t in texts])
 
     # ---- rerank -------------------------------------------------------------------
 
