@@ -16,12 +16,13 @@ from tierlm.serving.errors import APIError
 MAX_INPUTS = 2048  # texts in one request, as OpenAI's limit
 
 
-def read_inputs(value: Any, param: str = "input") -> list[str] | list[list[int]]:
-    """A string, a list of strings, a list of token ids or a list of such lists,
-    as a list of texts or of id sequences; a 400 naming what is wrong."""
+def read_inputs(value: Any, param: str = "input", texts_only: bool = False) -> list[str] | list[list[int]]:
+    """A string, a list of strings, a list of token ids or a list of such lists
+    (`texts_only`: strings only, as Ollama's), as a list of texts or of id
+    sequences; a 400 naming what is wrong."""
     if isinstance(value, str):
         value = [value]
-    elif isinstance(value, list) and value and all(_is_id(t) for t in value):
+    elif isinstance(value, list) and value and all(_is_id(t) for t in value) and not texts_only:
         value = [value]
     if not isinstance(value, list) or not value:
         raise APIError(400, f"'{param}' must be a non-empty string, list of strings or list of token ids",
@@ -29,6 +30,8 @@ def read_inputs(value: Any, param: str = "input") -> list[str] | list[list[int]]
     if len(value) > MAX_INPUTS:
         raise APIError(400, f"'{param}' holds {len(value)} inputs; at most {MAX_INPUTS} per request", param,
                        "invalid_value")
+    if texts_only and not all(isinstance(v, str) for v in value):
+        raise APIError(400, f"'{param}' must be a string or a list of strings", param, "invalid_value")
     if not all(isinstance(v, str) for v in value) and not all(isinstance(v, list) and all(_is_id(t) for t in v) for v in value):
         raise APIError(400, f"'{param}' must hold only strings or only lists of integer token ids", param,
                        "invalid_value")
@@ -36,6 +39,13 @@ def read_inputs(value: Any, param: str = "input") -> list[str] | list[list[int]]
         if not v:
             raise APIError(400, f"'{param}[{i}]' is empty", f"{param}[{i}]", "empty_input")
     return value
+
+
+def check_dimensions(model: ServedEncoder, dimensions: int | None) -> None:
+    """These models cannot shorten their vectors: any other number is a 400."""
+    if dimensions is not None and dimensions != model.encoder.dimensions:
+        raise APIError(400, f"the model {model.info.name} makes {model.encoder.dimensions}-dimension "
+                       "embeddings and cannot shorten them", "dimensions", "invalid_value")
 
 
 def _is_id(value: Any) -> bool:

@@ -1,5 +1,6 @@
 """Ollama's embedding routes: /api/embed (texts in, L2-normalized vectors out,
-as Ollama gives them; too long a text is cut unless `truncate` is false) and
+as Ollama gives them; too long a text is cut unless `truncate` is false; no
+input only loads the model) and
 the older /api/embeddings (one prompt, its vector as the model makes it)."""
 
 from __future__ import annotations
@@ -10,14 +11,13 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
-from pydantic import Field
+from pydantic import Field, StrictBool
 
 from tierlm.api.answer import with_model
-from tierlm.api.encoding import embed, read_inputs, sequences
+from tierlm.api.encoding import check_dimensions, embed, read_inputs, sequences
 from tierlm.api.fields import RequestBody
 from tierlm.models.model_folder import EMBEDDING
 from tierlm.serving.encoder import ServedEncoder
-from tierlm.serving.errors import APIError
 
 router = APIRouter(prefix="/api")
 
@@ -25,7 +25,7 @@ router = APIRouter(prefix="/api")
 class EmbedRequest(RequestBody):
     model: str = Field(min_length=1)
     input: Any = None
-    truncate: bool = True
+    truncate: StrictBool = True  # as Ollama's JSON reads it: "yes" is no boolean
     dimensions: int | None = Field(default=None, ge=1)
     options: dict[str, Any] | None = None
     keep_alive: float | str | None = None
@@ -50,10 +50,11 @@ async def embeddings(body: LegacyEmbeddingsRequest, http: HTTPRequest):
 
 async def _embed(model: ServedEncoder, body: EmbedRequest, http: HTTPRequest):
     started = time.monotonic()
-    if body.dimensions is not None and body.dimensions != model.encoder.dimensions:
-        raise APIError(400, f"the model {model.info.name} makes {model.encoder.dimensions}-dimension "
-                       "embeddings and cannot shorten them", "dimensions", "invalid_value")
-    ids = await sequences(model, read_inputs(body.input), -1 if body.truncate else None)
+    check_dimensions(model, body.dimensions)
+    if body.input in (None, []):  # as Ollama's: nothing to embed loads the model (the lease did)
+        return {"model": model.info.name, "embeddings": [], "total_duration": 0, "load_duration": 0,
+                "prompt_eval_count": 0}
+    ids = await sequences(model, read_inputs(body.input, texts_only=True), -1 if body.truncate else None)
     vectors = await embed(model, ids)
     vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     return {"model": model.info.name, "embeddings": vectors.tolist(),

@@ -13,7 +13,7 @@ from fastapi import Request as HTTPRequest
 from pydantic import Field
 
 from tierlm.api.answer import with_model
-from tierlm.api.encoding import embed, read_inputs, sequences
+from tierlm.api.encoding import check_dimensions, embed, read_inputs, sequences
 from tierlm.api.fields import RequestBody
 from tierlm.models.model_folder import EMBEDDING
 from tierlm.serving.encoder import ServedEncoder
@@ -39,9 +39,7 @@ async def embeddings(body: EmbeddingRequest, http: HTTPRequest):
 
 
 async def _embeddings(model: ServedEncoder, body: EmbeddingRequest, http: HTTPRequest):
-    if body.dimensions is not None and body.dimensions != model.encoder.dimensions:
-        raise APIError(400, f"the model {model.info.name} makes {model.encoder.dimensions}-dimension "
-                       "embeddings and cannot shorten them", "dimensions", "invalid_value")
+    check_dimensions(model, body.dimensions)
     if body.truncate_prompt_tokens == 0:
         raise APIError(400, "'truncate_prompt_tokens' must be -1 or at least 1", "truncate_prompt_tokens",
                        "invalid_value")
