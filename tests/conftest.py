@@ -75,8 +75,31 @@ _running: dict[str, Server] = {}  # fixture name -> its server, while it runs
 _last_user: dict[str, str] = {}  # fixture name -> node id of the last test (run order) using it
 
 
+# ---- the fast run and the full run ---------------------------------------------
+# `pytest` alone is the fast run: the tests marked slow are deselected (the summary
+# line counts them). `pytest --full` runs every test, as CI does. `-m` chooses for
+# itself (`pytest -m slow` runs the slow ones alone).
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="run every test, the ones marked slow included (what CI runs); "
+                          "without it they are deselected")
+
+
+def pytest_report_header(config):
+    if not config.getoption("--full") and not config.option.markexpr:
+        return "fast run: the tests marked slow are deselected; --full runs every test"
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """test_agents last, its npm install started now in the background (agents_install)."""
+    """Without --full (or -m), the slow tests are deselected. test_agents last, its
+    npm install started now in the background (agents_install)."""
+    if not config.getoption("--full") and not config.option.markexpr:
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
     agents = [item for item in items if item.path.name == "test_agents.py"]
     if agents:
         items[:] = [item for item in items if item.path.name != "test_agents.py"] + agents
