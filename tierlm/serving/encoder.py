@@ -1,8 +1,8 @@
 """An encoder served (embeddings, rerank): loaded on a worker thread of its
 own, as a generative model's engine is, and fed by every client at once.
-Requests queue; each pass takes what is waiting, sorts the sequences by
-length (so little is padding) and runs them in batches bounded by rows and
-by attention's size, on the worker thread; each request gets its rows back.
+Requests queue; each pass takes what is waiting and runs it on the worker
+thread, in batches of like lengths (tierlm.models.encoder); each request gets
+its rows back.
 The pool loads, keeps and unloads it like any model (the same budget, LRU,
 pin and keep-alive)."""
 
@@ -23,10 +23,6 @@ from tierlm.models.loader import ModelInfo, read_model_info
 from tierlm.pool.discovery import ModelEntry
 
 log = logging.getLogger(__name__)
-
-MAX_ROWS = 256  # sequences in one forward pass
-MAX_ATTENTION = 1 << 22  # rows x width x width in one pass: attention's scores stay ~200 MB at 12 heads
-
 
 @dataclass
 class _Job:
@@ -138,16 +134,8 @@ class EncoderEngine:
                     start += len(job.items)
 
     def _pass(self, pairs: bool, items: list) -> np.ndarray:
-        """Every item's row, computed in length-sorted batches (on the worker)."""
-        lengths = [len(item[0] if pairs else item) for item in items]
-        order = sorted(range(len(items)), key=lengths.__getitem__)
-        out: list[np.ndarray | None] = [None] * len(items)
-        for batch in _batches(order, lengths):
-            chosen = [items[i] for i in batch]
-            rows = self.encoder.score_pairs(chosen) if pairs else self.encoder.embed_ids(chosen)
-            for i, row in zip(batch, rows):
-                out[i] = row
-        return np.stack(out)
+        """Every item's row (on the worker; the encoder batches them by length)."""
+        return self.encoder.score_pairs(items) if pairs else self.encoder.embed_ids(items)
 
     def _load(self) -> Encoder:
         s = self.settings
@@ -164,19 +152,6 @@ class EncoderEngine:
     def _give_back(self) -> None:
         workers.give_back(self._worker)
         self._worker = None
-
-
-def _batches(order: list[int], lengths: list[int]) -> list[list[int]]:
-    """`order` (indices by length, shortest first) cut into batches of at most
-    MAX_ROWS rows whose padded attention stays under MAX_ATTENTION."""
-    batches, current = [], []
-    for i in order:
-        width = lengths[i]  # the longest so far: sorted
-        if current and (len(current) + 1 > MAX_ROWS or (len(current) + 1) * width * width > MAX_ATTENTION):
-            batches.append(current)
-            current = []
-        current.append(i)
-    return batches + ([current] if current else [])
 
 
 class ServedEncoder:

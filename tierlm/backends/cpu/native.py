@@ -74,6 +74,7 @@ def load() -> ctypes.CDLL:
                                                ctypes.c_long, ctypes.c_long, ctypes.c_long]
     lib.tierlm_swiglu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
     lib.tierlm_gelu_approx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+    lib.tierlm_gelu_erf.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
     lib.tierlm_logsumexp_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     return lib
 

@@ -14,7 +14,7 @@ enum {
   COUNT_SOFTMAX,     /* tierlm_softmax_rows calls */
   COUNT_SWIGLU,      /* tierlm_swiglu calls */
   COUNT_LOGSUMEXP,   /* tierlm_logsumexp_rows calls */
-  COUNT_GELU,        /* tierlm_gelu_approx calls */
+  COUNT_GELU,        /* tierlm_gelu_approx and tierlm_gelu_erf calls */
   COUNT_KINDS
 };
 

@@ -40,9 +40,35 @@ void tierlm_gelu_approx(const float *x, float *out, long n) {
   }
 }
 
+/* GELU, exact (BERT's "gelu": x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))), of n floats
+ * into out (which may be x). erf by Abramowitz and Stegun 7.1.26, error <= 1.5e-7:
+ * 1 - t (a1 + t (a2 + ...)) exp(-z^2), t = 1 / (1 + p z), z = |x| / sqrt 2. MLX's
+ * erf on this backend is scalar: an encoder's activation was ~25 % of a layer. */
+void tierlm_gelu_erf(const float *x, float *out, long n) {
+  TIERLM_COUNT(COUNT_GELU);
+  const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f), p = _mm512_set1_ps(0.3275911f),
+               root_half = _mm512_set1_ps(0.7071067811865476f), a1 = _mm512_set1_ps(0.254829592f),
+               a2 = _mm512_set1_ps(-0.284496736f), a3 = _mm512_set1_ps(1.421413741f),
+               a4 = _mm512_set1_ps(-1.453152027f), a5 = _mm512_set1_ps(1.061405429f);
+  for (long i = 0; i < n; i += 16) {
+    __mmask16 lanes = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    __m512 v = _mm512_maskz_loadu_ps(lanes, x + i);
+    __m512 z = _mm512_mul_ps(_mm512_abs_ps(v), root_half);
+    __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(p, z, one));
+    __m512 poly = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_fmadd_ps(a5, t, a4), t, a3), t, a2), t, a1);
+    __m512 tail = _mm512_mul_ps(_mm512_mul_ps(poly, t), exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), z), z)));
+    __m512 erf = _mm512_sub_ps(one, tail); /* erf(|x| / sqrt 2) */
+    __mmask16 negative = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
+    erf = _mm512_mask_sub_ps(erf, negative, _mm512_setzero_ps(), erf);
+    _mm512_mask_storeu_ps(out + i, lanes, _mm512_mul_ps(_mm512_mul_ps(half, v), _mm512_add_ps(one, erf)));
+  }
+}
+
 #pragma GCC pop_options
 #else
 void tierlm_swiglu(float *gate, const float *x, long n) {}
 
 void tierlm_gelu_approx(const float *x, float *out, long n) {}
+
+void tierlm_gelu_erf(const float *x, float *out, long n) {}
 #endif
