@@ -158,6 +158,7 @@ def test_model_names_cannot_leave_the_model_folders(keyed):
 # ---- without a server
 
 
+@pytest.mark.slow  # a server of its own
 def test_keys_in_the_settings_file_change_without_a_restart(model_path, tmp_path):
     """A key taken out of the settings file stops working at once (a leaked one
     is revoked without a restart), a dashboard session of an admin key taken

@@ -27,6 +27,8 @@ import agents_install
 import pytest
 from conftest import AGENT_KEY as KEY
 
+pytestmark = pytest.mark.slow  # the real agents' sessions on Qwen2.5-Coder-0.5B: minutes
+
 
 @pytest.fixture(scope="module")
 def agents() -> Path:

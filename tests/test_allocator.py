@@ -16,7 +16,8 @@ from conftest import wait_until
 
 from tierlm.engine.allocator import glibc
 
-pytestmark = pytest.mark.skipif(glibc() is None, reason="the trim is for Linux with glibc")
+pytestmark = [pytest.mark.slow,  # RSS measured around a burst of requests
+              pytest.mark.skipif(glibc() is None, reason="the trim is for Linux with glibc")]
 
 MODEL = "SmolLM2-135M-Instruct"
 MiB = 2**20

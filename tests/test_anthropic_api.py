@@ -91,6 +91,7 @@ def test_streaming_gives_the_same_message_event_by_event(claude, anthropic_serve
     assert set(events[2:-3]) == {"content_block_delta"}
 
 
+@pytest.mark.slow  # a long prompt's prefill
 def test_pings_while_a_long_prompt_prefills(anthropic_server):
     """The server says it is alive (pings every --sse-keepalive-s, here 0.2 s)
     while it computes a prompt that is not cached."""
@@ -137,6 +138,7 @@ def test_count_tokens_is_the_true_count_and_loads_no_model(claude, anthropic_ser
     assert next(m for m in listed if m["id"] == "smol-copy")["state"] == "available"  # still not loaded
 
 
+@pytest.mark.slow  # two long turns; the cache is in test_prefix_cache_api
 def test_the_second_turn_reads_the_first_from_the_cache(claude):
     first = ask(claude, system=LONG_SYSTEM, max_tokens=8)
     history = [*ASK, {"role": "assistant", "content": first.content[0].text},
@@ -279,6 +281,7 @@ def test_a_wrong_key_is_refused_in_anthropics_shape(anthropic_server):
         assert response.json()["error"]["type"] == "authentication_error"
 
 
+@pytest.mark.slow  # grammars of a large tool set
 def test_claude_codes_whole_tool_set_compiles():
     """The 25 tools Claude Code 2.1.197 sends (recorded), through the same path as
     a request: read, then held to a grammar for auto, any and a named tool."""

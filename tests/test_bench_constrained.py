@@ -4,9 +4,12 @@ fields. How near 1 the ratios are is the benchmark's finding, not the test's."""
 
 import math
 
+import pytest
+
 from bench_lab.constrained import HEADER, run_constrained, table_rows
 
 
+@pytest.mark.slow  # a benchmark run
 def test_a_tiny_run_alternates_the_arms_and_fills_the_table(model_path):
     result = run_constrained(str(model_path), [1, 2], max_tokens=6, repeats=2)
     assert [(r["batch"], r["runner"]) for r in result["runs"]] == [

@@ -21,6 +21,7 @@ from tierlm.bench.engine_overhead import (
 from tierlm.bench.step_timing import step_accounted_ratio
 
 
+@pytest.mark.slow  # a benchmark run
 def test_engine_and_bare_produce_every_token_in_alternating_rounds(model_path):
     saved = []
     result = run_overhead(str(model_path), [1, 2], prompt_len=16, max_tokens=6, rounds=2, save=saved.append)
@@ -52,6 +53,7 @@ def test_step_accounted_ratio_charges_the_engine_its_between_and_its_event_loop(
     assert step_accounted_ratio(bare, dict(engine, between=10.0, main_cpu=0.0)) == 1.0
 
 
+@pytest.mark.slow  # a benchmark run
 def test_engine_runner_reuses_one_engine_and_starts_each_run_with_an_empty_cache(loaded):
     model, tokenizer = loaded  # the default model as tierlm loads it, shared with the engine tests
     runner = EngineRunner(model, tokenizer, batch=2, prefill_step_size=256)

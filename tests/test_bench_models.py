@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench_lab.models_bench import (
     LOAD_HEADER,
     MIXED_HEADER,
@@ -22,6 +24,7 @@ from tierlm.bench.report import write_json
 from tierlm.models.random_model import make_random_model
 
 
+@pytest.mark.slow  # a benchmark run
 def test_a_tiny_run_measures_every_phase_and_fills_the_tables(tmp_path, model_path, capsys):
     a = make_random_model("tiny", tmp_path / "src" / "tiny-a", model_path, "float32")
     b = make_random_model("tiny", tmp_path / "src" / "tiny-b", model_path, "float32")

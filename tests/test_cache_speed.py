@@ -175,6 +175,7 @@ def test_the_writer_counts_blocks_it_drops_and_its_queue_peak(model, tmp_path):
     pc.close()
 
 
+@pytest.mark.slow  # a benchmark run
 def test_bench_cache_runs_on_a_tiny_model(model_path, tmp_path, monkeypatch):
     from tierlm.bench import cache_bench
     from tierlm.models.random_model import make_random_model

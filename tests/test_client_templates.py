@@ -7,6 +7,8 @@ import httpx
 import pytest
 from conftest import start_server, stop_server
 
+pytestmark = pytest.mark.slow  # a server of its own
+
 MSG = [{"role": "user", "content": "What is the capital of France?"}]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -40,6 +40,7 @@ def alone(client):
     return [greedy(client, p, ignore_eos=True) for p in PROMPTS]
 
 
+@pytest.mark.slow  # eight long streams; batching is also in test_python_api and test_engine
 def test_eight_concurrent_streams_are_batched_and_match_alone(server, client, alone):
     """Eight long streams; once each has its first token, all eight are running
     (none can have finished), and the stats say so. Each stream then reads on

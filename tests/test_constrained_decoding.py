@@ -54,6 +54,7 @@ def test_constrained_and_free_requests_in_one_batch_give_what_they_give_alone(lo
     assert not alone_f.text.lstrip().startswith("{")  # the free request is not held to the schema
 
 
+@pytest.mark.slow  # many sampled answers; test_structured_output_api samples too
 def test_sampled_constrained_requests_always_validate(loaded, grammars):
     async def main():
         engine = await started(loaded)

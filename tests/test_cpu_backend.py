@@ -187,6 +187,7 @@ def test_without_a_compiler_the_blas_still_goes_in_the_slot(tmp_path):
     assert state["check"] == "a float32 product through MLX counted 1 call(s), numpy's answer"
 
 
+@pytest.mark.slow  # compiles the kernels again
 @needs_route
 def test_a_compiler_without_amx_builds_the_rest(tmp_path):
     """An older compiler fails on the AMX intrinsics (a fault this machine's
@@ -571,6 +572,7 @@ def test_the_loader_packs_for_amx_unless_told_not_to(tiny_model_path):
     assert backends.describe(model).extra_bytes == sum(w.size * 2 for w in matmul_weights) > 0  # bfloat16 copies
 
 
+@pytest.mark.slow  # loads the default model twice
 @needs_route
 @pytest.mark.parametrize("amx", [False, pytest.param(True, marks=needs_amx)])
 def test_what_the_loader_reports_in_use_runs(model_path, amx):

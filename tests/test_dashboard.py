@@ -18,6 +18,8 @@ import httpx
 import pytest
 from conftest import start_server, stop_server, wait_until
 
+pytestmark = pytest.mark.slow  # a server of its own and a headless browser
+
 MODEL = "SmolLM2-135M-Instruct"
 API, ADMIN = "sk-api-test", "sk-admin-test"
 STATIC = Path(__file__).parent.parent / "tierlm" / "admin" / "static"

@@ -178,6 +178,7 @@ def test_warm_batch_sizes_cover_each_power_of_two_and_the_size_after():
     assert warmup.warm_shapes(2) == [(1, warmup.LONG_PROMPT), (1, warmup.SHORT_PROMPT), (2, warmup.SHORT_PROMPT)]
 
 
+@pytest.mark.slow  # warms every batch shape
 def test_warming_runs_while_idle_and_leaves_the_cache_and_answers_alone(loaded):
     """Warming on (as on a GPU): each shape runs, a request sent meanwhile gets the
     same answer as on an engine that never warmed, and no warm prompt is cached."""
@@ -197,6 +198,7 @@ def test_warming_runs_while_idle_and_leaves_the_cache_and_answers_alone(loaded):
     assert text == expected and blocks == cold_blocks
 
 
+@pytest.mark.slow  # warms batch shapes
 def test_warming_before_ready_within_its_wait(loaded):
     """With time enough, every shape is warm when the engine reports ready."""
 
@@ -296,6 +298,7 @@ def test_two_engines_cannot_drive_one_model(loaded):
 # ---- the prefix cache under aborts -------------------------------------------
 
 
+@pytest.mark.slow  # a long prefill
 def test_abort_during_prefill_stores_only_what_was_computed(loaded):
     # 769 tokens: 6 chunks of 128, 12 blocks of 64
     long_prompt = loaded[1].encode("The history of the printing press and its effects on Europe. " * 64)
@@ -366,6 +369,7 @@ def whole_blocks_prompt(loaded) -> list[int]:
     return loaded[1].encode("The history of the printing press and its effects on Europe. " * 40)[:256]
 
 
+@pytest.mark.slow  # long prompts, an edge of the cache
 def test_a_block_ending_with_the_prompt_does_not_hold_up_requests_extending_it(loaded):
     """A's prompt is exactly 4 blocks; its last block only exists once decoding has
     begun. B, which extends A's prompt, waits for A's prefill but not for A's whole
@@ -394,6 +398,7 @@ def test_a_block_ending_with_the_prompt_does_not_hold_up_requests_extending_it(l
     assert finished.index(out_b.request_id) < finished.index(out_a.request_id)
 
 
+@pytest.mark.slow  # long prompts, an edge of the cache
 @pytest.mark.parametrize("ending", ["finished", "aborted"])
 def test_a_block_ending_with_the_prompt_is_stored_when_the_request_ends(loaded, ending):
     """The block ending at A's last prompt token is stored with A's whole cache when

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 from engine_testing import request, run, started
 
 from tierlm.engine import sampling as sampling_module
@@ -50,6 +51,7 @@ async def beside_a_bystander(loaded, max_tokens: int, **victim_params):
     return alone, *results
 
 
+@pytest.mark.slow  # one more fault of one request
 def test_a_top_k_the_sampler_refuses_fails_that_request_alone(loaded):
     """A real fault: mlx-lm's compiled top-k raises for k == vocabulary size, and
     left the global random state broken for every later random draw."""
@@ -74,6 +76,7 @@ def test_a_top_k_the_sampler_refuses_fails_that_request_alone(loaded):
     assert stats["failed_requests"] == 1
 
 
+@pytest.mark.slow  # one more fault of one request
 def test_a_seed_out_of_range_fails_at_admission_instead_of_hanging(loaded):
     async def go():
         engine = await started(loaded)
@@ -111,6 +114,7 @@ def exploding_processors(monkeypatch, seed: int, after: int = 3):
     monkeypatch.setattr(scheduler_module, "make_request_processors", make)
 
 
+@pytest.mark.slow  # one more fault of one request
 def test_a_logits_processor_that_raises_fails_its_request_alone(loaded, monkeypatch):
     """A fault we cannot cause for real (mlx-lm's processors take what validation
     lets through): one that raises mid-decode."""
@@ -138,6 +142,7 @@ def test_a_detokenizer_that_raises_fails_its_request_alone(loaded, monkeypatch):
     assert bystander.error is None and bystander.text == alone.text
 
 
+@pytest.mark.slow  # its twin on the other detokenizer stays in the fast run
 def test_a_detokenizer_that_raises_on_the_fast_path_fails_its_request_alone(loaded, monkeypatch):
     """The same fault where the text of several tokens is made at once (a request
     with no stop string: Scheduler._emit), the victim told apart by the leading
@@ -199,6 +204,7 @@ def test_a_failed_step_fails_the_batch_keeps_its_blocks_and_serves_the_queue(loa
     assert stats["failed_requests"] == 2
 
 
+@pytest.mark.slow  # a fault kept up over many steps
 def test_steps_that_keep_failing_make_the_engine_degraded_until_one_works(loaded, monkeypatch):
     failing_steps(monkeypatch, times=3, after=0)
 
@@ -215,6 +221,7 @@ def test_steps_that_keep_failing_make_the_engine_degraded_until_one_works(loaded
     assert degraded and "injected step fault" in degraded
 
 
+@pytest.mark.slow  # waits out a watchdog
 def test_a_request_that_stops_progressing_is_ended_by_the_watchdog(loaded, monkeypatch):
     """A fault we cannot cause for real: the batch stops returning one request's tokens."""
     real = scheduler_module.BatchGenerator.next
@@ -245,6 +252,7 @@ def test_a_request_that_stops_progressing_is_ended_by_the_watchdog(loaded, monke
     assert beside.error is None
 
 
+@pytest.mark.slow  # waits out a watchdog
 def test_a_request_the_scheduler_loses_is_answered_by_the_watchdog(loaded, monkeypatch):
     """A fault we cannot cause for real: admission drops a request on the floor."""
     real = scheduler_module.Scheduler._admit
@@ -266,6 +274,7 @@ def test_a_request_the_scheduler_loses_is_answered_by_the_watchdog(loaded, monke
     assert lost.finish_reason == FinishReason.ERROR and "lost" in lost.error
 
 
+@pytest.mark.slow  # waits out a watchdog
 def test_a_stuck_worker_degrades_the_engine_and_answers_its_readers(loaded, monkeypatch):
     """A fault we cannot cause for real: one model step that does not return."""
     real = scheduler_module.BatchGenerator.next

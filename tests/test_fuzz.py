@@ -59,6 +59,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.slow  # the fuzz corpus and the schema's bodies against a server of its own: a minute
+
 # Hypothesis keeps its files (unicode tables, constants) out of the repository;
 # its example database is off altogether.
 hypothesis.configuration.set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "tierlm-hypothesis")

@@ -25,6 +25,8 @@ from tierlm.models.gguf_dequant import GGUFTensor, read_gguf, to_mlx
 from tierlm.models.gguf_import import _sentencepiece_bpe, build_config
 from tierlm.models.loader import read_model_info
 
+pytestmark = pytest.mark.slow  # Gemma 3 270M pulled and loaded three times; test_gguf_families is the fast equivalent
+
 NAME = "gemma-3-270m"
 
 # google/gemma-3-270m's config.json

@@ -117,6 +117,7 @@ def test_chat_without_logprobs_has_none(client):
     assert entries == [] and all(c.choices[0].logprobs is None for c in chunks if c.choices)
 
 
+@pytest.mark.slow  # one more streamed-vs-whole comparison
 def test_chat_stream_equals_non_stream(client):
     full = chat(client, STORY, max_tokens=24, logprobs=True, top_logprobs=3)
     text, entries, chunks = chat_stream(client, STORY, max_tokens=24, logprobs=True, top_logprobs=3,
@@ -132,6 +133,7 @@ def test_chat_stream_equals_non_stream(client):
                 c.choices[0].delta.content.strip()
 
 
+@pytest.mark.slow  # one more streamed-vs-whole comparison
 def test_stop_string_stream_equals_non_stream(client):
     """Tokens held back as a possible stop string still get their entries (in the
     final chunk when no text follows them), as in the whole response."""
@@ -231,6 +233,7 @@ def test_completion_without_logprobs_has_none(client):
 # ---- a batch of requests that ask for different things ------------------------
 
 
+@pytest.mark.slow  # concurrent requests
 def test_concurrent_requests_each_get_their_own(client):
     alone = chat(client, STORY, max_tokens=12, logprobs=True, top_logprobs=7).choices[0].logprobs.content
     results = {}

@@ -22,6 +22,8 @@ from conftest import start_server, stop_server, wait_until
 
 from tierlm.models.random_model import PRESETS, make_random_model
 
+pytestmark = pytest.mark.slow  # servers of their own under memory marks
+
 ASK = [{"role": "user", "content": "Name three colours."}]
 GiB = 2**30
 LOW, ABOVE_SOFT, ABOVE_HARD = 1 * GiB, 80 * GiB, 200 * GiB  # against marks of 64 GB and 96 GB

@@ -15,6 +15,7 @@ def small_server(model_path, tmp_path_factory):
     stop_server(srv)
 
 
+@pytest.mark.slow  # a server of its own
 def test_long_prompt_is_refused_short_prompt_served(small_server):
     client = small_server.client()
     long_text = "The quick brown fox jumps over the lazy dog. " * 250  # ~2500 tokens
@@ -46,6 +47,7 @@ def kv_heavy_server(model_path, tmp_path_factory):
     stop_server(srv)
 
 
+@pytest.mark.slow  # a server of its own, twelve long requests
 def test_requests_needing_twice_the_limit_together_wait_their_turn(kv_heavy_server):
     """Twelve requests of 560 prompt tokens and 40 generated ones: each fits alone;
     together their KV is more than twice the limit. They wait their turn, all are
@@ -69,6 +71,7 @@ def test_requests_needing_twice_the_limit_together_wait_their_turn(kv_heavy_serv
     assert kv_heavy_server.process.poll() is None
 
 
+@pytest.mark.slow  # a server of its own
 def test_a_request_whose_generation_cannot_fit_is_refused_up_front(kv_heavy_server):
     with pytest.raises(openai.BadRequestError) as e:
         kv_heavy_server.client().completions.create(model="model", prompt=[5] * 10, max_tokens=5000)

@@ -15,6 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tierlm.admin.metrics import ServerMetrics
 
+pytestmark = pytest.mark.slow  # a server of its own
+
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "Repeat after me, word for word: " + "the quick brown fox jumps over the lazy dog " * 12
 

@@ -184,6 +184,7 @@ def test_the_template_renders_tools_calls_and_results(native_tokenizer):
 # ---- served --------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a server of its own; tool calls are in test_tools_api
 def test_the_prompt_is_the_templates_rendering_with_the_tools(native_client, native_tokenizer):
     with_tools = chat(native_client, tools=TOOLS, tool_choice="auto", max_tokens=1).usage.prompt_tokens
     without = chat(native_client, max_tokens=1).usage.prompt_tokens
@@ -195,12 +196,14 @@ def test_the_prompt_is_the_templates_rendering_with_the_tools(native_client, nat
     assert required == with_tools
 
 
+@pytest.mark.slow  # a server of its own; tool calls are in test_tools_api
 def test_required_calls_are_well_formed(native_client):
     check_calls(
         chat(native_client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False).choices[0]
     )
 
 
+@pytest.mark.slow  # a server of its own; tool calls are in test_tools_api
 def test_a_named_tool_is_the_one_called(native_client):
     for name in ("get_time", "get_weather"):
         choice = chat(
@@ -212,6 +215,7 @@ def test_a_named_tool_is_the_one_called(native_client):
         check_calls(choice, [name])
 
 
+@pytest.mark.slow  # a server of its own; tool calls are in test_tools_api
 def test_round_trip_sends_the_result_back_through_the_template(native_client, native_tokenizer):
     first = chat(
         native_client,
@@ -255,6 +259,7 @@ def test_round_trip_sends_the_result_back_through_the_template(native_client, na
     assert again.usage.prompt_tokens == final.usage.prompt_tokens
 
 
+@pytest.mark.slow  # a server of its own; tool calls are in test_tools_api
 def test_streamed_deltas_reassemble_into_the_call(native_client):
     kw = {
         "tools": TOOLS,
@@ -285,6 +290,7 @@ def test_streamed_deltas_reassemble_into_the_call(native_client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.slow  # a server of its own; tool calls are in test_tools_api
 def test_auto_answers_text_or_a_well_formed_call(native_client):
     for messages in (ASK, [{"role": "user", "content": "Say hello."}]):
         choice = chat(native_client, messages, tools=TOOLS, tool_choice="auto", max_tokens=60).choices[0]

@@ -116,6 +116,7 @@ def real_models(pool_server, model_path, gemma_path):
     return ("smol", "gemma")
 
 
+@pytest.mark.slow  # two-model comparisons, Gemma pulled
 def test_each_model_answers_as_it_does_alone(pool_server, real_models):
     """SmolLM2 and Gemma 3 270M in one server: asked in turn while both are
     loaded, each answers exactly as it did while it was the only one of the two
@@ -139,6 +140,7 @@ def test_each_model_answers_as_it_does_alone(pool_server, real_models):
     unload(pool_server, "gemma")  # the tests after this one budget for small models
 
 
+@pytest.mark.slow  # more loads
 def test_keep_alive_zero_unloads_after_the_request(pool_server):
     ask(pool_server, "tiny1", extra_body={"keep_alive": 0})
     wait_until(lambda: models(pool_server)["tiny1"]["state"] == "available", timeout=10)
@@ -147,6 +149,7 @@ def test_keep_alive_zero_unloads_after_the_request(pool_server):
     wait_until(lambda: models(pool_server)["tiny1"]["state"] == "available", timeout=10)
 
 
+@pytest.mark.slow  # settings-file reloads
 def test_aliases_and_patterns_from_the_settings_file_apply_without_a_restart(pool_server):
     reload_settings(pool_server, '[models."tiny2"]\naliases = ["claude-*haiku*", "side"]\n',
                     lambda: "settings reloaded" in pool_server.log())
@@ -160,6 +163,7 @@ def test_aliases_and_patterns_from_the_settings_file_apply_without_a_restart(poo
         ask(pool_server, "side")
 
 
+@pytest.mark.slow  # more loads
 def test_eviction_under_a_budget_that_fits_one_more_model(pool_server):
     """The budget holds the pinned default and one other: asking for a second
     evicts the least recently used idle one; the pinned one stays."""
@@ -177,6 +181,7 @@ def test_eviction_under_a_budget_that_fits_one_more_model(pool_server):
     reload_settings(pool_server, "", lambda: _reloaded_budget(pool_server, None))  # the default budget again
 
 
+@pytest.mark.slow  # a long stream
 def test_unload_waits_for_requests_in_flight_or_aborts_them(pool_server):
     client = pool_server.client()
     ask(pool_server, "tiny1")
@@ -193,6 +198,7 @@ def test_unload_waits_for_requests_in_flight_or_aborts_them(pool_server):
     assert finishes and finishes[-1] != "length", "the stream ended early, with a reason, not silence"
 
 
+@pytest.mark.slow  # more loads
 def test_a_model_copied_in_or_deleted_while_serving_is_listed_or_gone(pool_server, models_dir):
     folder = models_dir / "models"
     shutil.copytree(folder / "tiny1", folder / "tiny3")
@@ -255,6 +261,7 @@ def _reloaded_budget(srv, budget) -> bool:
     return stats["budget_bytes"] == budget if budget is not None else stats["budget_bytes"] > 2**30
 
 
+@pytest.mark.slow  # two command-line processes
 def test_ps_and_list_show_the_models(pool_server, models_dir):
     import subprocess
     import sys
@@ -270,6 +277,7 @@ def test_ps_and_list_show_the_models(pool_server, models_dir):
     assert listed.returncode == 0 and all(n in listed.stdout for n in ("tiny0", "tiny1", "tiny2", "huge"))
 
 
+@pytest.mark.slow  # settings-file reloads
 def test_per_model_defaults_apply_without_a_restart(pool_server):
     seen = pool_server.log().count("settings reloaded")
     reload_settings(pool_server, '[models."tiny1"]\ndefault_max_tokens = 3\ncontext_limit = 64\n',
@@ -284,6 +292,7 @@ def test_per_model_defaults_apply_without_a_restart(pool_server):
     reload_settings(pool_server, "", lambda: pool_server.log().count("settings reloaded") > seen + 1)
 
 
+@pytest.mark.slow  # more loads
 def test_a_models_tokenizer_and_turns_come_without_loading_it_and_a_load_reuses_them(models_dir, model_path):
     """turns_for (what /v1/messages/count_tokens asks): the model stays unloaded,
     its tokenizer encodes as mlx-lm's `load` makes it; a load then uses the same

@@ -93,6 +93,7 @@ def test_stats_and_clear(cached_server):
     assert cache_stats(cached_server)["blocks"] == 0
 
 
+@pytest.mark.slow  # a server of its own
 def test_eviction_under_a_small_budget(model_path, tmp_path):
     # one 32-token block of this model's KV is ~1.4 MiB; 6 MiB holds four
     srv = start_server(model_path, tmp_path / "server.log", "--cache-block-size", "32", "--hot-cache-size", "6MiB")

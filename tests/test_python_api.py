@@ -107,6 +107,7 @@ def test_an_engine_error_names_the_prompt(llm, monkeypatch):
         llm.generate(PROMPTS, GREEDY, progress=False)
 
 
+@pytest.mark.slow  # a long prompt; the cache is in test_prefix_cache_api
 def test_a_repeated_long_prompt_hits_the_prefix_cache(llm):
     prompt = "Here is a long story about a lighthouse keeper and the sea. " * 42  # ~550 tokens
     params = SamplingParams(max_tokens=4, temperature=0)
@@ -117,6 +118,7 @@ def test_a_repeated_long_prompt_hits_the_prefix_cache(llm):
     assert again.token_ids == first.token_ids
 
 
+@pytest.mark.slow  # a second LLM
 def test_a_small_context_limit_cuts_max_tokens_and_the_context_manager_closes(model_path, tmp_path):
     def ours() -> set[threading.Thread]:
         return {t for t in threading.enumerate() if t.name.startswith(("tierlm-llm-", "mlx-"))}

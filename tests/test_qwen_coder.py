@@ -25,6 +25,8 @@ import httpx
 import pytest
 from conftest import AGENT_KEY, QWEN
 
+pytestmark = pytest.mark.slow  # Qwen2.5-Coder-0.5B served; test_tools_api and test_turn_unit are the fast equivalent
+
 DATA = Path(__file__).parent / "data" / "tokenizers"
 ASK = "Create the file hello.py containing a line that prints hello."
 WRITE = {"name": "write_file", "description": "Write text to a file",

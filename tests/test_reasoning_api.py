@@ -182,6 +182,7 @@ def test_detokenizer_shows_added_special_tokens(tok, ids):
 # ---- grammars through a thinking section -------------------------------------------
 
 
+@pytest.mark.slow  # a server of its own
 @pytest.mark.parametrize("stream", [False, True])
 def test_grammar_through_a_section_the_output_opens(thinking, reasoning_off, ids, stream):
     start, end = ids
@@ -248,6 +249,7 @@ def test_the_budget_counts_from_a_section_the_output_opens(thinking, tok, ids):
     assert reasoning and re.fullmatch("[a-z]{3,8}", content), (reasoning, content)
 
 
+@pytest.mark.slow  # a server of its own
 def test_server_wide_max_thinking_tokens(budgeted, tok, ids):
     reasoning, content, response = ask(budgeted, max_tokens=16, logprobs=True)
     assert thinking_tokens(response, ids[1], tok) == 5

@@ -63,6 +63,7 @@ def test_a_seed_reproduces_and_another_seed_differs(client):
     assert others - {first}, "four other seeds all gave seed 1234's text"
 
 
+@pytest.mark.slow  # a long stream beside
 def test_a_seed_reproduces_while_batched_with_another_request(server, client):
     """The seeded request runs beside a long unseeded one that draws random numbers
     every step: its text is the one it gets alone."""
@@ -92,6 +93,7 @@ def test_top_k_1_at_temperature_1_is_greedy(client, greedy):
     assert any(text(client, temperature=1, seed=s) != greedy for s in SEEDS)
 
 
+@pytest.mark.slow  # many sampled answers
 def test_top_k_2_draws_the_first_token_from_two(client):
     """At a temperature where the whole vocabulary is about equally likely, the
     first token of eight seeds is one of two; without top_k it is eight different
@@ -101,11 +103,13 @@ def test_top_k_2_draws_the_first_token_from_two(client):
     assert len(first()) >= 6
 
 
+@pytest.mark.slow  # many sampled answers
 def test_top_p_near_0_at_a_high_temperature_is_greedy(client, greedy):
     assert [text(client, temperature=HOT, top_p=0.01, seed=s) for s in SEEDS] == [greedy] * len(SEEDS)
     unfiltered_differs_from(client, greedy)
 
 
+@pytest.mark.slow  # many sampled answers
 def test_min_p_1_at_a_high_temperature_is_greedy_and_min_p_0_is_not(client, greedy):
     assert [text(client, temperature=HOT, min_p=1.0, seed=s) for s in SEEDS] == [greedy] * len(SEEDS)
     assert any(text(client, temperature=HOT, min_p=0.0, seed=s) != greedy for s in SEEDS)
@@ -141,6 +145,7 @@ def repeats_without_penalty(client, tokenizer) -> int:
     return n
 
 
+@pytest.mark.slow  # long answers, three times
 @pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
                                      {"repetition_penalty": 2.0}], ids=lambda p: next(iter(p)))
 def test_a_strong_penalty_cuts_repeats(client, tokenizer, repeats_without_penalty, penalty):
@@ -148,6 +153,7 @@ def test_a_strong_penalty_cuts_repeats(client, tokenizer, repeats_without_penalt
     assert repeated_tokens(tokenizer, penalized) * 2 <= repeats_without_penalty, penalized
 
 
+@pytest.mark.slow  # long answers
 def test_a_negative_frequency_penalty_makes_repeats(client, tokenizer):
     """The sign matters: a negative penalty rewards tokens already in the text. (By
     a margin of repeats, not a ratio: the plain story differs with the CPU's

@@ -122,6 +122,7 @@ def test_health_probes_stay_out_of_the_access_log(server, client):
     assert "GET /health" not in log  # though the fixture polled it until the model was up
 
 
+@pytest.mark.slow  # a server of its own, a slowed prefill
 def test_keepalive_comments_while_a_long_prompt_prefills(model_path, tmp_path):
     """Prefill in chunks of 64 tokens, each step made 0.1 s slower (a test-only
     setting): a 750-token prompt takes over a second before its first token,

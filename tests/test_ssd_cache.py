@@ -151,6 +151,7 @@ def _metadata(path: Path) -> dict:
     return json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
 
 
+@pytest.mark.slow  # a server of its own, many prompts
 def test_size_cap_holds_under_a_stream_of_new_prompts(model_path, tmp_path):
     cap = 12 * 2**20
     srv = serve(model_path, tmp_path, "--ssd-write-through", "--ssd-cache-size", str(cap))
@@ -176,6 +177,7 @@ KILLS = [("partial", 4), ("written", 2), ("renamed", 6)]
 BEFORE_RENAME = ("partial", "written")
 
 
+@pytest.mark.slow  # SIGKILLs servers at each point of a write
 def test_sigkill_mid_write_never_leaves_a_block_that_loads_wrong(model_path, tmp_path, reference, monkeypatch):
     """Kills the server at known points of a block write (TIERLM_TEST_SSD_PAUSE, a hook
     of the SSD writer): half the temp file written; the temp file whole and fsynced
@@ -245,6 +247,7 @@ def _twin(model_path: Path, folder: Path, variant: int) -> Path:
     return twin
 
 
+@pytest.mark.slow  # servers of their own
 def test_two_models_sharing_a_folder_never_read_each_others_blocks(model_path, tmp_path, reference, seeded,
                                                                    tokenizer):
     twin = _twin(model_path, tmp_path, 1)
@@ -278,6 +281,7 @@ def test_two_models_sharing_a_folder_never_read_each_others_blocks(model_path, t
         stop_server(b)
 
 
+@pytest.mark.slow  # servers of their own
 def test_clearing_one_models_ssd_files_leaves_the_other_models_files(model_path, tmp_path, seeded):
     twin = _twin(model_path, tmp_path, 2)
     files_of_a = seeded_copy(seeded, tmp_path)  # the default model's, written at its server's stop

@@ -79,6 +79,7 @@ def test_twenty_schemas():
     assert len(SCHEMAS) == 20
 
 
+@pytest.mark.slow  # twenty schemas, streamed and not
 def test_every_answer_validates_streamed_or_not(client):
     """All twenty schemas at once, each streamed and not: they decode in one batch
     (which is what a server does with them), and each answer stands alone."""

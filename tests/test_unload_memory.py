@@ -22,6 +22,8 @@ from tierlm.engine.core import EngineCore
 from tierlm.engine.request import Request, SamplingParams
 from tierlm.models.loader import load_model
 
+pytestmark = pytest.mark.slow  # load/unload cycles in a process of their own, RSS measured
+
 MODELS = Path(os.environ.get("TIERLM_TEST_MODEL_DIR", Path.home() / ".tierlm" / "models"))
 TWO_MODELS = ("SmolLM2-135M-Instruct", "gemma-3-270m")
 BLOCK = 16
