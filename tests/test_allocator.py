@@ -14,7 +14,7 @@ import httpx
 import pytest
 from conftest import wait_until
 
-from tierlm.engine.allocator import glibc
+from tierlm.engine.allocator import CHECK_S, glibc
 
 pytestmark = [pytest.mark.slow,  # RSS measured around a burst of requests
               pytest.mark.skipif(glibc() is None, reason="the trim is for Linux with glibc")]
@@ -46,6 +46,19 @@ def server(uncached_server):
     return uncached_server
 
 
+def settled_rss(pid: int) -> int:
+    """The process's RSS once it stopped falling: two reads, further apart than the
+    trim thread's look (allocator.CHECK_S), within 8 MiB of each other."""
+    reads = []
+
+    def settled() -> bool:
+        reads.append(rss(pid))
+        return len(reads) > 1 and abs(reads[-1] - reads[-2]) < 8 * MiB
+
+    wait_until(settled, timeout=60, interval=1.5 * CHECK_S)
+    return reads[-1]
+
+
 def test_the_trim_thread_runs_in_the_server(server):
     assert "tierlm-trim" in thread_names(server.proc.pid)
 
@@ -61,8 +74,7 @@ def test_rss_comes_back_after_a_burst(server):
 
     ask(0, 20, 4)
     wait_until(lambda: idle(server), timeout=60)
-    time.sleep(2)  # any trim of the start-up's buffers is done by now
-    before = rss(pid)
+    before = settled_rss(pid)  # any trim of the start-up's buffers is done by now
 
     peak = before
     # 8 prompts of ~400 tokens at once: the heap grows by ~300 MiB here (by ~700 with 150

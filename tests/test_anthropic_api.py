@@ -91,16 +91,6 @@ def test_streaming_gives_the_same_message_event_by_event(claude, anthropic_serve
     assert set(events[2:-3]) == {"content_block_delta"}
 
 
-@pytest.mark.slow  # a long prompt's prefill
-def test_pings_while_a_long_prompt_prefills(anthropic_server):
-    """The server says it is alive (pings every --sse-keepalive-s, here 0.2 s)
-    while it computes a prompt that is not cached."""
-    body = {"model": MODEL, "max_tokens": 2, "system": LONG_SYSTEM + " Ping test.",
-            "messages": [{"role": "user", "content": "Hello there " * 300}]}
-    names = [name for name, _ in raw_events(anthropic_server, body)]
-    assert names[0] == "message_start" and "ping" in names[1:names.index("content_block_start")]
-
-
 def test_system_as_text_or_blocks_and_system_messages_give_one_prompt(claude):
     def count(**kw):
         return claude.messages.count_tokens(model=MODEL, **kw).input_tokens

@@ -139,31 +139,41 @@ def test_burst_budget_grows_with_the_batch_up_to_the_single_stream_budget():
     assert off._burst_budget_ms(1) == off._burst_budget_ms(32) == 0
 
 
-def stream_pieces(loaded, **config):
-    """One 12-token request streamed through a fresh engine whose steps take 10 ms
-    at least (the reader keeps up on a loaded machine): (its pieces, the stats)."""
+def stream_pieces(loaded, monkeypatch, **config):
+    """One 12-token request streamed through a fresh engine: (the pieces its reader
+    got, the outputs the engine handed to its collector, the stats). A reader that
+    lags gets several hand-offs merged into one piece (OutputCollector), so what is
+    counted is the hand-offs, however fast the machine."""
+    handed = []
+    put = OutputCollector.put
+
+    def counting_put(self, output):
+        handed.append(output.completion_tokens)
+        put(self, output)
 
     async def go():
         engine = await started(loaded, **config)
-        engine.scheduler._test_step_delay_s = 0.01
         pieces = [o async for o in engine.stream_outputs(request(loaded, engine, max_tokens=12, ignore_eos=True))
                   if o is not None]
         stats = engine.get_stats()
         await engine.close()
-        return pieces, stats
+        return pieces, handed, stats
 
-    return run(go())
+    with monkeypatch.context() as patch:
+        patch.setattr(OutputCollector, "put", counting_put)
+        return run(go())
 
 
-def test_tokens_stream_out_during_a_burst(loaded):
+def test_tokens_stream_out_during_a_burst(loaded, monkeypatch):
     """A burst long enough for the whole answer still hands its tokens out as they
     are made, in order; a flush interval longer than the burst holds them to its end."""
-    pieces, stats = stream_pieces(loaded, decode_burst_ms=60_000, stream_flush_ms=0)
+    pieces, handed, stats = stream_pieces(loaded, monkeypatch, decode_burst_ms=60_000, stream_flush_ms=0)
     assert stats["bursts"] <= 3  # the first token and the finish end a burst
-    assert len(pieces) >= 8 and sum(len(p.token_ids) for p in pieces) == 12
+    assert len(handed) >= 8 and sum(len(p.token_ids) for p in pieces) == 12
+    assert handed == sorted(set(handed))
     assert [p.completion_tokens for p in pieces] == sorted({p.completion_tokens for p in pieces})
-    held, _ = stream_pieces(loaded, decode_burst_ms=60_000, stream_flush_ms=60_000)
-    assert len(held) <= 3 and "".join(p.text for p in held) == "".join(p.text for p in pieces)
+    held, held_handed, _ = stream_pieces(loaded, monkeypatch, decode_burst_ms=60_000, stream_flush_ms=60_000)
+    assert len(held_handed) <= 3 and "".join(p.text for p in held) == "".join(p.text for p in pieces)
 
 
 def test_flush_interval_grows_with_the_batch():
@@ -187,7 +197,7 @@ def test_warming_runs_while_idle_and_leaves_the_cache_and_answers_alone(loaded):
         engine = await started(loaded, **config)
         jobs = list(engine._warm_jobs)
         answer = await engine.generate(request(loaded, engine, max_tokens=8))
-        await eventually(lambda: not engine._warm_jobs)
+        await eventually(lambda: not engine.warming)
         blocks = (await engine.cache_stats())["stored_blocks"]
         await engine.close()
         return jobs, answer.text, blocks

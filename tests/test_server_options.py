@@ -1,5 +1,6 @@
 """Server options through a real server: API key, SSE keep-alives before the
-first token, stream_interval; and the settings layers."""
+first token (OpenAI's comments, the Messages API's pings), stream_interval; and
+the settings layers."""
 
 from __future__ import annotations
 
@@ -122,24 +123,42 @@ def test_health_probes_stay_out_of_the_access_log(server, client):
     assert "GET /health" not in log  # though the fixture polled it until the model was up
 
 
-@pytest.mark.slow  # a server of its own, a slowed prefill
-def test_keepalive_comments_while_a_long_prompt_prefills(model_path, tmp_path):
+@pytest.fixture(scope="module")
+def slow_prefill_server(model_path, tmp_path_factory):
     """Prefill in chunks of 64 tokens, each step made 0.1 s slower (a test-only
-    setting): a 750-token prompt takes over a second before its first token,
-    far over the 0.05 s between keep-alives, however fast the machine."""
-    srv = start_server(model_path, tmp_path / "server.log", "--sse-keepalive-s", "0.05",
-                       "--prefill-step-size", "64", "--no-prefix-cache", "--no-ssd-cache",
+    setting): a prompt of several hundred tokens takes over a second before its
+    first token, far over the 0.05 s between keep-alives, however fast the machine."""
+    srv = start_server(model_path, tmp_path_factory.mktemp("slow-prefill") / "server.log", "--sse-keepalive-s",
+                       "0.05", "--prefill-step-size", "64", "--no-prefix-cache", "--no-ssd-cache",
                        env={"TIERLM_TEST_STEP_DELAY_S": "0.1"})
-    try:
-        body = {"model": MODEL, "stream": True, "max_tokens": 2, "temperature": 0,
-                "messages": [{"role": "user", "content": "Repeat after me: " + "all work and no play " * 150}]}
-        with httpx.stream("POST", srv.v1 + "/chat/completions", json=body, timeout=120) as r:
-            lines = [line for line in r.iter_lines() if line]
-    finally:
-        stop_server(srv)
+    yield srv
+    stop_server(srv)
+
+
+@pytest.mark.slow  # a server of its own, a slowed prefill
+def test_keepalive_comments_while_a_long_prompt_prefills(slow_prefill_server):
+    """A 750-token prompt: keep-alive comments all through its prefill."""
+    body = {"model": MODEL, "stream": True, "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": "Repeat after me: " + "all work and no play " * 150}]}
+    with httpx.stream("POST", slow_prefill_server.v1 + "/chat/completions", json=body, timeout=120) as r:
+        lines = [line for line in r.iter_lines() if line]
     first_content = next(i for i, line in enumerate(lines) if is_content(line))
     assert sum(line.startswith(": keep-alive") for line in lines[:first_content]) >= 5
     assert lines[-1] == "data: [DONE]"
+
+
+@pytest.mark.slow  # a server of its own, a slowed prefill
+def test_pings_while_a_long_prompt_prefills(slow_prefill_server):
+    """The Messages API's keep-alive: the server says it is alive (pings every
+    --sse-keepalive-s) while it computes a prompt that is not cached."""
+    system = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly and kindly." for i in range(120))
+    body = {"model": MODEL, "max_tokens": 2, "stream": True, "system": system + " Ping test.",
+            "messages": [{"role": "user", "content": "Hello there " * 300}]}
+    names = []
+    with httpx.stream("POST", slow_prefill_server.base_url + "/v1/messages", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        names = [line[7:] for line in response.iter_lines() if line.startswith("event: ")]
+    assert names[0] == "message_start" and "ping" in names[1:names.index("content_block_start")]
 
 
 def test_compiled_kernels_are_kept_in_the_kernel_folder_unless_mlx_is_told_another(monkeypatch, tmp_path):
