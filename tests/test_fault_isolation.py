@@ -15,8 +15,8 @@ import threading
 
 import pytest
 from engine_testing import request, run, started
+from mlx_lm.generate import BatchGenerator
 
-from tierlm.engine import sampling as sampling_module
 from tierlm.engine import scheduler as scheduler_module
 from tierlm.engine.request import FinishReason
 
@@ -93,34 +93,27 @@ def test_a_seed_out_of_range_fails_at_admission_instead_of_hanging(loaded):
     assert beside.error is None and beside.completion_tokens == 8
 
 
-def exploding_processors(monkeypatch, seed: int, after: int = 3):
-    """Requests with this seed get a logits processor that raises on its third call."""
-    real_make = scheduler_module.make_request_processors
+class ExplodingConstraint:
+    """A request's constraint (engine.constraint.TokenConstraint, applied as its
+    last logits processor) that allows every token and raises on its third call."""
 
-    def make(params, on_fault):
-        processors = real_make(params, on_fault)
-        if params.seed != seed:
-            return processors
-        calls = []
+    def __init__(self, after: int = 3):
+        self.after, self.calls = after, 0
 
-        def explode(tokens, logits):
-            calls.append(1)
-            if len(calls) == after:
-                raise RuntimeError("injected processor fault")
-            return logits
+    def consume(self, token: int) -> None:
+        pass
 
-        return [*processors, sampling_module.guard_processor(explode, on_fault)]
-
-    monkeypatch.setattr(scheduler_module, "make_request_processors", make)
+    def allowed(self, vocab: int) -> None:
+        self.calls += 1
+        if self.calls == self.after:
+            raise RuntimeError("injected processor fault")
 
 
 @pytest.mark.slow  # one more fault of one request
-def test_a_logits_processor_that_raises_fails_its_request_alone(loaded, monkeypatch):
+def test_a_logits_processor_that_raises_fails_its_request_alone(loaded):
     """A fault we cannot cause for real (mlx-lm's processors take what validation
     lets through): one that raises mid-decode."""
-    exploding_processors(monkeypatch, seed=666)
-
-    alone, victim, bystander = run(beside_a_bystander(loaded, 30, seed=666))
+    alone, victim, bystander = run(beside_a_bystander(loaded, 30, constraint=ExplodingConstraint()))
     assert victim.finish_reason == FinishReason.ERROR and "injected processor fault" in victim.error
     assert victim.completion_tokens >= 1  # what it made before the fault reached its stream
     assert bystander.error is None and bystander.text == alone.text
@@ -168,7 +161,7 @@ def test_a_detokenizer_that_raises_on_the_fast_path_fails_its_request_alone(load
 def failing_steps(monkeypatch, times: int, after: int = 2):
     """BatchGenerator.next raises `times` times in a row, once `after` calls went
     well: a fault in the batch that no one request can be blamed for."""
-    real = scheduler_module.BatchGenerator.next
+    real = BatchGenerator.next
     calls = {"n": 0}
 
     def next_(self):
@@ -177,7 +170,7 @@ def failing_steps(monkeypatch, times: int, after: int = 2):
             raise RuntimeError("injected step fault")
         return real(self)
 
-    monkeypatch.setattr(scheduler_module.BatchGenerator, "next", next_)
+    monkeypatch.setattr(BatchGenerator, "next", next_)
 
 
 def test_a_failed_step_fails_the_batch_keeps_its_blocks_and_serves_the_queue(loaded, monkeypatch):
@@ -224,14 +217,14 @@ def test_steps_that_keep_failing_make_the_engine_degraded_until_one_works(loaded
 @pytest.mark.slow  # waits out a watchdog
 def test_a_request_that_stops_progressing_is_ended_by_the_watchdog(loaded, monkeypatch):
     """A fault we cannot cause for real: the batch stops returning one request's tokens."""
-    real = scheduler_module.BatchGenerator.next
+    real = BatchGenerator.next
     starved: set[int] = set()
 
     def next_(self):
         prompts, tokens = real(self)
         return prompts, [r for r in tokens if r.uid not in starved]
 
-    monkeypatch.setattr(scheduler_module.BatchGenerator, "next", next_)
+    monkeypatch.setattr(BatchGenerator, "next", next_)
 
     async def go():
         engine = await started(loaded, stall_timeout_s=STALL_S)
@@ -277,7 +270,7 @@ def test_a_request_the_scheduler_loses_is_answered_by_the_watchdog(loaded, monke
 @pytest.mark.slow  # waits out a watchdog
 def test_a_stuck_worker_degrades_the_engine_and_answers_its_readers(loaded, monkeypatch):
     """A fault we cannot cause for real: one model step that does not return."""
-    real = scheduler_module.BatchGenerator.next
+    real = BatchGenerator.next
     release, stuck = threading.Event(), threading.Event()
 
     def next_(self):
@@ -286,7 +279,7 @@ def test_a_stuck_worker_degrades_the_engine_and_answers_its_readers(loaded, monk
             release.wait(60)
         return real(self)
 
-    monkeypatch.setattr(scheduler_module.BatchGenerator, "next", next_)
+    monkeypatch.setattr(BatchGenerator, "next", next_)
 
     async def go():
         engine = await started(loaded, stall_timeout_s=STALL_S)

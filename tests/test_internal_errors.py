@@ -99,13 +99,13 @@ def test_a_bug_mid_stream_ends_with_an_error_event_and_done(app_url, monkeypatch
 
 
 def test_health_says_degraded_while_steps_keep_failing_and_recovers(app_url, monkeypatch):
-    """A fault we cannot cause for real: every model step raises."""
-    from tierlm.engine import scheduler as scheduler_module
+    """A fault we cannot cause for real: every model step (mlx-lm's) raises."""
+    from mlx_lm.generate import BatchGenerator
 
     def broken(self):
         raise RuntimeError("injected step fault")
 
-    monkeypatch.setattr(scheduler_module.BatchGenerator, "next", broken)
+    monkeypatch.setattr(BatchGenerator, "next", broken)
     with httpx.Client(base_url=app_url, timeout=60) as client:
         body = {"messages": MSG, "max_tokens": 2, "temperature": 0}
         for _ in range(3):  # --degrade-after-failures' default
