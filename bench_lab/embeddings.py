@@ -67,9 +67,9 @@ import sentence_transformers
 from sentence_transformers import SentenceTransformer
 if int(sys.argv[2]):
     torch.set_num_threads(int(sys.argv[2]))
-model = SentenceTransformer(sys.argv[1], device="cpu")
+model = SentenceTransformer(sys.argv[1], device=sys.argv[3])
 print(json.dumps({"ready": True, "versions": {"sentence-transformers": sentence_transformers.__version__,
-                  "torch": torch.__version__}, "threads": torch.get_num_threads(),
+                  "torch": torch.__version__}, "threads": torch.get_num_threads(), "device": sys.argv[3],
                   "max_seq_length": model.max_seq_length}), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
@@ -84,9 +84,9 @@ for line in sys.stdin:
 class SentenceTransformersArm:
     """sentence-transformers in a subprocess of `python`, fed batches on stdin."""
 
-    def __init__(self, python: str, model: Path, threads: int = 0):
+    def __init__(self, python: str, model: Path, threads: int = 0, device: str = "cpu"):
         env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
-        self.proc = subprocess.Popen([python, "-c", _ST_SERVER, str(model), str(threads)],
+        self.proc = subprocess.Popen([python, "-c", _ST_SERVER, str(model), str(threads), device],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.info = json.loads(self.proc.stdout.readline())
 
@@ -129,9 +129,9 @@ def cosine(a, b) -> float:
 
 
 def run_embeddings(model: Path, st_python: str, batch_sizes: list[int], texts_per_round: dict[int, int],
-                   rounds: int, st_threads: int = 0, on_progress=None) -> dict:
+                   rounds: int, st_threads: int = 0, on_progress=None, st_device: str = "cpu") -> dict:
     tierlm = TierlmArm(model)
-    st = SentenceTransformersArm(st_python, model, st_threads)
+    st = SentenceTransformersArm(st_python, model, st_threads, st_device)
     try:
         rows = []
         for batch in batch_sizes:
@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--st-threads", type=int, default=0,
                    help="torch's threads (default: torch's own choice, one per core; on a busy machine its "
                    "threads spin against the other processes and 1 can be many times faster)")
+    p.add_argument("--st-device", default="cpu", help="sentence-transformers' device: cpu, or cuda beside "
+                   "tierlm on MLX's CUDA backend")
     p.add_argument("--batch", default="1,64", help="comma list of batch sizes")
     p.add_argument("--texts", type=int, default=64, help="texts per round at batch 1")
     p.add_argument("--texts-batched", type=int, default=256, help="texts per round at larger batches")
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(b) for b in args.batch.split(",")]
     result = run_embeddings(model, args.st_python, sizes,
                             {b: args.texts if b == 1 else max(args.texts_batched, b) for b in sizes}, args.rounds,
-                            args.st_threads,
+                            args.st_threads, st_device=args.st_device,
                             on_progress=lambda b, name, rate: console.print(f"  batch {b:3d} {name:22s} "
                                                                             f"{rate:8.1f} texts/s"))
     result.update(machine_info(), cpu_flags=cpu_flags())
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{result.get('cpus')} CPUs; tierlm {result['tierlm_arm']['device']} weights "
                 f"{'/'.join(result['tierlm_arm']['weights'])}; sentence-transformers "
                 f"{st['versions']['sentence-transformers']}, torch {st['versions']['torch']} "
-                f"({st['threads']} threads); medians of {args.rounds} rounds", HEADER, table_rows(result))
+                f"({st.get('device', 'cpu')}, {st['threads']} threads); medians of {args.rounds} rounds", HEADER, table_rows(result))
     write_result(args, p, "embeddings", result)
     return 0
 
