@@ -22,7 +22,7 @@ import ollama
 import openai
 import pytest
 from bert_reference import DOCUMENTS, QUERY, TEXTS, BertReference, build_cross_encoder
-from conftest import start_server, stop_server
+from conftest import start_server, stop_server, wait_until
 
 MINILM, RERANKER, CHAT = "all-MiniLM-L6-v2", "tiny-reranker", "SmolLM2-135M-Instruct"
 COS = 0.9999  # per text, against the reference
@@ -173,6 +173,31 @@ def test_a_long_text_is_a_400_unless_truncation_is_asked(client, ref, long_texts
 
 def test_the_models_are_listed(client):
     assert {MINILM, RERANKER, CHAT} <= {m.id for m in client.models.list().data}
+
+
+def test_an_encoder_lives_in_the_pool_as_a_chat_model_does(srv, client, ref):
+    """Loaded on first use with its memory counted, unloaded by hand (its
+    requests then fail over to a reload), keep_alive 0 unloading it after the
+    request, /stats and Ollama's /api/show telling what it is."""
+    def state() -> dict:
+        return {m["id"]: m for m in httpx.get(srv.base_url + "/v1/models", timeout=30).json()["data"]}[MINILM]
+
+    text = "A man is eating food."
+    client.embeddings.create(model=MINILM, input=text)
+    assert state()["state"] == "loaded" and state()["memory_bytes"] > 50 * 2**20  # ~87 MB of weights
+    engines = httpx.get(srv.base_url + "/stats", timeout=30).json()["engines"]
+    assert any(e["model"] == MINILM and e["kind"] == "embedding" and e["sequences"] >= 1 for e in engines)
+    assert httpx.post(srv.base_url + f"/v1/models/{MINILM}/unload", timeout=60).status_code == 200
+    assert state()["state"] == "available"
+    again = client.embeddings.create(model=MINILM, input=text)  # loads it again
+    assert_close([again.data[0].embedding], ref.embed([text]))
+    r = httpx.post(srv.base_url + "/api/embed", json={"model": MINILM, "input": text, "keep_alive": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    wait_until(lambda: state()["state"] == "available", timeout=60)
+    show = httpx.post(srv.base_url + "/api/show", json={"model": MINILM}, timeout=30).json()
+    assert show["capabilities"] == ["embedding"]
+    assert httpx.post(srv.base_url + "/api/show", json={"model": RERANKER}, timeout=30).json()["capabilities"] \
+        == ["rerank"]
 
 
 # ---- Ollama's /api/embed and /api/embeddings ------------------------------------------
