@@ -2,8 +2,7 @@
 own, as a generative model's engine is, and fed by every client at once.
 Requests queue; each pass takes what is waiting and runs it on the worker
 thread, in batches of like lengths (tierlm.models.encoder); each request gets
-its rows back.
-The pool loads, keeps and unloads it like any model (the same budget, LRU,
+its rows back. The pool loads, keeps and unloads it like any model (the same budget, LRU,
 pin and keep-alive)."""
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from tierlm.models.loader import ModelInfo, read_model_info
 from tierlm.pool.discovery import ModelEntry
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class _Job:
