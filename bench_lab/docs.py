@@ -81,7 +81,7 @@ Tools (each writes result files; `python -m bench_lab.docs` renders them here):
   step (`--steps-only`, `--no-prefix-cache`, `--both`, `--json OUT`); a
   diagnostic (it wraps private methods), printed, not rendered here.
 
-Targets (from the issue that built this harness):
+Targets:
 engine decode throughput ≥ 0.97 × a bare mlx-lm `BatchGenerator` at batch 1, 8, 32;
 against `mlx_lm.server`: no slower at concurrency 1, ≥ 2 × its output tok/s at
 concurrency 16 with a lower p50 TTFT; against `llama-server`: the ratio, honestly.
@@ -105,7 +105,7 @@ each pair again, from the model steps timed inside the runs, so the machine's
 drift between the two runs drops out: the engine's step as measured (model step
 plus everything between two steps) against the same model step less the event
 loop thread's whole CPU time, plus the bare loop's time between steps
-(`tierlm/bench/step_timing.py`). Where it says more than the wall clock, the
+(`tierlm bench engine` counts it). Where it says more than the wall clock, the
 engine loses time outside its steps.
 """
 
