@@ -9,7 +9,7 @@ glibc only gives back the top of an arena by itself. The process kept its peak
 RSS for good, and clearing the prefix cache (DELETE /v1/cache) gave none of it
 back. MLX's own buffer cache is not it: on the CPU backend its limit is 32 MiB.
 
-Measured with `tierlm bench soak` (SmolLM2-135M, 300 requests over 16 streams,
+Measured with `python -m bench_lab.soak` (SmolLM2-135M, 300 requests over 16 streams,
 this 2-core Xeon with AMX, other jobs sharing the cores): RSS before -> after
 the run -> after DELETE /v1/cache, and the server's CPU during the load:
 - nothing set:          1017 -> 2434 -> 2434 MiB; 8 s system CPU, 1.4 M page faults, 160 s
