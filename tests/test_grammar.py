@@ -27,10 +27,10 @@ def drive(grammars, grammar: str, text: str):
     """Feed `text`'s tokens through a fresh constraint, checking each was allowed."""
     constraint = grammars.constraint(grammar)
     vocab = grammars.ll_tokenizer.vocab_size
-    for token in grammars._tokenizer.encode(text, add_special_tokens=False):
+    for token in grammars.tokenizer.encode(text, add_special_tokens=False):
         mask = constraint.allowed(vocab)
         assert mask.shape == (vocab,) and mask.dtype == bool
-        assert mask[token], f"{grammars._tokenizer.decode([token])!r} refused"
+        assert mask[token], f"{grammars.tokenizer.decode([token])!r} refused"
         constraint.consume(token)
     return constraint
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tierlm.cli import _settings, build_parser
+from tierlm.cli import build_parser, settings_from_args
 from tierlm.config import Settings, env_var, load_settings, setting_fields
 
 SETTINGS = [f.name for f in setting_fields()]
@@ -66,7 +66,7 @@ def flag_args(name: str, value) -> list[str]:
 
 
 def serve_settings(argv: list[str]) -> Settings:
-    return _settings(build_parser().parse_args(["serve", *argv]))
+    return settings_from_args(build_parser().parse_args(["serve", *argv]))
 
 
 @pytest.fixture

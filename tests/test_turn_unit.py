@@ -264,16 +264,16 @@ def constraint_of(grammars, fmt, choice, text_schema=None):
 
 def drive(grammars, constraint, text: str):
     vocab = grammars.ll_tokenizer.vocab_size
-    for token in grammars._tokenizer.encode(text, add_special_tokens=False):
+    for token in grammars.tokenizer.encode(text, add_special_tokens=False):
         mask = constraint.allowed(vocab)
-        assert mask[token], f"{grammars._tokenizer.decode([token])!r} refused after {text!r}"
+        assert mask[token], f"{grammars.tokenizer.decode([token])!r} refused after {text!r}"
         constraint.consume(token)
     return constraint
 
 
 def allowed_texts(grammars, constraint) -> set[str]:
     mask = constraint.allowed(grammars.ll_tokenizer.vocab_size)
-    return {grammars._tokenizer.decode([int(t)]) for t in np.flatnonzero(mask)}
+    return {grammars.tokenizer.decode([int(t)]) for t in np.flatnonzero(mask)}
 
 
 def hermes_call(name="get_weather", args=PARIS) -> str:
@@ -282,14 +282,14 @@ def hermes_call(name="get_weather", args=PARIS) -> str:
 
 def eos_allowed(grammars, constraint) -> bool:
     mask = constraint.allowed(grammars.ll_tokenizer.vocab_size)
-    return all(mask[t] for t in grammars._tokenizer.eos_token_ids)
+    return all(mask[t] for t in grammars.tokenizer.eos_token_ids)
 
 
 def test_a_valid_hermes_call_is_allowed_token_by_token(grammars):
     constraint = drive(
         grammars, constraint_of(grammars, HERMES, ToolChoice("required", parallel=False)), hermes_call()
     )
-    ends = {grammars._tokenizer.decode([t]) for t in grammars._tokenizer.eos_token_ids}
+    ends = {grammars.tokenizer.decode([t]) for t in grammars.tokenizer.eos_token_ids}
     assert eos_allowed(grammars, constraint)
     # the newline its models write before ending the turn, and then nothing but the end
     assert allowed_texts(grammars, constraint) <= ends | {"\n"}

@@ -36,7 +36,8 @@ def _cli_values(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name, None) for f in setting_fields()}
 
 
-def _settings(args: argparse.Namespace) -> Settings:
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The settings a command line gives: its flags over the environment and the settings file."""
     return load_settings(_cli_values(args), args.config)
 
 
@@ -49,7 +50,7 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    settings = _settings(args)
+    settings = settings_from_args(args)
     _setup_logging(settings.log_level)
     from tierlm.admin.access import Access, check_bind
 
@@ -104,7 +105,7 @@ def _progress_bar():
 def cmd_pull(args: argparse.Namespace) -> int:
     from tierlm.models import catalog
 
-    settings = _settings(args)
+    settings = settings_from_args(args)
     _setup_logging(settings.log_level)
     if args.name not in catalog.CATALOG:
         print(f"unknown model {args.name!r}: known are {', '.join(catalog.CATALOG)}", file=sys.stderr)
@@ -122,7 +123,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from tierlm.models.gguf_import import import_gguf
     from tierlm.models.model_folder import is_model_folder
 
-    settings = _settings(args)
+    settings = settings_from_args(args)
     _setup_logging(settings.log_level)
     source = Path(args.file).expanduser()
     if not source.is_file():
@@ -152,7 +153,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     from tierlm.serving.assembly import hf_cache_of, model_dirs_of
     from tierlm.pool.discovery import discover
 
-    settings = _settings(args)
+    settings = settings_from_args(args)
     dirs = model_dirs_of(settings)
     table = Table("size", "context", "quantization", "type", title=", ".join(str(d) for d in dirs))
     table.columns.insert(0, Column("name", no_wrap=True))
@@ -168,7 +169,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
     import httpx
     from rich.table import Table
 
-    settings = _settings(args)
+    settings = settings_from_args(args)
     url = f"http://{settings.host}:{settings.port}/v1/models"
     from tierlm.admin.access import secret_of
 

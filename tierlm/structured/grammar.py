@@ -100,7 +100,7 @@ class ModelGrammars:
     about a second to build: it is built once, on first use."""
 
     def __init__(self, tokenizer):
-        self._tokenizer = tokenizer  # mlx-lm's TokenizerWrapper
+        self.tokenizer = tokenizer  # mlx-lm's TokenizerWrapper
         self._ll: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
 
@@ -108,14 +108,14 @@ class ModelGrammars:
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._ll is None:
-                eos = sorted(self._tokenizer.eos_token_ids)
-                self._ll = llguidance.hf.from_tokenizer(self._tokenizer._tokenizer, eos_token=eos)
+                eos = sorted(self.tokenizer.eos_token_ids)
+                self._ll = llguidance.hf.from_tokenizer(self.tokenizer._tokenizer, eos_token=eos)
             return self._ll
 
     def literal(self, text: str) -> str:
         """`text` as a Lark literal for this model: a special token by name (a
         quoted string never matches one), anything else quoted."""
-        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
         if len(ids) == 1 and self.ll_tokenizer.is_special_token(ids[0]):
             return f"<[{ids[0]}]>"
         return json.dumps(text)
@@ -129,7 +129,7 @@ class ModelGrammars:
         return lark
 
     def _special_tokens(self) -> dict[str, int]:
-        added = self._tokenizer._tokenizer.get_added_vocab()  # llguidance counts every added token special
+        added = self.tokenizer._tokenizer.get_added_vocab()  # llguidance counts every added token special
         return {text: token for text, token in added.items() if self.ll_tokenizer.is_special_token(token)}
 
     def check(self, grammar: str) -> None:
