@@ -134,9 +134,9 @@ def test_decode_burst_off_runs_one_step_per_hand_off(loaded):
 
 def test_burst_budget_grows_with_the_batch_up_to_the_single_stream_budget():
     budget = EngineCore("x", lambda: None, Settings(decode_burst_ms=100, decode_burst_ms_batched=20))
-    assert [budget._burst_budget_ms(n) for n in (1, 2, 8, 16, 32, 64)] == [100, 20, 20, 40, 80, 100]
+    assert [budget.burst_budget_ms(n) for n in (1, 2, 8, 16, 32, 64)] == [100, 20, 20, 40, 80, 100]
     off = EngineCore("x", lambda: None, Settings(decode_burst_ms=0, decode_burst_ms_batched=0))
-    assert off._burst_budget_ms(1) == off._burst_budget_ms(32) == 0
+    assert off.burst_budget_ms(1) == off.burst_budget_ms(32) == 0
 
 
 def stream_pieces(loaded, monkeypatch, **config):
@@ -178,7 +178,7 @@ def test_tokens_stream_out_during_a_burst(loaded, monkeypatch):
 
 def test_flush_interval_grows_with_the_batch():
     engine = EngineCore("x", lambda: None, Settings(stream_flush_ms=2))
-    assert [engine._flush_interval_ms(n) for n in (1, 4, 8, 32)] == [2, 2, 4, 16]
+    assert [engine.flush_interval_ms(n) for n in (1, 4, 8, 32)] == [2, 2, 4, 16]
 
 
 def test_warm_batch_sizes_cover_each_power_of_two_and_the_size_after():
@@ -195,7 +195,7 @@ def test_warming_runs_while_idle_and_leaves_the_cache_and_answers_alone(loaded):
 
     async def answer_and_blocks(**config):
         engine = await started(loaded, **config)
-        jobs = list(engine._warm_jobs)
+        jobs = engine.shapes_to_warm
         answer = await engine.generate(request(loaded, engine, max_tokens=8))
         await eventually(lambda: not engine.warming)
         blocks = (await engine.cache_stats())["stored_blocks"]

@@ -131,7 +131,7 @@ def test_the_engine_reads_the_settings_it_is_given():
     from tierlm.engine.core import EngineCore
 
     engine = EngineCore("x", lambda: None, Settings(decode_burst_ms=7, decode_burst_ms_batched=3))
-    assert engine._burst_budget_ms(1) == 7 and engine._burst_budget_ms(16) == 6
+    assert engine.burst_budget_ms(1) == 7 and engine.burst_budget_ms(16) == 6
     assert Settings(hot_cache_size="1GiB").hot_cache_bytes() == 2**30
     assert Settings(ssd_cache=False).ssd_tier() == (None, 0)
 

@@ -156,6 +156,11 @@ class EngineCore:
         """Whether batch shapes are still to be warmed (the engine serves meanwhile)."""
         return bool(self._warm_jobs)
 
+    @property
+    def shapes_to_warm(self) -> list[tuple[int, int]]:
+        """The (batch, prompt length) shapes still to be warmed, in order."""
+        return list(self._warm_jobs)
+
     def _warm_before_ready(self, prefill_step: int) -> None:
         """Worker thread, at start: warm jobs for up to `warmup_wait_s` (a restart
         whose kernels are on disk warms them all in that time), the rest while idle."""
@@ -426,8 +431,8 @@ class EngineCore:
             return
         steps_before = scheduler.counters.steps
         running = len(scheduler.running)
-        budget_ms = self._burst_budget_ms(running)
-        flush_s = self._flush_interval_ms(running) / 1000
+        budget_ms = self.burst_budget_ms(running)
+        flush_s = self.flush_interval_ms(running) / 1000
         now = time.perf_counter()
         deadline, next_flush = now + budget_ms / 1000, now + flush_s
         while True:
@@ -464,7 +469,7 @@ class EngineCore:
         while self._posted:
             self._dispatch(self._posted.popleft())
 
-    def _flush_interval_ms(self, running: int) -> float:
+    def flush_interval_ms(self, running: int) -> float:
         """stream_flush_ms per 4 requests running: the loop's work per post grows
         with the batch, and serialized with the worker's steps by the GIL it slows
         them when they are CPU-bound (a small model on a GPU: the loop's ~150 µs a
@@ -472,7 +477,7 @@ class EngineCore:
         other step)."""
         return self.config.stream_flush_ms * max(1.0, running / 4)
 
-    def _burst_budget_ms(self, running: int) -> float:
+    def burst_budget_ms(self, running: int) -> float:
         """With one request, decode_burst_ms. With several, decode_burst_ms_batched
         per 8 running, up to the larger of the two: the event loop wakes every reader
         once per burst; that work grows with the batch, and the GIL serializes it
