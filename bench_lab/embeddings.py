@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{result.get('cpus')} CPUs; tierlm {result['tierlm_arm']['device']} weights "
                 f"{'/'.join(result['tierlm_arm']['weights'])}; sentence-transformers "
                 f"{st['versions']['sentence-transformers']}, torch {st['versions']['torch']} "
-                f"({st.get('device', 'cpu')}, {st['threads']} threads); medians of {args.rounds} rounds", HEADER, table_rows(result))
+                f"({st.get('device', 'cpu')}, {st['threads']} threads); medians of {args.rounds} rounds",
+                HEADER, table_rows(result))
     write_result(args, p, "embeddings", result)
     return 0
 

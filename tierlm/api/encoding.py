@@ -1,7 +1,8 @@
 """What the embedding and rerank routes share: inputs read and checked (texts
-or token ids, their number, their length against the model's), tokenized off
-the event loop, and run by the model's encoder engine with every other
-request waiting (tierlm.serving.encoder)."""
+or token ids, their number, their length against the model's; a lone
+surrogate is refused with every body, api/fields.py), tokenized off the event
+loop, and run by the model's encoder engine with every other request waiting
+(tierlm.serving.encoder)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ def read_inputs(value: Any, param: str = "input", texts_only: bool = False) -> l
     if len(value) > MAX_INPUTS:
         raise APIError(400, f"'{param}' holds {len(value)} inputs; at most {MAX_INPUTS} per request", param,
                        "invalid_value")
-    if texts_only and not all(isinstance(v, str) for v in value):
+    strings = all(isinstance(v, str) for v in value)
+    if texts_only and not strings:
         raise APIError(400, f"'{param}' must be a string or a list of strings", param, "invalid_value")
-    if not all(isinstance(v, str) for v in value) and not all(isinstance(v, list) and all(_is_id(t) for t in v) for v in value):
+    if not strings and not all(isinstance(v, list) and all(_is_id(t) for t in v) for v in value):
         raise APIError(400, f"'{param}' must hold only strings or only lists of integer token ids", param,
                        "invalid_value")
     for i, v in enumerate(value):
