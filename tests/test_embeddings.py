@@ -171,8 +171,10 @@ def test_a_long_text_is_a_400_unless_truncation_is_asked(client, ref, long_texts
     assert short.usage.prompt_tokens == 64
 
 
-def test_the_models_are_listed(client):
+def test_the_models_are_listed(client, srv):
     assert {MINILM, RERANKER, CHAT} <= {m.id for m in client.models.list().data}
+    listed = {m["id"]: m for m in httpx.get(srv.base_url + "/v1/models", timeout=30).json()["data"]}
+    assert listed[MINILM]["max_model_len"] == 256  # its max_seq_length, below its 512 positions
 
 
 def test_an_encoder_lives_in_the_pool_as_a_chat_model_does(srv, client, ref):

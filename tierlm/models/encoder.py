@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 
 from tierlm.backends.cpu.kernels import attention as cpu_attention
 from tierlm.backends.cpu.kernels import gelu_erf
-from tierlm.models.model_folder import CHAT, EMBEDDING, RERANK, model_kind
+from tierlm.models.model_folder import CHAT, EMBEDDING, RERANK, max_seq_length, model_kind
 
 log = logging.getLogger(__name__)
 
@@ -381,6 +381,4 @@ def _pooling(path: Path) -> Pooling:
 
 def _max_tokens(path: Path, c: BertConfig) -> int:
     """What sentence-transformers truncates to (max_seq_length), else the positions."""
-    st = path / "sentence_bert_config.json"
-    limit = json.loads(st.read_text()).get("max_seq_length") if st.is_file() else None
-    return min(limit or c.max_position_embeddings, c.max_position_embeddings)
+    return min(max_seq_length(path) or c.max_position_embeddings, c.max_position_embeddings)

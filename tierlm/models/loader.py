@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierlm.models.model_folder import is_model_folder
+from tierlm.models.model_folder import is_model_folder, max_seq_length
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ def read_model_info(path: Path, name: str | None = None) -> ModelInfo:
         (c[k] for c in (config, text_config) for k in _CONTEXT_KEYS if isinstance(c.get(k), int)),
         4096,
     )
+    context = min(context, max_seq_length(path) or context)
     return ModelInfo(
         name=name or path.name,
         path=path,

@@ -27,6 +27,18 @@ def model_kind(config: dict) -> str:
     return RERANK if any(a in _CROSS_ENCODERS for a in config.get("architectures") or ()) else EMBEDDING
 
 
+def max_seq_length(path: Path) -> int | None:
+    """An encoder folder's max_seq_length (sentence_bert_config.json): the tokens
+    it was trained on and sentence-transformers truncates to, below its
+    position embeddings. None where the folder says nothing."""
+    config = path / "sentence_bert_config.json"
+    try:
+        limit = json.loads(config.read_text()).get("max_seq_length") if config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
 def is_model_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
