@@ -102,7 +102,7 @@ def smoothness(args, tree: Path | None, concurrencies: list[int], tokenizer: str
     return rows
 
 
-def _new_prompts(args, seeds: itertools.count):
+def new_prompts(args, seeds: itertools.count):
     """`args` with a seed no run has used yet: prompts of the same lengths that no
     earlier run left in the prefix cache (hot, or on disk from an earlier start)."""
     fresh = copy.copy(args)
@@ -116,9 +116,9 @@ def cold_start(args, concurrency: int, kernels: str, tokenizer: str, seeds: iter
     spec = _spec(args, None, concurrency, fresh.name if fresh else None)
     with fresh or contextlib.nullcontext(), servers.RunningServer(spec) as server:
         at_ready = _warmup_of(server)
-        first = _row(runs.run_one(_new_prompts(args, seeds), server.base_url, tokenizer, concurrency,
+        first = _row(runs.run_one(new_prompts(args, seeds), server.base_url, tokenizer, concurrency,
                                   label="first"))
-        second = _row(runs.run_one(_new_prompts(args, seeds), server.base_url, tokenizer, concurrency,
+        second = _row(runs.run_one(new_prompts(args, seeds), server.base_url, tokenizer, concurrency,
                                    label="second"))
         after = _warmup_of(server)
     result = {"concurrency": concurrency, "kernels": kernels, "first": first, "second": second,
@@ -133,7 +133,7 @@ def prime_kernels(args, concurrency: int, tokenizer: str, seeds: itertools.count
     warms and runs the workload once, as the run before a restart would have."""
     with servers.RunningServer(_spec(args, None, concurrency, None)) as server:
         wait_warm(server)
-        runs.run_one(_new_prompts(args, seeds), server.base_url, tokenizer, concurrency, label="prime kernels")
+        runs.run_one(new_prompts(args, seeds), server.base_url, tokenizer, concurrency, label="prime kernels")
 
 
 def run_streaming(args, save=lambda result: None) -> dict:

@@ -13,7 +13,7 @@ def test_each_run_draws_new_prompts_of_the_same_lengths(model_path):
     args = streaming.parser().parse_args(["--input-len", "300", "--output-len", "8", "--min-prompts", "4",
                                           "--warmup", "2"])
     seeds = itertools.count(1)
-    first, second = streaming._new_prompts(args, seeds), streaming._new_prompts(args, seeds)
+    first, second = streaming.new_prompts(args, seeds), streaming.new_prompts(args, seeds)
     assert first.warmup == second.warmup == 0  # the first request timed is the first the server sees
     workloads = [runs.build_workload(a, str(model_path), 4) for a in (args, first, second)]
     prompts = [[r.prompt for s in w.sessions for r in s] for w in workloads]

@@ -22,7 +22,7 @@ from conftest import GEMMA_KEY, skip_unless_pulled
 
 from tierlm.models import catalog
 from tierlm.models.gguf_dequant import GGUFTensor, read_gguf, to_mlx
-from tierlm.models.gguf_import import _sentencepiece_bpe, build_config
+from tierlm.models.gguf_import import sentencepiece_bpe, build_config
 from tierlm.models.loader import read_model_info
 
 pytestmark = pytest.mark.slow  # Gemma 3 270M pulled and loaded three times; test_gguf_families is the fast equivalent
@@ -265,7 +265,7 @@ def test_gemma_tokenizer_from_a_tiny_vocabulary():
             "tokenizer.ggml.token_type": types, "tokenizer.ggml.scores": [0.0] * len(tokens),
             "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.unknown_token_id": 3,
             "tokenizer.ggml.add_space_prefix": False}
-    tok = _sentencepiece_bpe(meta, tokens, types)
+    tok = sentencepiece_bpe(meta, tokens, types)
     ids = tok.encode("ab ab<end_of_turn>\nc").ids
     c = tokens.index("<0x63>")
     assert ids == [2, tokens.index("ab"), tokens.index("▁ab"), 4, 5, c]

@@ -293,9 +293,9 @@ class Scheduler:
         less the KV it has prefilled, since its prefill runs over several steps and
         memory it has yet to take is not free for another (on a slow CPU requests
         were admitted between one's chunks, three prefills at once past the limit)."""
-        return sum(self._may_still_take(s) for s in self.running.values())
+        return sum(self.may_still_take(s) for s in self.running.values())
 
-    def _may_still_take(self, state: _Running) -> int:
+    def may_still_take(self, state: _Running) -> int:
         max_tokens = state.request.params.max_tokens
         if state.first_token_time is not None:
             return self.guard.decode_bytes(max_tokens - state.completion_tokens)

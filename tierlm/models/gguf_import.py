@@ -406,7 +406,7 @@ def _add_whole_tokens(tokenizer: Tokenizer, tokens: list[str], types: list[int],
     ])
 
 
-def _sentencepiece_bpe(meta: dict, tokens: list[str], types: list[int]) -> Tokenizer:
+def sentencepiece_bpe(meta: dict, tokens: list[str], types: list[int]) -> Tokenizer:
     """SentencePiece BPE as llama.cpp runs it: spaces become `▁`, pieces merge
     best-first, bytes not in the vocabulary fall back to `<0xNN>` tokens.
     The GGUF holds no merges, so they are rebuilt from the vocabulary: every
@@ -466,7 +466,7 @@ def build_tokenizer(meta: dict) -> tuple[Tokenizer, dict]:
         tokenizer = _byte_level_bpe(meta, tokens, types)
         adds_bos = _adds_bos(meta)
     elif kind == "llama":
-        tokenizer = _sentencepiece_bpe(meta, tokens, types)
+        tokenizer = sentencepiece_bpe(meta, tokens, types)
         adds_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", True))
     else:
         raise ValueError(f"GGUF tokenizer {kind!r} is not supported (supported: gpt2, llama)")
