@@ -96,7 +96,7 @@ def test_a_request_still_prefilling_keeps_what_it_was_promised():
     request = Request("a", [5] * 600, SamplingParams(max_tokens=40))
     state = _Running(request, text=None, prefilled_tokens=256)
     scheduler = SimpleNamespace(guard=guard)
-    prefilling = scheduler.may_still_take(state)
+    prefilling = Scheduler.may_still_take(scheduler, state)
     assert prefilling == guard.request_bytes(600, 40) - 256 * 32 * 1024
     state.first_token_time, state.prefilled_tokens, state.completion_tokens = 1.0, 600, 10
-    assert scheduler.may_still_take(state) == guard.decode_bytes(30) < prefilling
+    assert Scheduler.may_still_take(scheduler, state) == guard.decode_bytes(30) < prefilling
