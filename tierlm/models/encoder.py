@@ -221,8 +221,10 @@ class Encoder:
         return [e.ids for e in self.tokenizer.encode_batch(texts)]
 
     def tokenize_pairs(self, query: str, documents: list[str]) -> list[tuple[list[int], list[int]]]:
-        """(ids, token type ids) of [CLS] query [SEP] document [SEP], per document."""
-        return [(e.ids, e.type_ids) for e in self.tokenizer.encode_batch([(query, d) for d in documents])]
+        """(ids, token type ids) of [CLS] query [SEP] document [SEP], per
+        document, each cut to max_tokens (at its end, keeping the last [SEP])."""
+        pairs = self.tokenizer.encode_batch([(query, d) for d in documents])
+        return [(self.truncate(e.ids), self.truncate(e.type_ids)) for e in pairs]
 
     def truncate(self, ids: list[int], limit: int | None = None) -> list[int]:
         """`ids` cut to `limit` tokens (at most max_tokens), keeping the last one
@@ -262,8 +264,7 @@ class Encoder:
         return self.embed_ids([self.truncate(ids) for ids in self.tokenize(texts)])
 
     def rerank(self, query: str, documents: list[str]) -> np.ndarray:
-        return self.score_pairs([(self.truncate(ids), self.truncate(types))
-                                 for ids, types in self.tokenize_pairs(query, documents)])
+        return self.score_pairs(self.tokenize_pairs(query, documents))
 
 
 # A batch's size, in padded tokens, and rows: on the CPU small batches of like

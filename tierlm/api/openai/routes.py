@@ -67,7 +67,7 @@ class OpenAIChunks(Encoder):
     def end(self) -> list[str]:
         return [DONE]
 
-    def usage(self, output: RequestOutput, empty: dict) -> list[str]:
+    def usage_frames(self, output: RequestOutput, empty: dict) -> list[str]:
         options = self.body.stream_options
         return [sse_data({**empty, "choices": [], "usage": usage(output)})] \
             if options and options.include_usage else []
@@ -101,7 +101,7 @@ class ChatChunks(OpenAIChunks):
         held = self._chunks(events, logprobs)
         reason = finish_reason(finish_of(output), self.parser.called)
         last = self.chunk({}, reason, None if held else logprobs)
-        return [sse_data(c) for c in [*held, last]] + self.usage(output, self.chunk({}))
+        return [sse_data(c) for c in [*held, last]] + self.usage_frames(output, self.chunk({}))
 
     def _chunks(self, events: list[Event], logprobs: list | None) -> list[dict]:
         """One chunk per event; the tokens' logprobs go with the first."""
@@ -197,7 +197,7 @@ class CompletionChunks(OpenAIChunks):
         return [sse_data(self.chunk("".join(e.text for e in events), logprobs=logprobs or asked))]
 
     def finish(self, events: list[Event], output: RequestOutput, logprobs: list | None) -> list[str]:
-        return [sse_data(self.chunk("", finish_of(output), logprobs))] + self.usage(output, self.chunk(""))
+        return [sse_data(self.chunk("", finish_of(output), logprobs))] + self.usage_frames(output, self.chunk(""))
 
 
 class _LegacyLogprobs:

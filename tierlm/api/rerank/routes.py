@@ -39,9 +39,7 @@ async def rerank(body: RerankRequest, http: HTTPRequest):
 async def _rerank(model: ServedEncoder, body: RerankRequest, http: HTTPRequest):
     if not body.query:
         raise APIError(400, "'query' is empty", "query", "empty_input")
-    encoder = model.encoder
-    pairs = await asyncio.to_thread(encoder.tokenize_pairs, body.query, body.documents)
-    pairs = [(encoder.truncate(ids), encoder.truncate(types)) for ids, types in pairs]
+    pairs = await asyncio.to_thread(model.encoder.tokenize_pairs, body.query, body.documents)
     scores = await score(model, pairs)
     order = sorted(range(len(scores)), key=lambda i: -float(scores[i]))[: body.top_n]
     return {
