@@ -582,7 +582,8 @@ def test_what_the_loader_reports_in_use_runs(model_path, amx):
 
     from tierlm.models.loader import load_model
 
-    model, _ = load_model(model_path, use_amx=amx, tokenizer=lambda: None)  # no tokenizer needed
+    # float32: the route's parts (the quantized kernels' are counted in test_quantized_kernels.py)
+    model, _ = load_model(model_path, cpu_weights_dtype="float32", use_amx=amx, tokenizer=lambda: None)
     backend = backends.describe(model)
     assert backend.name == "cpu" and backend.summary["weights"] == "float32"
     before = counts()
@@ -618,7 +619,7 @@ def test_stats_and_log_of_a_served_model_report_the_backend(server):
     """/stats has the backend's description and its live counters; the log has
     the fast path's line and its self-check."""
     stats = server.stats()["backend"]
-    assert stats["name"] == "cpu" and stats["weights"] in ("float32", "stored")
+    assert stats["name"] == "cpu" and stats["weights"] in ("quantized", "float32", "stored")
     if STATE.route.on:
         assert stats["route"].startswith("on") and stats["calls"]["sgemm"] > 0
         assert "CPU fast path self-check: a float32 product through MLX counted" in server.log()

@@ -175,8 +175,10 @@ class Settings:
     ssd_write_through: bool = setting(False, "write every block to SSD at once instead of when it leaves "
                                              "memory", per_model=True)
     # ---- MLX's CPU backend
-    cpu_weights_dtype: str = setting("auto", "weights' dtype on the CPU backend: auto (float32 when it "
-                                             "fits), float32, bfloat16, float16, or stored", per_model=True)
+    cpu_weights_dtype: str = setting("auto", "weights' dtype on the CPU backend: auto (quantized ones kept "
+                                             "quantized where tierlm's kernels take them, else float32 when "
+                                             "it fits), quantized, float32, bfloat16, float16, or stored",
+                                     per_model=True)
     cpu_kernels: bool = setting(True, "on the CPU backend in float32, tierlm's attention and SwiGLU",
                                 per_model=True)
     cpu_amx: bool = setting(True, "on CPUs with AMX, float32 weights multiply as bfloat16 on the tile unit",

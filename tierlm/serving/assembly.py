@@ -112,15 +112,19 @@ def make_pool(settings: Settings, model_path: Path | None) -> ModelPool:
 
 
 def first_load_estimate(entry: ModelEntry, settings: Settings) -> int:
-    """The memory a model's weights will take once loaded, before it has been:
-    on MLX's CPU backend tierlm runs them in float32 (quantized ones
-    dequantized) and keeps a bfloat16 copy for AMX beside, several times their
-    size on disk. Erring high only makes the first load evict more."""
+    """The memory a model's weights will take once loaded, before it has been.
+    On MLX's CPU backend a model quantized in a format tierlm's kernels take
+    (4, 5 or 8 bits) stays quantized, its scales and biases in float32 (a group
+    of 32 values holds 1 bit a value more than in 16 bits); other weights run in
+    float32, with a bfloat16 copy beside for AMX. Erring high only makes the
+    first load evict more."""
     import mlx.core as mx
 
-    if mx.default_device() != mx.cpu or settings.cpu_weights_dtype not in ("auto", "float32"):
+    if mx.default_device() != mx.cpu or settings.cpu_weights_dtype not in ("auto", "float32", "quantized"):
         return entry.size_bytes
     bits = int(entry.quantization.split("-bit")[0]) if entry.quantization and "-bit" in entry.quantization else 16
+    if bits in (4, 5, 8) and settings.cpu_weights_dtype != "float32":
+        return int(entry.size_bytes * (bits + 2) / (bits + 1))
     return int(entry.size_bytes * 32 / bits * (1.5 if settings.cpu_amx else 1.0))
 
 

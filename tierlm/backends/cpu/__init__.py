@@ -10,7 +10,10 @@ For a model on MLX's CPU backend this room arranges, when the model is loaded:
 - native.py, native/: the C behind it (the route, AMX tiles, attention's
   fixed-order products shared over the cores, softmax, SwiGLU, GELU,
   log-sum-exp), built once into the user's cache;
-- weights.py: the weights in float32 when they fit (MLX sends only float32
+- quantized.py: MLX's quantized matmul on tierlm's int8 kernels (qgemm.c,
+  AVX2 / VNNI / plain C, behind MLX's own operation by qmm_hook.cpp);
+- weights.py: quantized models kept quantized where those kernels take their
+  format, else the weights in float32 when they fit (MLX sends only float32
   matmuls to BLAS);
 - kernels.py: attention, SwiGLU and GELU for float32, in native code where the
   CPU has AVX-512;
@@ -46,9 +49,10 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
     --cpu-kernels and --cpu-amx."""
     from tierlm.backends.cpu import amx as amx_tiles
     from tierlm.backends.cpu import kernels as cpu_kernels
-    from tierlm.backends.cpu import route, weights
+    from tierlm.backends.cpu import quantized, route, weights
 
     state = route.prepare()
+    products = quantized.install(state.lib)
     dtype = weights.apply(weights_dtype, model, memory_bytes)
     replaced = cpu_kernels.install(model) if kernels else []
     packed = amx_tiles.pack(model) if amx else 0
@@ -58,7 +62,8 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
     log = [(f"CPU fast path: weights {dtype} (setting {weights_dtype}); BLAS {blas}, route {state.route}, "
             f"one-row gemv route {state.gemv}, AMX {state.amx}, exact attention products "
             f"{state.exact_attention}, native kernels {state.native_kernels}"),
-           f"CPU fast path self-check: {state.self_check}"]
+           f"CPU fast path self-check: {state.self_check}",
+           f"CPU quantized kernels: {products}"]
     if not kernels:
         log.append("CPU kernels off (--no-cpu-kernels): mlx-lm's attention and SwiGLU")
     elif replaced:
@@ -80,12 +85,14 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
         "amx": str(state.amx),
         "amx_packed_weights": packed,
         "native_kernels": str(state.native_kernels),
+        "quantized_kernels": str(products),
         "kernels": replaced,
     }
 
     def counters() -> dict:
         python = dict(cpu_kernels.calls)  # one copy under the GIL; the worker thread may be counting
-        return {"calls": {**state.counts(), **{f"kernel_{k}": v for k, v in python.items()}}}
+        return {"calls": {**state.counts(), **{f"kernel_{k}": v for k, v in python.items()},
+                          "quantized_hook": quantized.taken()}}
 
     return Backend(name="cpu", extra_bytes=packed_bytes, layout_tag=AMX_LAYOUT_TAG if packed else b"",
                    log=tuple(log), warnings=warnings, summary=summary, counters=counters)

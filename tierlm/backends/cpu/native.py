@@ -6,7 +6,8 @@ writes).
 What is in it: the sgemm route (sgemm_route.c), AMX weight tiles and their
 products (amx_bf16.c), attention's fixed-order products (exact_gemm.c, shared
 over the cores by threads.c), the row softmax (with or without a mask) and
-log-sum-exp (softmax.c), SwiGLU and GELU (swiglu.c); counters.h counts the
+log-sum-exp (softmax.c), SwiGLU and GELU (swiglu.c), MLX's quantized matmul
+(qgemm.c); counters.h counts the
 calls each of them serves, which the self-check and the tests read.
 
 Built the first time a model is loaded on MLX's CPU backend, never on import.
@@ -24,11 +25,13 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent / "native"
-SOURCES = [HERE / name for name in ("sgemm_route.c", "amx_bf16.c", "exact_gemm.c", "softmax.c", "swiglu.c", "threads.c")]
+SOURCES = [HERE / name for name in ("sgemm_route.c", "amx_bf16.c", "exact_gemm.c", "softmax.c", "swiglu.c", "qgemm.c",
+                                        "threads.c")]
 HEADERS = [HERE / "exp512.h", HERE / "counters.h", HERE / "threads.h"]
 
 # The order of counters.h's enum: what each tierlm_counts slot counts.
-COUNTERS = ("sgemm", "sgemm_amx", "sgemm_exact", "sgemm_gemv", "sgemm_blas", "softmax", "swiglu", "logsumexp", "gelu")
+COUNTERS = ("sgemm", "sgemm_amx", "sgemm_exact", "sgemm_gemv", "sgemm_blas", "softmax", "swiglu", "logsumexp", "gelu",
+            "qmm")
 
 
 class BuildError(RuntimeError):
@@ -76,6 +79,11 @@ def load() -> ctypes.CDLL:
     lib.tierlm_gelu_approx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
     lib.tierlm_gelu_erf.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
     lib.tierlm_logsumexp_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    lib.tierlm_qmm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.tierlm_qmm_supports.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    lib.tierlm_qmm_select.argtypes = [ctypes.c_int]
+    lib.tierlm_qmm_available.argtypes = [ctypes.c_int]
     return lib
 
 

@@ -1,11 +1,15 @@
 """The weights' dtype on MLX's CPU backend.
 
-With a real BLAS loaded, float32 weights decode ~2-15x faster than the stored
-4-bit ones (whose CPU matmul does not get faster with batch size), and 16-bit
-weights never win (MLX's CPU matmul for them does not use BLAS). So by default a
-model is dequantized to float32 when that (with the AMX copies, where the CPU
-has AMX) fits comfortably in memory; otherwise
-it keeps its stored format. Nothing changes on Metal or CUDA.
+A quantized model stays quantized ("quantized") when tierlm's kernels multiply
+its format (quantized.py: affine 4, 5 or 8 bits): its scales and biases become
+float32, which the kernels read, and any layer in another format is
+dequantized to float32. Otherwise, with a real BLAS loaded, float32 weights
+decode ~2-15x faster than the stored ones (MLX's own CPU quantized matmul does
+not get faster with batch size), and 16-bit weights never win (MLX's CPU matmul
+for them does not use BLAS): so a model is dequantized to float32 when that
+(with the AMX copies, where the CPU has AMX) fits comfortably in memory, and
+otherwise keeps its stored format. "float32" can be asked for (the exactness
+tests do). Nothing changes on Metal or CUDA.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from tierlm.backends.cpu import amx, route
+from tierlm.backends.cpu import amx, quantized, route
 
-CHOICES = ("auto", "float32", "bfloat16", "float16", "stored")
+CHOICES = ("auto", "quantized", "float32", "bfloat16", "float16", "stored")
 
 
 def float32_bytes(model: nn.Module) -> int:
@@ -43,6 +47,8 @@ def choose_dtype(setting: str, model: nn.Module, memory_bytes: int) -> str:
         return "stored"
     if setting != "auto":
         return setting
+    if quantized.on() and any(_kernels_take(m) for _, m in model.named_modules()):
+        return "quantized"
     state = route.current()
     if state is None or not state.blas.on:
         return "stored"  # without BLAS float32 gains little and costs 8x the memory
@@ -51,10 +57,18 @@ def choose_dtype(setting: str, model: nn.Module, memory_bytes: int) -> str:
     return "float32" if needed <= memory_bytes // 2 else "stored"
 
 
+def _kernels_take(module: nn.Module) -> bool:
+    """A layer whose format tierlm's quantized kernels multiply."""
+    return (isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and module.mode == "affine"
+            and module.bits in quantized.BITS and module.group_size in quantized.GROUP_SIZES)
+
+
 def convert(model: nn.Module, dtype_name: str) -> None:
-    """Dequantize quantized layers and cast floating weights, in place."""
-    dtype = getattr(mx, dtype_name)
-    _swap_quantized(model, dtype)
+    """Dequantize quantized layers (in "quantized": those the kernels do not
+    take) and cast floating weights, in place."""
+    keep = dtype_name == "quantized"
+    dtype = mx.float32 if keep else getattr(mx, dtype_name)
+    _swap_quantized(model, dtype, keep=_kernels_take if keep else lambda _: False)
     params = tree_flatten(model.parameters())
     model.load_weights([(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in params])
     mx.eval(model.parameters())
@@ -68,26 +82,26 @@ def apply(setting: str, model: nn.Module, memory_bytes: int) -> str:
     return choice
 
 
-def _swap_quantized(module: nn.Module, dtype) -> None:
+def _swap_quantized(module: nn.Module, dtype, keep) -> None:
     for name, child in module.children().items():
         if isinstance(child, list):
             for i, item in enumerate(child):
                 if isinstance(item, nn.Module):
-                    replacement = _dequantized(item, dtype)
+                    replacement = _dequantized(item, dtype, keep)
                     if replacement is not None:
                         child[i] = replacement
                     else:
-                        _swap_quantized(item, dtype)
+                        _swap_quantized(item, dtype, keep)
         elif isinstance(child, nn.Module):
-            replacement = _dequantized(child, dtype)
+            replacement = _dequantized(child, dtype, keep)
             if replacement is not None:
                 setattr(module, name, replacement)
             else:
-                _swap_quantized(child, dtype)
+                _swap_quantized(child, dtype, keep)
 
 
-def _dequantized(module: nn.Module, dtype) -> nn.Module | None:
-    if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+def _dequantized(module: nn.Module, dtype, keep) -> nn.Module | None:
+    if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or keep(module):
         return None
     weight = mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size,
                            module.bits, mode=module.mode).astype(dtype)

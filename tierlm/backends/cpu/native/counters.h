@@ -15,6 +15,7 @@ enum {
   COUNT_SWIGLU,      /* tierlm_swiglu calls */
   COUNT_LOGSUMEXP,   /* tierlm_logsumexp_rows calls */
   COUNT_GELU,        /* tierlm_gelu_approx and tierlm_gelu_erf calls */
+  COUNT_QMM,         /* quantized matmuls qgemm.c computed */
   COUNT_KINDS
 };
 

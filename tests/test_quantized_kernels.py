@@ -1,0 +1,252 @@
+"""Quantized weights on the CPU (tierlm/backends/cpu/quantized.py,
+native/qgemm.c, native/qmm_hook.cpp): the kernels against numpy on every path
+this CPU has, MLX's own quantized matmul reaching them (and what they do not
+take reaching MLX), the path's choice, and the quality of a real model's
+answers against the same weights in float32."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tierlm.backends.cpu import native, quantized, route
+
+STATE = route.prepare()
+pytestmark = pytest.mark.skipif(STATE.lib is None or shutil.which("c++") is None,
+                                reason="needs the native library and a C++ compiler")
+FEATURE = quantized.install(STATE.lib)
+PATHS = [name for name, number in quantized.PATHS.items()
+         if STATE.lib is not None and STATE.lib.tierlm_qmm_available(number)]
+
+
+@pytest.fixture
+def path():
+    """Puts back the process's own path after a test that picks one."""
+    yield
+    STATE.lib.tierlm_qmm_select(-1 if os.environ.get("TIERLM_QUANT_KERNEL", "auto") == "auto"
+                                else quantized.PATHS[os.environ["TIERLM_QUANT_KERNEL"]])
+
+
+def _weights(rows, cols, bits, group, seed=0):
+    rng = np.random.default_rng(seed)
+    w, scales, biases = mx.quantize(mx.array(rng.standard_normal((rows, cols)).astype(np.float32)),
+                                    group_size=group, bits=bits)
+    return np.array(w), np.array(scales), np.array(biases)
+
+
+def _kernel(x, w, scales, biases, bits, group) -> np.ndarray:
+    out = np.zeros((x.shape[0], w.shape[0]), np.float32)
+    STATE.lib.tierlm_qmm(x.ctypes.data, x.shape[0], x.shape[1], w.ctypes.data, scales.ctypes.data,
+                         biases.ctypes.data, w.shape[0], bits, group, out.ctypes.data)
+    return out
+
+
+def _int8_reference(x, w, scales, biases, bits, group) -> np.ndarray:
+    """What the kernels compute, in float64: x quantized to int8 per 32 values
+    times the weights centred on 2^(bits-1), plus the rest with x exact."""
+    dense = np.array(mx.dequantize(mx.array(w), mx.array(scales), mx.array(biases), group_size=group, bits=bits),
+                     np.float64)
+    offset = np.repeat(biases.astype(np.float64) + 2 ** (bits - 1) * scales, group, axis=1)
+    blocks = x.astype(np.float64).reshape(x.shape[0], -1, 32)
+    step = np.abs(blocks).max(-1, keepdims=True) / 127
+    xq = (np.rint(np.divide(blocks, step, out=np.zeros_like(blocks), where=step > 0)) * step).reshape(x.shape)
+    return xq @ (dense - offset).T + x.astype(np.float64) @ offset.T
+
+
+@pytest.mark.parametrize("name", PATHS)
+@pytest.mark.parametrize("bits", quantized.BITS)
+@pytest.mark.parametrize("group", quantized.GROUP_SIZES)
+def test_each_path_computes_the_int8_product(name, bits, group, path):
+    """Every path, width and group size, for a row alone, a tile and its tail:
+    the int8 product exactly (float32 rounding), and the float product within
+    the error of int8 activations (<= 1.5% of the largest output here)."""
+    assert STATE.lib.tierlm_qmm_select(quantized.PATHS[name]) == quantized.PATHS[name]
+    w, scales, biases = _weights(70, 384, bits, group)
+    x = np.random.default_rng(1).standard_normal((9, 384)).astype(np.float32)
+    dense = np.array(mx.dequantize(mx.array(w), mx.array(scales), mx.array(biases), group_size=group, bits=bits))
+    for rows in (1, 4, 9):
+        got = _kernel(x[:rows].copy(), w, scales, biases, bits, group)
+        want = _int8_reference(x[:rows], w, scales, biases, bits, group)
+        assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
+        exact = x[:rows] @ dense.T
+        assert np.abs(got - exact).max() <= 0.015 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("name", PATHS)
+@pytest.mark.parametrize("bits", quantized.BITS)
+def test_a_row_has_the_same_bits_alone_and_in_a_batch(name, bits, path):
+    """Each output is one chain of adds in one order whatever the tile, so
+    batching (and the split over the cores) changes no bit."""
+    STATE.lib.tierlm_qmm_select(quantized.PATHS[name])
+    w, scales, biases = _weights(300, 256, bits, 32, seed=2)
+    x = np.random.default_rng(3).standard_normal((11, 256)).astype(np.float32)
+    batch = _kernel(x, w, scales, biases, bits, 32)
+    for row in range(11):
+        assert np.array_equal(_kernel(x[row:row + 1].copy(), w, scales, biases, bits, 32)[0], batch[row])
+
+
+def test_the_kernels_compute_zeros_and_constant_rows():
+    w, scales, biases = _weights(40, 64, 4, 32)
+    x = np.zeros((2, 64), np.float32)
+    x[1] = 3.0
+    got = _kernel(x, w, scales, biases, 4, 32)
+    dense = np.array(mx.dequantize(mx.array(w), mx.array(scales), mx.array(biases), group_size=32, bits=4))
+    assert np.array_equal(got[0], np.zeros(40, np.float32))
+    assert np.allclose(got[1], x[1] @ dense.T, rtol=1e-5, atol=1e-4)
+
+
+def _mlx_product(x, w, scales, biases, bits, group, **kwargs):
+    with mx.stream(mx.cpu):
+        out = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group, bits=bits, **kwargs)
+        mx.eval(out)
+    return out
+
+
+@pytest.mark.skipif(not FEATURE.on, reason=f"quantized kernels off: {FEATURE}")
+def test_mlxs_quantized_matmul_reaches_the_kernels():
+    """A float32 product of an MLX-quantized weight (3-D activations, as a model
+    sends them) is taken by the hook and is the dense product within int8's error."""
+    w, scales, biases = (mx.array(a) for a in _weights(96, 256, 5, 32))
+    x = mx.array(np.random.default_rng(4).standard_normal((2, 3, 256)).astype(np.float32))
+    before, counted = quantized.taken(), native.counts(STATE.lib)["qmm"]
+    got = _mlx_product(x, w, scales, biases, 5, 32)
+    assert quantized.taken() == before + 1 and native.counts(STATE.lib)["qmm"] == counted + 1
+    dense = mx.dequantize(w, scales, biases, group_size=32, bits=5)
+    want = np.array(x @ dense.T)
+    assert got.shape == (2, 3, 96) and np.abs(np.array(got) - want).max() <= 0.015 * np.abs(want).max()
+
+
+@pytest.mark.skipif(not FEATURE.on, reason=f"quantized kernels off: {FEATURE}")
+@pytest.mark.parametrize("case", ["bfloat16", "6-bit", "strided", "3-D weight", "not transposed"])
+def test_what_the_kernels_do_not_take_goes_to_mlx(case):
+    """Other dtypes, widths and layouts are MLX's own product: right, and not counted."""
+    rng = np.random.default_rng(5)
+    bits, transpose = (6 if case == "6-bit" else 4), case != "not transposed"
+    shape = (2, 64, 128) if case == "3-D weight" else ((128, 64) if not transpose else (64, 128))
+    w, scales, biases = mx.quantize(mx.array(rng.standard_normal(shape).astype(np.float32)), group_size=32,
+                                    bits=bits)
+    x = mx.array(rng.standard_normal((5, 128 if transpose else 128)).astype(np.float32))
+    if case == "strided":
+        x = mx.array(rng.standard_normal((128, 5)).astype(np.float32)).T
+    if case == "3-D weight":
+        x = mx.array(rng.standard_normal((2, 5, 128)).astype(np.float32))
+    if case == "bfloat16":
+        x, scales, biases = x.astype(mx.bfloat16), scales.astype(mx.bfloat16), biases.astype(mx.bfloat16)
+    before = quantized.taken()
+    with mx.stream(mx.cpu):
+        got = mx.quantized_matmul(x, w, scales, biases, transpose=transpose, group_size=32, bits=bits)
+        dense = mx.dequantize(w, scales, biases, group_size=32, bits=bits)
+        want = x.astype(mx.float32) @ (dense.swapaxes(-1, -2) if transpose else dense).astype(mx.float32)
+        mx.eval(got, want)
+    assert quantized.taken() == before
+    tolerance = 0.05 if case == "bfloat16" else 1e-4  # MLX sums bfloat16 products in bfloat16
+    assert np.abs(np.array(got.astype(mx.float32)) - np.array(want)).max() <= tolerance * np.abs(np.array(want)).max()
+
+
+def _feature_in_fresh_process(**env) -> dict:
+    code = textwrap.dedent("""
+        import json
+        import numpy as np
+        import mlx.core as mx
+        from tierlm.backends.cpu import quantized, route
+        state = route.prepare()
+        feature = quantized.install(state.lib)
+        w, s, b = mx.quantize(mx.array(np.linspace(-0.5, 1.5, 64 * 128, dtype=np.float32).reshape(64, 128)), bits=4,
+                              group_size=32)
+        with mx.stream(mx.cpu):
+            y = mx.quantized_matmul(mx.ones((1, 128)), w, s, b, group_size=32, bits=4)
+            mx.eval(y)
+        print(json.dumps({"on": feature.on, "detail": feature.detail, "taken": quantized.taken(),
+                          "value": float(y.sum().item())}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", PATHS)
+def test_a_path_can_be_named_and_the_portable_one_runs_anywhere(name):
+    """TIERLM_QUANT_KERNEL names the path (portable: plain C, what a CPU without
+    AVX2 gets); the self-check proves each, and each gives the same sum."""
+    got = _feature_in_fresh_process(TIERLM_QUANT_KERNEL=name)
+    assert got["on"] and got["detail"].startswith(f"{name}, TIERLM_QUANT_KERNEL={name}; a 4-bit product")
+    assert got["taken"] == 2  # the self-check's and ours
+    reference = _feature_in_fresh_process(TIERLM_QUANT_KERNEL="off")
+    assert abs(got["value"] - reference["value"]) <= 0.02 * abs(reference["value"])
+
+
+def test_the_kernels_can_be_turned_off_and_a_wrong_name_says_so():
+    off = _feature_in_fresh_process(TIERLM_QUANT_KERNEL="off")
+    assert not off["on"] and off["detail"] == "turned off by TIERLM_QUANT_KERNEL=off" and off["taken"] == 0
+    wrong = _feature_in_fresh_process(TIERLM_QUANT_KERNEL="sse9")
+    assert not wrong["on"] and wrong["detail"].startswith("TIERLM_QUANT_KERNEL=sse9 is not one of auto, off")
+
+
+# ---- a real model: the quantized path against the same weights in float32
+
+REFERENCE_TEXT = (
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n"
+    "    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "The quick brown fox jumps over the lazy dog. Continuous batching lets a server run many requests "
+    "at once, and a prefix cache keeps the work it has already done.")
+PROMPTS = ["Write a Python function that reverses a string.", "What is the capital of France?",
+           "Explain recursion in one sentence.", "List three prime numbers.", "Write a haiku about the sea.",
+           "How do I read a file in Python?", "What does HTTP stand for?",
+           "Give me a SQL query that counts rows in a table named users."]
+
+
+def _answers(path, dtype):
+    from mlx_lm import generate
+
+    from tierlm import backends
+    from tierlm.models.loader import load_model
+
+    model, tokenizer = load_model(path, cpu_weights_dtype=dtype)
+    assert backends.describe(model).summary["weights"] == dtype
+    ids = tokenizer.encode(REFERENCE_TEXT)
+    logits = model(mx.array([ids]))[0].astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = np.array(mx.take_along_axis(logprobs[:-1], mx.array(ids[1:])[:, None], axis=-1))[:, 0]
+    greedy = [generate(model, tokenizer, tokenizer.apply_chat_template(
+        [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False), max_tokens=32, verbose=False)
+        for p in PROMPTS]
+    return chosen, greedy
+
+
+def _compare(path):
+    float32, quant = _answers(path, "float32"), _answers(path, "quantized")
+    change = np.abs(float32[0] - quant[0])
+    same = sum(a == b for a, b in zip(float32[1], quant[1]))
+    return change, same
+
+
+@pytest.mark.skipif(not FEATURE.on, reason=f"quantized kernels off: {FEATURE}")
+def test_the_default_models_log_probabilities_stay_close(model_path):
+    """SmolLM2-135M (4 bits): the per-token log-probabilities of a reference text
+    move by 0.054 on average and 0.36 at most here (int8 activations, as
+    llama.cpp quantizes them, on a small model that feels them most); the bound
+    is twice that. Greedy answers are compared on the real agent model below."""
+    change, same = _compare(model_path)
+    assert change.mean() < 0.11 and change.max() < 0.75
+    assert same >= len(PROMPTS) // 2
+
+
+@pytest.mark.slow  # loads Qwen2.5-Coder-0.5B twice and generates 16 answers
+@pytest.mark.skipif(not FEATURE.on, reason=f"quantized kernels off: {FEATURE}")
+def test_the_agent_models_answers_stay_those_of_float32(qwen_path):
+    """Qwen2.5-Coder-0.5B (from its Q4_K_M GGUF): greedy answers equal those of
+    the same weights in float32 on most prompts (8 of 8 here), and the reference
+    text's per-token log-probabilities move by < 0.05 on average and < 0.5 at
+    most (0.016 and 0.15 here: about three times as much room)."""
+    change, same = _compare(qwen_path)
+    assert same >= len(PROMPTS) - 2
+    assert change.mean() < 0.05 and change.max() < 0.5

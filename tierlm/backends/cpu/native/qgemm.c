@@ -1,0 +1,399 @@
+/* MLX's affine-quantized matmul (4, 5 and 8 bits), as llama.cpp computes its
+ * quantized products: the activations are quantized to int8 per block of 32
+ * values, each block's product with the weights is an integer dot product
+ * (vpmaddubsw with AVX2, vpdpbusd with VNNI), scaled back in float.
+ *
+ *   out[m][n] = sum_k x[m][k] * (scale[n][k/g] * q[n][k] + bias[n][k/g])
+ *             = sum_g scale[n][g] * sum_{b in g} d[m][b] * ((q - c) . xq[m][b])
+ *               + sum_g (bias[n][g] + c * scale[n][g]) * xsum[m][g]
+ *
+ * with xq = round(x / d), d = max|x| / 127 per 32-value block, and xsum the exact
+ * float sum of x over the group, c = 2^(bits-1) the centre of q. The weights are read as MLX stores them (a
+ * transposed N x K matrix, each row an LSB-first bitstream of K values), the
+ * scales and biases as float32 (N x K/g). Each output element is computed by one
+ * thread in one order whatever M or the split, so batching changes no bit.
+ *
+ * Paths, chosen at run time by what the CPU reports (tierlm_qmm_select can name
+ * one, for tests and benchmarks): AVX-512 VNNI or AVX-VNNI (256-bit),
+ * AVX2+FMA, and portable C that any CPU runs. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "counters.h"
+#include "threads.h"
+
+#define BLOCK 32
+
+enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX_VNNI = 2, PATH_AVX512_VNNI = 3 };
+
+static int path_in_use = -1;
+
+int tierlm_qmm_available(int path) {
+  __builtin_cpu_init();
+  switch (path) {
+    case PATH_SCALAR: return 1;
+    case PATH_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case PATH_AVX_VNNI: return tierlm_qmm_available(PATH_AVX2) && __builtin_cpu_supports("avxvnni");
+    case PATH_AVX512_VNNI:
+      return tierlm_qmm_available(PATH_AVX2) && __builtin_cpu_supports("avx512vnni") &&
+             __builtin_cpu_supports("avx512vl");
+  }
+  return 0;
+}
+
+/* The fastest path the CPU has, or `path` when >= 0 and available; returns the one in use. */
+int tierlm_qmm_select(int path) {
+  if (path >= 0) {
+    if (!tierlm_qmm_available(path)) return -1;
+    path_in_use = path;
+  } else {
+    path_in_use = tierlm_qmm_available(PATH_AVX512_VNNI) ? PATH_AVX512_VNNI
+                  : tierlm_qmm_available(PATH_AVX_VNNI) ? PATH_AVX_VNNI
+                  : tierlm_qmm_available(PATH_AVX2)     ? PATH_AVX2
+                                                        : PATH_SCALAR;
+  }
+  return path_in_use;
+}
+
+int tierlm_qmm_supports(int bits, int group, long K) {
+  return (bits == 4 || bits == 5 || bits == 8) && (group == 32 || group == 64 || group == 128) &&
+         K % group == 0;
+}
+
+/* ---- the activations, quantized once per call ---------------------------- */
+
+typedef struct {
+  int8_t *q;   /* M x K, each 32-block in the order its weight block decodes */
+  float *d;    /* M x K/32: the scale of each block */
+  float *sum;  /* M x K/g: the exact sum of x over each group */
+  float *fix;  /* M x K/g: what multiplies a group's weight scale besides the products (see below) */
+} activations;
+
+/* The integer products are taken as sum (q - c) xq, c = 2^(bits-1) the centre of
+ * the weights, and the centre is given back with the exact sum of x:
+ * (bias + c * scale) * xsum. Uncentred, the error of quantizing x would be
+ * multiplied by the weights' whole range instead of half of it (about twice the
+ * error). Some paths' products are uncentred (vpdpbusd wants unsigned weights):
+ * for them a group's `fix` also takes back c * sum_b d_b * sum(xq_b). */
+static inline int centre(int bits) { return 1 << (bits - 1); }
+
+static inline int centred_products(int path, int bits) {
+  return path == PATH_SCALAR || (path == PATH_AVX2 && bits == 8);
+}
+
+/* Where value i of a 32-block lands in the decoded weight block: 4-bit blocks
+ * decode low nibbles (even values) then high nibbles (odd values). */
+static inline int position(int bits, int i) { return bits == 4 ? (i & 1) * 16 + (i >> 1) : i; }
+
+static void quantize_block_c(const float *v, int bits, int8_t *q, float *d, int32_t *qsum) {
+  float amax = 0.f;
+  for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
+  float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t total = 0;
+  for (int i = 0; i < BLOCK; i++) {
+    int8_t t = (int8_t)nearbyintf(v[i] * inv);
+    q[position(bits, i)] = t;
+    total += t;
+  }
+  *d = amax / 127.f;
+  *qsum = total;
+}
+
+#define TARGET __attribute__((target("avx2,fma")))
+
+static inline TARGET float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/* The same as quantize_block_c, eight lanes at a time (rounding to nearest even
+ * both ways, so the two give the same bytes). */
+static TARGET void quantize_block_avx2(const float *v, int bits, int8_t *q, float *d, int32_t *qsum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 x[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; i++) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  float top = _mm_cvtss_f32(m), inv = top > 0.f ? 127.f / top : 0.f;
+  __m256i n[4];
+  for (int i = 0; i < 4; i++) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], _mm256_set1_ps(inv)));
+  /* int32 -> int8; the packs interleave 128-bit lanes, the permute puts them back */
+  __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (bits == 4) { /* even values to the low half, odd to the high */
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    bytes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, split), 0xD8);
+  }
+  _mm256_storeu_si256((__m256i *)q, bytes);
+  __m256i wide = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+  *d = top / 127.f;
+  *qsum = (int32_t)hsum(_mm256_cvtepi32_ps(wide));
+}
+
+static void quantize_rows(const float *x, long M, long K, int bits, int group, int path, activations *a) {
+  long blocks = K / BLOCK, groups = K / group, per_group = group / BLOCK;
+  int c = centre(bits), centred = centred_products(path, bits);
+  for (long m = 0; m < M; m++) {
+    const float *row = x + m * K;
+    for (long g = 0; g < groups; g++) {
+      float sum = 0.f, taken = 0.f;
+      for (long bb = 0; bb < per_group; bb++) {
+        long b = g * per_group + bb;
+        int32_t qsum;
+        if (path == PATH_SCALAR)
+          quantize_block_c(row + b * BLOCK, bits, a->q + m * K + b * BLOCK, a->d + m * blocks + b, &qsum);
+        else
+          quantize_block_avx2(row + b * BLOCK, bits, a->q + m * K + b * BLOCK, a->d + m * blocks + b, &qsum);
+        taken += a->d[m * blocks + b] * (float)qsum;
+      }
+      for (int i = 0; i < group; i++) sum += row[g * group + i];
+      a->sum[m * groups + g] = sum;
+      a->fix[m * groups + g] = c * (centred ? sum : sum - taken);
+    }
+  }
+}
+
+/* ---- portable C ---------------------------------------------------------- */
+
+static inline int value_at(const uint8_t *row, int bits, long k) {
+  long bit = k * bits;
+  unsigned window = row[bit >> 3] | (bits > 4 && (bit & 7) + bits > 8 ? row[(bit >> 3) + 1] << 8 : 0);
+  return (window >> (bit & 7)) & ((1 << bits) - 1);
+}
+
+/* ---- AVX2 / VNNI: one 32-value weight block decoded to 32 bytes ---------- */
+
+/* 16 bytes hold 32 nibbles: low nibbles (even values) in the low half, high in the high half. */
+static inline TARGET __m256i decode4(const uint8_t *p) {
+  __m128i packed = _mm_loadu_si128((const __m128i *)p);
+  __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+/* 20 bytes hold 32 values of 5 bits at bit 5i. Each 16-bit lane takes the two
+ * bytes around its value (pshufb), a multiply by 2^(8-r) moves its bits to 8..12
+ * (AVX2 has no per-lane 16-bit shift), >> 8 brings them down; values 0-7 and
+ * 16-23 come out of one register, 8-15 and 24-31 of the other, and packing
+ * interleaves them back into order. */
+static inline TARGET __m256i decode5(const uint8_t *p) {
+  /* low 128 bits: bytes 0-15 (values 0-15); high: bytes 4-19 (values 16-31 at 6-15) */
+  __m256i bytes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+                                          _mm_loadu_si128((const __m128i *)(p + 4)), 1);
+  /* value j of a chunk of 8 starting at byte c: bytes c + (5j >> 3) and the next */
+#define PAIRS(c) c, c + 1, c, c + 1, c + 1, c + 2, c + 1, c + 2, c + 2, c + 3, c + 3, c + 4, c + 3, c + 4, c + 4, -1
+  const __m256i first = _mm256_setr_epi8(PAIRS(0), PAIRS(6));   /* values 0-7; 16-23 at bytes 10-14 */
+  const __m256i second = _mm256_setr_epi8(PAIRS(5), PAIRS(11)); /* values 8-15; 24-31 at bytes 15-19 */
+#undef PAIRS
+  /* the shift of value j is 5j & 7: 0 5 2 7 4 1 6 3; multiply by 2^(8 - shift) */
+  const __m256i up = _mm256_setr_epi16(256, 8, 64, 2, 16, 128, 4, 32, 256, 8, 64, 2, 16, 128, 4, 32);
+  __m256i lo = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(bytes, first), up), 8);
+  __m256i hi = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(bytes, second), up), 8);
+  return _mm256_and_si256(_mm256_packus_epi16(lo, hi), _mm256_set1_epi8(0x1F));
+}
+
+static inline __attribute__((always_inline)) TARGET __m256i decode(const uint8_t *p, int bits) {
+  if (bits == 4) return decode4(p);
+  if (bits == 5) return decode5(p);
+  return _mm256_loadu_si256((const __m256i *)p);
+}
+
+/* sum of w[i] * q[i] in 8 int32 lanes with vpmaddubsw: 8-bit weights as w - 128
+ * (unsigned ones would overflow its int16 pairs), narrower ones as they are. */
+static inline __attribute__((always_inline)) TARGET __m256i dot_avx2(__m256i w, __m256i q, int bits) {
+  if (bits == 8) {
+    __m256i centred = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+    w = _mm256_sign_epi8(centred, centred); /* |w - 128|, 128 read back as unsigned */
+    q = _mm256_sign_epi8(q, centred);
+  }
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1));
+}
+
+/* sum_b scale_g * d_b * (w_b . xq_b) for R activation rows from m0 times C
+ * weight rows from wrow (row_bytes apart), into out[r * C + c]. Every output
+ * element is one chain of adds over the blocks in order, then the same
+ * horizontal sum, whatever the tile: so a row's result has the same bits
+ * whether it was computed alone or in a batch. `bits` is a constant in each
+ * instance (see PRODUCTS). */
+#define TILE_BODY(DOT, R, C)                                                                           \
+  long blocks = K / BLOCK, per_group = group / BLOCK, step = BLOCK * bits / 8, groups = K / group;     \
+  __m256 acc[R][C];                                                                                    \
+  for (int r = 0; r < R; r++)                                                                          \
+    for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                                       \
+  for (long g = 0, b = 0; g < groups; g++) {                                                           \
+    for (long bb = 0; bb < per_group; bb++, b++) {                                                     \
+      for (int c = 0; c < C; c++) {                                                                    \
+        __m256i w = decode(wrow + c * row_bytes + b * step, bits);                                     \
+        __m256 scale = _mm256_set1_ps(s[c * groups + g]);                                              \
+        for (int r = 0; r < R; r++) {                                                                  \
+          __m256i q = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + r) * K + b * BLOCK));          \
+          __m256 sd = _mm256_mul_ps(scale, _mm256_broadcast_ss(a->d + (m0 + r) * blocks + b));         \
+          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT), sd, acc[r][c]);                         \
+        }                                                                                              \
+      }                                                                                                \
+    }                                                                                                  \
+  }                                                                                                    \
+  for (int r = 0; r < R; r++)                                                                          \
+    for (int c = 0; c < C; c++) out[r * C + c] = hsum(acc[r][c]);
+
+typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const float *s, const activations *a, long m0,
+                        long K, int group, float *out);
+
+/* The tiles: 4 activation rows x 2 weight rows (batches), 1 x 8 (one row: eight
+ * independent chains), 1 x 1 (what is left). */
+#define TILE(name, isa, DOT, bits_, R, C)                                                                  \
+  static __attribute__((target(isa))) void name(const uint8_t *wrow, long row_bytes, const float *s,        \
+                                                const activations *a, long m0, long K, int group,           \
+                                                float *out) {                                               \
+    const int bits = bits_;                                                                                 \
+    TILE_BODY(DOT, R, C)                                                                                    \
+  }
+#define PRODUCTS(name, isa, DOT, bits_)   \
+  TILE(name##_4x2, isa, DOT, bits_, 4, 2) \
+  TILE(name##_1x8, isa, DOT, bits_, 1, 8) \
+  TILE(name##_1x1, isa, DOT, bits_, 1, 1)
+
+/* vpdpbusd sums u8 x s8 products into int32 lanes without saturating. AVX-VNNI
+ * encodes it with VEX, AVX-512 VNNI with EVEX: a CPU may have either, so both
+ * are built. */
+#define DOT_AVX2 dot_avx2(w, q, bits)
+#define DOT_AVXVNNI _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, q)
+#define DOT_AVX512VNNI _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, q)
+#define ISA_AVX2 "avx2,fma"
+#define ISA_AVXVNNI "avx2,fma,avxvnni"
+#define ISA_AVX512VNNI "avx2,fma,avx512f,avx512vl,avx512vnni"
+
+PRODUCTS(avx2_4, ISA_AVX2, DOT_AVX2, 4)
+PRODUCTS(avx2_5, ISA_AVX2, DOT_AVX2, 5)
+PRODUCTS(avx2_8, ISA_AVX2, DOT_AVX2, 8)
+PRODUCTS(avxvnni_4, ISA_AVXVNNI, DOT_AVXVNNI, 4)
+PRODUCTS(avxvnni_5, ISA_AVXVNNI, DOT_AVXVNNI, 5)
+PRODUCTS(avxvnni_8, ISA_AVXVNNI, DOT_AVXVNNI, 8)
+PRODUCTS(avx512vnni_4, ISA_AVX512VNNI, DOT_AVX512VNNI, 4)
+PRODUCTS(avx512vnni_5, ISA_AVX512VNNI, DOT_AVX512VNNI, 5)
+PRODUCTS(avx512vnni_8, ISA_AVX512VNNI, DOT_AVX512VNNI, 8)
+
+typedef struct {
+  tile_fn t4x2, t1x8, t1x1;
+} tiles;
+
+static tiles tiles_for(int path, int bits) {
+#define TILES(p) {p##_4x2, p##_1x8, p##_1x1}
+  static const tiles table[4][3] = {
+      {{0}, {0}, {0}},
+      {TILES(avx2_4), TILES(avx2_5), TILES(avx2_8)},
+      {TILES(avxvnni_4), TILES(avxvnni_5), TILES(avxvnni_8)},
+      {TILES(avx512vnni_4), TILES(avx512vnni_5), TILES(avx512vnni_8)},
+  };
+#undef TILES
+  return table[path][bits == 4 ? 0 : bits == 5 ? 1 : 2];
+}
+
+/* sum_g bias_g * xsum_g + scale_g * fix_g */
+static float groups_c(const float *bias, const float *s, const float *sum, const float *fix, long groups) {
+  float total = 0.f;
+  for (long g = 0; g < groups; g++) total += bias[g] * sum[g] + s[g] * fix[g];
+  return total;
+}
+
+static TARGET float groups_avx2(const float *bias, const float *s, const float *sum, const float *fix,
+                                long groups) {
+  __m256 acc = _mm256_setzero_ps();
+  long g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(bias + g), _mm256_loadu_ps(sum + g), acc);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(fix + g), acc);
+  }
+  return hsum(acc) + groups_c(bias + g, s + g, sum + g, fix + g, groups - g);
+}
+
+/* ---- the product, shared over the cores by output rows ------------------- */
+
+typedef struct {
+  long M, K, N;
+  int bits, group, path;
+  const uint8_t *w;
+  const float *scales, *biases;
+  const activations *a;
+  float *out;
+} job;
+
+/* One weight row's products with one activation row in plain C (the portable path). */
+static float product_c(const job *j, long m, long n) {
+  long blocks = j->K / BLOCK, per_group = j->group / BLOCK, groups = j->K / j->group;
+  const uint8_t *wrow = j->w + n * (j->K * j->bits / 8);
+  const float *s = j->scales + n * groups;
+  float total = 0.f;
+  for (long b = 0; b < blocks; b++) {
+    const int8_t *q = j->a->q + m * j->K + b * BLOCK;
+    int32_t dot = 0;
+    for (int i = 0; i < BLOCK; i++)
+      dot += (value_at(wrow, j->bits, b * BLOCK + i) - centre(j->bits)) * q[position(j->bits, i)];
+    total += s[b / per_group] * j->a->d[m * blocks + b] * (float)dot;
+  }
+  return total;
+}
+
+/* Tile (m0, n0) of R x C outputs: the products, then the groups' terms. */
+static void tile_at(const job *j, tile_fn tile, int R, int C, long m0, long n0) {
+  long groups = j->K / j->group, row_bytes = j->K * j->bits / 8;
+  float got[8];
+  if (tile)
+    tile(j->w + n0 * row_bytes, row_bytes, j->scales + n0 * groups, j->a, m0, j->K, j->group, got);
+  else
+    got[0] = product_c(j, m0, n0);
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++) {
+      long m = m0 + r, n = n0 + c;
+      const float *s = j->scales + n * groups, *bias = j->biases + n * groups;
+      const float *sum = j->a->sum + m * groups, *fix = j->a->fix + m * groups;
+      float rest = tile ? groups_avx2(bias, s, sum, fix, groups) : groups_c(bias, s, sum, fix, groups);
+      j->out[m * j->N + n] = got[r * C + c] + rest;
+    }
+}
+
+/* Output columns [first, last) of every activation row: full 4 x 2 tiles, then
+ * the rows and columns they leave by 1 x 8 and 1 x 1. */
+static void rows_of(void *arg, int part, int parts) {
+  const job *j = arg;
+  long first = j->N * part / parts, last = j->N * (part + 1) / parts;
+  tiles t = j->path == PATH_SCALAR ? (tiles){0, 0, 0} : tiles_for(j->path, j->bits);
+  long tiled = t.t4x2 ? j->M / 4 * 4 : 0, pairs = first + (last - first) / 2 * 2;
+  for (long m0 = 0; m0 < tiled; m0 += 4) {
+    for (long n = first; n < pairs; n += 2) tile_at(j, t.t4x2, 4, 2, m0, n);
+    for (long m = m0; m < m0 + 4 && pairs < last; m++) tile_at(j, t.t1x1, 1, 1, m, pairs);
+  }
+  for (long m = tiled; m < j->M; m++) {
+    long n = first;
+    for (; t.t1x8 && n + 8 <= last; n += 8) tile_at(j, t.t1x8, 1, 8, m, n);
+    for (; n < last; n++) tile_at(j, t.t1x1, 1, 1, m, n);
+  }
+}
+
+/* out (M x N) = x (M x K) times the quantized W (N x K) transposed. */
+void tierlm_qmm(const float *x, long M, long K, const void *w, const float *scales, const float *biases, long N,
+                int bits, int group, float *out) {
+  if (path_in_use < 0) tierlm_qmm_select(-1);
+  int path = path_in_use;
+  long blocks = K / BLOCK, groups = K / group;
+  size_t quantized = (size_t)(M * K + 63) & ~(size_t)63;
+  char *buffer = malloc(quantized + sizeof(float) * M * (blocks + 2 * groups));
+  activations a = {(int8_t *)buffer, (float *)(buffer + quantized), 0, 0};
+  a.sum = a.d + M * blocks;
+  a.fix = a.sum + M * groups;
+  quantize_rows(x, M, K, bits, group, path, &a);
+  job j = {M, K, N, bits, group, path, w, scales, biases, &a, out};
+  /* a part per core, but not for products too small to share */
+  tierlm_parallel(rows_of, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
+  free(buffer);
+  TIERLM_COUNT(COUNT_QMM);
+}

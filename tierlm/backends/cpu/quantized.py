@@ -1,0 +1,191 @@
+"""Quantized weights on MLX's CPU backend, multiplied by tierlm's kernels.
+
+MLX's CPU `quantized_matmul` computes one element at a time (~0.3 GB/s of
+weights here), so the CPU fast path used to run every model in float32: four to
+eight times the memory, and decode bound by reading it. native/qgemm.c computes
+the same product as llama.cpp computes its quantized ones: the activations are
+quantized to int8 per 32 values and each block is an integer dot product
+(vpdpbusd where the CPU has VNNI, vpmaddubsw with AVX2), on the weights as MLX
+stores them (affine, 4, 5 or 8 bits, groups of 32, 64 or 128).
+
+native/qmm_hook.cpp puts it behind MLX's own operation: `install()` builds it
+against the installed mlx package's headers, writes its function into the slot
+of MLX's vtable through which QuantizedMatmul is evaluated on the CPU, and
+proves it with one product (counted, and MLX's own answer within the int8
+activations' error). Products it does not take (other bits, float16 or
+bfloat16 activations, strided inputs) go to MLX's own code. Scales and biases
+must be float32 for it: weights.py converts them when it keeps a model
+quantized.
+
+TIERLM_QUANT_KERNEL picks the path: auto (the fastest the CPU reports),
+avx512-vnni, avx-vnni, avx2, portable (plain C, any CPU), or off (MLX's own).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from tierlm.backends.cpu import native
+from tierlm.backends.cpu.route import Feature
+
+HOOK_SOURCE = native.HERE / "qmm_hook.cpp"
+# qgemm.c's path numbers, fastest first, by the names TIERLM_QUANT_KERNEL takes
+PATHS = {"avx512-vnni": 3, "avx-vnni": 2, "avx2": 1, "portable": 0}
+NAMES = {number: name for name, number in PATHS.items()}
+BITS = (4, 5, 8)  # what qgemm.c multiplies; MLX's own code takes the rest
+GROUP_SIZES = (32, 64, 128)
+
+_lock = threading.Lock()
+_feature: Feature | None = None
+_hook: ctypes.CDLL | None = None
+
+
+def _mlx_dirs() -> tuple[Path, Path]:
+    package = Path(mx.__file__).resolve().parent
+    return package / "include", package / "lib"
+
+
+def build_hook() -> Path:
+    """qmm_hook.cpp compiled against the installed mlx, once per source and mlx version."""
+    include, lib = _mlx_dirs()
+    digest = hashlib.sha256(HOOK_SOURCE.read_bytes() + mx.__version__.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm" / "native"
+    built = cache / f"tierlm_qmm_hook-{digest}.so"
+    if built.exists():
+        return built
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        raise native.BuildError("no C++ compiler (c++) found")
+    if not (include / "mlx" / "primitives.h").exists() or not (lib / "libmlx.so").exists():
+        raise native.BuildError(f"the mlx package has no headers or libmlx.so under {include.parent}")
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as scratch:
+        tmp = Path(scratch) / built.name
+        command = [compiler, "-O2", "-std=c++20", "-shared", "-fPIC", f"-I{include}", "-o", str(tmp),
+                   str(HOOK_SOURCE), f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}"]
+        try:
+            subprocess.run(command, check=True, capture_output=True, timeout=300)
+        except subprocess.CalledProcessError as e:
+            raise native.BuildError(f"the C++ compiler failed: {e.stderr.decode(errors='replace')[-400:]}") from e
+        except (OSError, subprocess.SubprocessError) as e:
+            raise native.BuildError(f"the C++ compiler failed: {e}") from e
+        os.replace(tmp, built)
+    return built
+
+
+def _load_hook() -> ctypes.CDLL:
+    try:
+        hook = ctypes.CDLL(str(build_hook()), mode=os.RTLD_LOCAL | os.RTLD_NOW)
+    except OSError as e:
+        raise native.BuildError(f"could not load it: {e}") from e
+    hook.tierlm_qmm_hook_install.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    hook.tierlm_qmm_hook_taken.restype = ctypes.c_ulong
+    hook.tierlm_qmm_hook_passed.restype = ctypes.c_ulong
+    return hook
+
+
+def install(lib: ctypes.CDLL | None) -> Feature:
+    """Puts qgemm.c behind MLX's quantized matmul for this process, once; later
+    calls return the same answer. Never raises: says why it is off."""
+    global _feature
+    with _lock:
+        if _feature is None:
+            try:
+                _feature = _install(lib)
+            except Exception as e:  # noqa: BLE001  optional: a bug here must not stop the model
+                remove()
+                _feature = Feature(False, f"setting it up failed: {type(e).__name__}: {e}")
+        return _feature
+
+
+def current() -> Feature | None:
+    return _feature
+
+
+def on() -> bool:
+    return _feature is not None and _feature.on
+
+
+def _choose_path(lib: ctypes.CDLL) -> tuple[int | None, str]:
+    """qgemm.c's path, and why; None: off."""
+    choice = os.environ.get("TIERLM_QUANT_KERNEL", "auto")
+    if choice == "off":
+        return None, "turned off by TIERLM_QUANT_KERNEL=off"
+    if choice == "auto":
+        number = lib.tierlm_qmm_select(-1)
+        return number, "the fastest this CPU has"
+    if choice not in PATHS:
+        return None, f"TIERLM_QUANT_KERNEL={choice} is not one of auto, off, {', '.join(PATHS)}"
+    if not lib.tierlm_qmm_available(PATHS[choice]):
+        return None, f"TIERLM_QUANT_KERNEL={choice}: this CPU lacks it"
+    return lib.tierlm_qmm_select(PATHS[choice]), f"TIERLM_QUANT_KERNEL={choice}"
+
+
+def _install(lib: ctypes.CDLL | None) -> Feature:
+    global _hook
+    if lib is None:
+        return Feature(False, "the native library is not loaded")
+    number, why = _choose_path(lib)
+    if number is None:
+        return Feature(False, why)
+    try:
+        hook = _load_hook()
+    except native.BuildError as e:
+        return Feature(False, f"could not build or load the hook: {e}")
+    want = _product(mx.float32)  # MLX's own answer, before the slot is written
+    kernel, supports = (native.function_address(lib, name) for name in ("tierlm_qmm", "tierlm_qmm_supports"))
+    if not hook.tierlm_qmm_hook_install(kernel, supports):
+        return Feature(False, "MLX's QuantizedMatmul slot was not found where the C++ ABI puts it")
+    _hook = hook
+    proved, check = self_check(want)
+    if not proved:
+        remove()
+        return Feature(False, check)
+    return Feature(True, f"{NAMES[number]}, {why}; {check}")
+
+
+def remove() -> None:
+    """Gives MLX's slot back its own function."""
+    if _hook is not None:
+        _hook.tierlm_qmm_hook_remove()
+
+
+def taken() -> int:
+    """Quantized products qgemm.c took so far in this process."""
+    return int(_hook.tierlm_qmm_hook_taken()) if _hook is not None else 0
+
+
+def _product(dtype) -> np.ndarray:
+    """One 4-bit product through MLX's CPU backend."""
+    rng = np.random.default_rng(7)
+    weight = mx.array(rng.standard_normal((48, 256)).astype(np.float32))
+    x = mx.array(rng.standard_normal((3, 256)).astype(np.float32))
+    with mx.stream(mx.cpu):
+        w, scales, biases = mx.quantize(weight, group_size=32, bits=4)
+        out = mx.quantized_matmul(x.astype(dtype), w, scales.astype(dtype), biases.astype(dtype),
+                                  transpose=True, group_size=32, bits=4)
+        mx.eval(out)
+    return np.array(out.astype(mx.float32))
+
+
+def self_check(want: np.ndarray) -> tuple[bool, str]:
+    """One quantized product through MLX: proved when the hook counted it and it
+    is MLX's own answer within the error of int8 activations."""
+    before = taken()
+    got = _product(mx.float32)
+    if taken() == before:
+        return False, "a quantized product through MLX did not reach the kernels"
+    error = float(np.abs(got - want).max() / np.abs(want).max())
+    if error > 0.02:
+        return False, f"a quantized product through the kernels was off by {error:.3f} of MLX's own"
+    return True, f"a 4-bit product through MLX took them, within {error:.4f} of MLX's own"
