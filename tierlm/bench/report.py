@@ -108,6 +108,36 @@ def progress_bar(total: int, description: str, enabled: bool = True):
         yield done
 
 
+# The instruction sets the CPU kernels (tierlm's, MLX's, llama.cpp's ggml) choose
+# between: each result says which of them this CPU has, present or not.
+CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi",
+                "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def _cpuinfo() -> dict:
+    """The first CPU's fields of /proc/cpuinfo ("model name", "cpu family", "flags", ...);
+    empty where there is no such file."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break  # the first processor's block ends here
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_features() -> dict[str, bool]:
+    """CPU_FEATURES, each present or not, and whether the CPU runs under a hypervisor
+    (a VM may report flags it does not carry out); empty where /proc/cpuinfo is not."""
+    flags = set(_cpuinfo().get("flags", "").split())
+    if not flags:
+        return {}
+    return {f: f in flags for f in CPU_FEATURES} | {"hypervisor": "hypervisor" in flags}
+
+
 def machine_info() -> dict:
     info = {
         "platform": platform.platform(),
@@ -116,10 +146,14 @@ def machine_info() -> dict:
     }
     try:
         info["cpus"] = os.cpu_count()
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
+        cpu = _cpuinfo()
+        if cpu.get("model name"):
+            info["cpu"] = cpu["model name"]
+        if "cpu family" in cpu:  # a VM's model name may say little ("AMD EPYC")
+            info["cpu_id"] = (f"{cpu.get('vendor_id', '?')} family {cpu['cpu family']} "
+                              f"model {cpu.get('model', '?')}")
+        if features := cpu_features():
+            info["cpu_features"] = features
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         info["memory_gib"] = round(pages / 2**30, 1)
     except (OSError, ValueError):
@@ -161,16 +195,15 @@ def machine_info() -> dict:
 
 
 def cpu_flags() -> str:
-    """The AMX and AVX-512 flags of this machine's CPU (MLX's CPU backend uses them)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                wanted = sorted(f for f in flags if f.startswith(("amx", "avx512")))
-                return " ".join(wanted) or "no amx, no avx512"
-    except OSError:
-        pass
-    return "?"
+    """The vector flags of this machine's CPU that the CPU kernels use: every AMX
+    and AVX-512 flag, and AVX2, FMA, F16C, AVX-VNNI."""
+    flags = set(_cpuinfo().get("flags", "").split())
+    if not flags:
+        return "?"
+    wanted = sorted(
+        f for f in flags if f.startswith(("amx", "avx512", "avx_vnni")) or f in ("avx2", "fma", "f16c")
+    )
+    return " ".join(wanted) or "no avx2, no avx512, no amx"
 
 
 def write_json(path: str | Path, kind: str, data: dict, command: str | None = None) -> Path:
