@@ -88,6 +88,7 @@ async def send(client: httpx.AsyncClient, cfg: LoadConfig, model: str, req: Benc
                 if usage:
                     record.prompt_tokens = usage.get("prompt_tokens")
                     record.output_tokens = usage.get("completion_tokens")
+                    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         record.end = time.perf_counter()
         if not record.chunk_times and record.error is None:
             record.error = "no output"

@@ -25,6 +25,7 @@ class RequestRecord:
     end: float | None = None
     prompt_tokens: int | None = None
     output_tokens: int | None = None  # from usage; else len(chunk_times)
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: prompt read from a cache
     error: str | None = None
 
     @property
@@ -95,6 +96,7 @@ def summarize(records: list[RequestRecord], duration: float) -> dict:
     ok = [r for r in records if r.ok]
     output_tokens = sum(r.n_output for r in ok)
     prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    cached_tokens = sum(r.cached_tokens or 0 for r in ok)
     return {
         "requests": len(records),
         "completed": len(ok),
@@ -102,6 +104,7 @@ def summarize(records: list[RequestRecord], duration: float) -> dict:
         "errors": sorted({r.error for r in records if r.error})[:5],
         "duration_s": duration,
         "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,  # of prompt_tokens, read from a server's cache (where it says)
         "output_tokens": output_tokens,
         "mean_output_tokens": output_tokens / len(ok) if ok else math.nan,
         "output_tok_s": output_tokens / duration if duration > 0 else math.nan,

@@ -2,7 +2,8 @@
 
 A workload is a list of sessions; a session is a list of requests sent one after
 another (a conversation), and sessions run side by side. `random` and
-`shared-prefix` have one request per session; `multi-turn` has one per turn.
+`shared-prefix` have one request per session (`chat`: random's prompts as chat
+messages); `multi-turn` has one per turn.
 Prompts are random token soup from the model's own tokenizer, so their lengths
 in tokens are what was asked for, give or take a token at the edges.
 """
@@ -80,6 +81,40 @@ def random_workload(
         "range_ratio": range_ratio,
     }
     return Workload("random", sessions, params)
+
+
+# A chat prompt's first soup tokens, as a system message of their own: every
+# prompt then differs from the chat template's first few tokens on (no default
+# system prompt shared), so no server reuses one prompt's KV for another's.
+CHAT_OPENING = 16
+
+
+def chat_workload(
+    soup: TokenSoup, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0
+) -> Workload:
+    """`random_workload`'s prompts as chat messages (/v1/chat/completions, the
+    server's chat template): a system message of CHAT_OPENING soup tokens, then
+    the user message with the rest, `input_len` soup tokens in all. The template
+    adds its own tokens (the servers' usage counts them)."""
+
+    def length(n: int) -> int:
+        return max(1, soup.rng.randint(int(n * (1 - range_ratio)), n)) if range_ratio else n
+
+    sessions = []
+    for _ in range(num_prompts):
+        n_in = length(input_len)
+        opening = min(CHAT_OPENING, n_in // 2)
+        messages = [{"role": "system", "content": soup.text(opening)},
+                    {"role": "user", "content": soup.text(n_in - opening)}]
+        sessions.append([BenchRequest(length(output_len), messages=messages, input_tokens=n_in)])
+    params = {
+        "num_prompts": num_prompts,
+        "input_len": input_len,
+        "output_len": output_len,
+        "range_ratio": range_ratio,
+        "system_len": CHAT_OPENING,
+    }
+    return Workload("chat", sessions, params)
 
 
 def shared_prefix_workload(
