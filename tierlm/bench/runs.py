@@ -21,6 +21,7 @@ from tierlm.loadgen.workloads import (
     BenchRequest,
     TokenSoup,
     Workload,
+    chat_workload,
     multi_turn_workload,
     random_workload,
     shared_prefix_workload,
@@ -50,6 +51,8 @@ def build_workload(args, tokenizer: str, concurrency: int) -> Workload:
     n = args.num_prompts or max(args.min_prompts, args.prompts_per_concurrency * max(concurrency, 1))
     if args.workload == "random":
         return random_workload(soup, n, args.input_len, args.output_len, args.range_ratio)
+    if args.workload == "chat":
+        return chat_workload(soup, n, args.input_len, args.output_len, args.range_ratio)
     if args.workload == "shared-prefix":
         per = max(1, math.ceil(n / args.num_prefixes))
         return shared_prefix_workload(
@@ -59,6 +62,18 @@ def build_workload(args, tokenizer: str, concurrency: int) -> Workload:
     return multi_turn_workload(
         soup, conversations, args.turns, args.system_len, args.input_len, args.output_len
     )
+
+
+# The long-prompt runs' soup seed, apart from every concurrency's (seed * 1000 + c)
+LONG_PROMPT_SEED = 999
+
+
+def long_prompt_workload(args, tokenizer: str) -> Workload:
+    """`--ttft-requests` chat prompts of `--ttft-prompt-len` soup tokens, each its
+    own from the first tokens on (chat_workload), `--ttft-output-len` tokens out:
+    time to first token of a long prompt that no server has seen."""
+    soup = TokenSoup(tokenizer, seed=args.seed * 1000 + LONG_PROMPT_SEED)
+    return chat_workload(soup, args.ttft_requests, args.ttft_prompt_len, args.ttft_output_len)
 
 
 def warmup_requests(args, tokenizer: str) -> list[BenchRequest]:
@@ -92,10 +107,11 @@ def load_config(args, base_url: str, concurrency: int, model: str | None = None)
     )
 
 
-def run_one(args, base_url: str, tokenizer: str, concurrency: int, label: str = "") -> dict:
-    """The workload of `args` at `concurrency` against `base_url`: its summary and
-    each request's times."""
-    workload = build_workload(args, tokenizer, concurrency)
+def run_one(args, base_url: str, tokenizer: str, concurrency: int, label: str = "",
+            workload: Workload | None = None) -> dict:
+    """The workload of `args` (or `workload`) at `concurrency` against `base_url`:
+    its summary and each request's times."""
+    workload = workload or build_workload(args, tokenizer, concurrency)
     cfg = load_config(args, base_url, concurrency, getattr(args, "model_id", None))
     desc = f"{label} {workload.name} c={concurrency}".strip()
     with progress_bar(workload.num_requests, desc, args.progress) as done:
@@ -113,6 +129,7 @@ def run_one(args, base_url: str, tokenizer: str, concurrency: int, label: str = 
             "tpot": r.tpot if r.ok else None,
             "e2e": r.e2e if r.ok else None,
             "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens,
             "output_tokens": r.n_output,
             "error": r.error,
         }

