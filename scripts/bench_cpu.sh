@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # This machine's CPU runs, written to docs/bench-results/cpu/, then docs/benchmarks.md.
-# Options: SKIP_COMPARE, SKIP_ENGINE, MULTI_TURN, SHARED_PREFIX, CPU_TARGETS (=1 to set).
+# Options: SKIP_COMPARE, SKIP_ENGINE, MULTI_TURN, SHARED_PREFIX, CPU_TARGETS, QWEN_CODER (=1 to set);
+# THREADS for QWEN_CODER (both servers; default: every CPU this may use).
 # Small on purpose (a 2-core machine shared with other work): the ratios of runs
 # made side by side are what count, not the absolute numbers. llama-server gets
 # one thread: with two, on cores that other processes also use, its spinning
 # thread barriers collapsed it to 1-8 tok/s (compare-random-llama-t2.json).
+# --threads gives tierlm the same count (since issue #33; the results of before
+# ran tierlm on every core).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 OUT=${OUT:-docs/bench-results/cpu}
@@ -43,5 +46,11 @@ if [ -n "${CPU_TARGETS:-}" ]; then  # the CPU fast path's targets: 1 and 16 stre
       --rounds "$ROUNDS" --workload random --input-len 500 --output-len 4 --num-prompts 3 \
       --json "$OUT/compare-ttft500-llama-t$threads.json"
   done
+  "$PY" -m bench_lab.docs
+fi
+if [ -n "${QWEN_CODER:-}" ]; then  # issue #33: Qwen2.5-Coder-0.5B (Q4_K_M) against llama-server, same threads
+  tierlm bench compare --model qwen2.5-coder-0.5b --servers tierlm,llama --workload chat \
+    --concurrency 1,4,16 --output-len 64 --ttft-prompt-len 2048 --rounds "$ROUNDS" \
+    ${THREADS:+--threads "$THREADS"} --json "$OUT/compare-qwen-coder.json"
   "$PY" -m bench_lab.docs
 fi

@@ -136,3 +136,38 @@ def test_the_machine_heading_names_the_hardware_of_the_results_shown(tmp_path):
     text = render_docs(tmp_path / "results", tmp_path / "benchmarks.md").read_text()
     assert "## cpu: Other CPU / Test CPU\n" in text
     assert "Data-only CPU" not in text
+
+
+def test_a_compare_against_llama_server_shows_long_prompts_memory_and_the_cpu(tmp_path):
+    """Issue #33's run: the long prompts' TTFT, each server's memory, the CPU's
+    features and tierlm's CPU backend go with the tables; both servers' threads
+    name the benchmark."""
+    doc = compare("2026-01-05 10:00:00 UTC", 128, threads=2)
+    doc["workload"] = "chat"
+    doc["servers"][0] |= {"threads": 2, "env": {"TIERLM_NATIVE_THREADS": "2"}}
+    doc["runs"] = [doc["runs"][0] | {"workload": "chat", "phase": "streams"},
+                   {"concurrency": 1, "workload": "chat", "phase": "long-prompt", "summary": SUMMARY,
+                    "workload_params": {"num_prompts": 5, "input_len": 2048, "output_len": 4}}]
+    long = {"ttft_p50": 2.0, "ttft_p90": 2.5, "mean_prompt_tokens": 2061.0, "mean_cached_tokens": 3.0, "failed": 0}
+    doc["long_prompt"] = {"prompt_len": 2048, "requests": 5, "output_len": 4,
+                          "medians": {"tierlm": long, "llama-server": long | {"ttft_p50": 1.0}}}
+    mem = {"after_load": 500 * 2**20, "end": 600 * 2**20, "end_anon": 550 * 2**20, "end_file": 50 * 2**20,
+           "peak": 610 * 2**20}
+    doc["memory"] = {"tierlm": mem, "llama-server": mem}
+    doc["machine"]["cpu_features"] = {"avx2": True, "avx512f": True, "amx_tile": False, "hypervisor": True}
+    doc["tierlm_backend"] = {"name": "cpu", "quantized_kernels": "on (avx512-vnni)", "calls": {"qmm": 9}}
+    machine = tmp_path / "results" / "cpu"
+    machine.mkdir(parents=True)
+    (machine / "compare-qwen-coder.json").write_text(json.dumps(doc))
+    text = render_docs(tmp_path / "results", tmp_path / "benchmarks.md").read_text()
+
+    (title, section), = sections(text).items()
+    assert title == ("Side by side: chat workload, 128 → 8 tokens, TTFT of 2048-token prompts; "
+                     "tierlm (2 threads) vs llama-server (2 threads)")
+    assert '"requests (or conversations) per concurrency": {"1": 2}' in section  # the long prompts apart
+    assert "- tierlm: `TIERLM_NATIVE_THREADS=2 tierlm`" in section
+    assert "| llama-server | 2061 | 1000.0 | 2500.0 | 3 | 0 | 2.00 |" in section
+    assert "| tierlm | 500 | 600 | 550 | 50 | 610 |" in section
+    assert "CPU features, under a hypervisor: avx2 avx512f; absent: amx_tile." in section
+    assert '`{"name": "cpu", "quantized_kernels": "on (avx512-vnni)"}`' in section  # the counters left out
+    assert "tierlm bench compare --model qwen2.5-coder-0.5b --servers tierlm,llama" in text  # the command, on top
