@@ -5,13 +5,15 @@ cd "$(dirname "$0")"
 extras=""
 [ "${1:-}" = "test" ] && extras="[test]"
 
-# MLX's Linux CPU backend is slow on its bundled reference BLAS; tierlm loads
-# OpenBLAS instead when it is there, behind a small C route it compiles itself
-# (tierlm/backends/cpu/). Debian/Ubuntu packages:
+# MLX's Linux CPU backend is slow on its bundled reference BLAS and its quantized
+# matmul; tierlm loads OpenBLAS instead when it is there, behind a small C route,
+# and multiplies quantized weights with its own kernels behind a C++ hook, both
+# compiled by itself (tierlm/backends/cpu/). Debian/Ubuntu packages:
 packages=""
 blas="/usr/lib/$(uname -m)-linux-gnu/openblas-pthread/libopenblas.so.0"
 [ -e "$blas" ] || packages="libopenblas0-pthread"
 command -v cc >/dev/null || packages="${packages:+$packages }gcc libc6-dev"
+command -v c++ >/dev/null || packages="${packages:+$packages }g++"
 # the tests drive the dashboard in a headless Chromium (tests/test_dashboard.py)
 if [ -n "$extras" ]; then
   command -v chromium >/dev/null || packages="${packages:+$packages }chromium"

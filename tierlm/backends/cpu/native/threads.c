@@ -5,18 +5,25 @@
  * exact_gemm.c, the other cores sat idle: a long prompt's attention ran at one
  * core's speed. tierlm_parallel shares a product's independent parts (blocks of
  * output elements, each computed whole by one thread, in the same order) over
- * one thread per core, so the bits do not depend on the split. Helpers sleep on
- * a condition variable between jobs (no spinning: the BLAS's threads need the
- * cores). One job at a time; a second caller (another model's stream) computes
- * alone. TIERLM_NATIVE_THREADS sets the count (1: no helpers). */
+ * one thread per core, so the bits do not depend on the split. Between jobs a
+ * helper first watches for the next one for a while (SPIN: a decode step sends
+ * one quantized product after another, tens of microseconds apart, and waking a
+ * sleeping thread took about as long as a product), then sleeps on a condition
+ * variable (the BLAS's threads need the cores when tierlm's are idle). The
+ * caller watches for the helpers' end the same way. One job at a time; a second
+ * caller (another model's stream) computes alone. TIERLM_NATIVE_THREADS sets the
+ * count (1: no helpers). */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include "threads.h"
 
+#include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdlib.h>
+#include <time.h>
 
 #define MAX_THREADS 16
+#define SPIN_NS 200000L /* how long an idle thread watches before it sleeps */
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t busy = PTHREAD_MUTEX_INITIALIZER; /* held by the caller of a job */
@@ -29,10 +36,41 @@ static tierlm_part_fn job_fn;
 static void *job_arg;
 static int job_parts;
 
+static long now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+/* Spins while the job counter still reads `seen`, for at most SPIN_NS. */
+static void watch_for_job(unsigned long seen) {
+  long until = now_ns() + SPIN_NS;
+  for (int i = 1; __atomic_load_n(&generation, __ATOMIC_ACQUIRE) == seen; i++) {
+    if (i % 256 == 0 && now_ns() > until) return;
+    relax();
+  }
+}
+
+/* Spins while helpers are still working, for at most SPIN_NS. */
+static void watch_for_end(void) {
+  long until = now_ns() + SPIN_NS;
+  for (int i = 1; __atomic_load_n(&pending, __ATOMIC_ACQUIRE) > 0; i++) {
+    if (i % 256 == 0 && now_ns() > until) return;
+    relax();
+  }
+}
+
 static void *helper(void *arg) {
   int part = (int)(long)arg;
   unsigned long seen = 0;
   for (;;) {
+    watch_for_job(seen);
     pthread_mutex_lock(&lock);
     while (generation == seen) pthread_cond_wait(&start, &lock);
     seen = generation;
@@ -42,7 +80,7 @@ static void *helper(void *arg) {
     pthread_mutex_unlock(&lock);
     if (part < parts) fn(a, part, parts);
     pthread_mutex_lock(&lock);
-    if (--pending == 0) pthread_cond_signal(&done);
+    if (__atomic_sub_fetch(&pending, 1, __ATOMIC_RELEASE) == 0) pthread_cond_signal(&done);
     pthread_mutex_unlock(&lock);
   }
   return 0;
@@ -84,11 +122,12 @@ void tierlm_parallel(tierlm_part_fn fn, void *arg, int max_parts) {
   }
   pthread_mutex_lock(&lock);
   job_fn = fn, job_arg = arg, job_parts = parts;
-  pending = threads - 1;
-  generation++;
+  __atomic_store_n(&pending, threads - 1, __ATOMIC_RELAXED);
+  __atomic_add_fetch(&generation, 1, __ATOMIC_RELEASE); /* after the job's fields: a watching helper reads them next */
   pthread_cond_broadcast(&start);
   pthread_mutex_unlock(&lock);
   fn(arg, 0, parts);
+  watch_for_end();
   pthread_mutex_lock(&lock);
   while (pending > 0) pthread_cond_wait(&done, &lock);
   pthread_mutex_unlock(&lock);
