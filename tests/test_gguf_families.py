@@ -340,8 +340,10 @@ ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3"
 
 
 def write_gguf(path: Path, arch: str, config: dict, weights: dict[str, np.ndarray], vocab: Vocab,
-               f16: bool, *, arch_name: str | None = None) -> Path:
-    """What convert_hf_to_gguf.py writes for `config` and `weights` (--outtype f32 or f16)."""
+               f16: bool, *, arch_name: str | None = None, encode=None) -> Path:
+    """What convert_hf_to_gguf.py writes for `config` and `weights` (--outtype f32 or f16).
+    `encode(gguf_name, data)`, where given, may return (block bytes, GGMLQuantizationType)
+    to store a tensor quantized (what llama-quantize would have made of it)."""
     ftype = gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32
     w = gguf.GGUFWriter(str(path), arch_name or arch)
     h, heads = config["hidden_size"], config["num_attention_heads"]
@@ -405,6 +407,10 @@ def write_gguf(path: Path, arch: str, config: dict, weights: dict[str, np.ndarra
         tensors.append((new_name, data))
     for name, data in tensors:  # ModelBase.prepare_tensors: vectors and norms stay F32
         keep_f32 = data.ndim <= 1 or name.endswith("_norm.weight")
+        encoded = encode(name, data) if encode else None
+        if encoded is not None:
+            w.add_tensor(name, encoded[0], raw_dtype=encoded[1])
+            continue
         w.add_tensor(name, data.astype(np.float16 if f16 and not keep_f32 else np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

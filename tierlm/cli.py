@@ -212,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("file", help="the .gguf file")
     imp.add_argument("--name", help="folder name in the models dir (default: the file's stem)")
     imp.add_argument("--bits", type=int, choices=(4, 8, 16), default=None,
-                     help="4 or 8: MLX affine quantization; 16: bfloat16 (default: Q4_0/Q4_1/Q8_0 files "
-                          "kept as they are, others 8)")
+                     help="4 or 8: every matrix re-quantized to MLX affine; 16: bfloat16 (default: each "
+                          "tensor in the fewest MLX bits that hold its GGUF type: Q4_* 4, Q5_* 5, Q8_0/Q6_K 8)")
     _add_settings_flags(imp)
     imp.set_defaults(func=cmd_import)
     lst = sub.add_parser("list", help="the models in the models dir")

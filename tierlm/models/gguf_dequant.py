@@ -1,9 +1,11 @@
-"""GGUF tensors of any block format -> float32 (with the `gguf` package) -> MLX.
+"""Reading GGUF files, and GGUF tensors of any block format -> float32 (with the
+`gguf` package) -> MLX.
 
-`mx.load` reads only Q4_0, Q4_1 and Q8_0 blocks. Everything else (the K-quants
-Q4_K / Q5_K / Q6_K, Q5_0, IQ formats, BF16) is dequantized by `gguf.quants`
-and quantized again with `mx.quantize` (affine, 4 or 8 bits), or kept as
-bfloat16 (`bits=16`).
+The import with `bits` asked for (4, 8 or 16) goes this way: every tensor is
+dequantized by `gguf.quants` and quantized again with `mx.quantize` (affine, 4
+or 8 bits; the widest types never below 8), or kept as bfloat16 (`bits=16`).
+The default import writes the GGUF blocks as MLX affine weights directly
+(gguf_affine) and comes here only for what is not a quantized matrix.
 """
 
 from __future__ import annotations
@@ -17,11 +19,6 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-# block formats mx.load hands over as MLX arrays (quantized ones as affine triples)
-NATIVE_TYPES = frozenset({
-    GGMLQuantizationType.F32, GGMLQuantizationType.F16,
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
-})
 BITS = (4, 8, 16)
 GROUP_SIZES = {4: 64, 8: 32}  # per bits: 8-bit groups match GGUF's 32-value blocks
 # tensors the GGUF keeps at 6 bits or more (llama.cpp's Q4_K_M keeps the token
@@ -35,10 +32,6 @@ class GGUFTensor:
     type_name: str
     shape: tuple[int, ...]  # numpy order: (out_features, in_features) for a matrix
     raw: Any  # the reader's memory-mapped block data
-
-    @property
-    def native(self) -> bool:
-        return GGMLQuantizationType[self.type_name] in NATIVE_TYPES
 
     def bits_for(self, bits: int) -> int:
         """The bits this tensor is converted to when `bits` are asked for."""

@@ -3,11 +3,17 @@
 Architectures: `llama` (Llama 2/3.x, Mistral, SmolLM: mlx-lm `llama`), `qwen2`
 (Qwen2.5, Qwen2.5-Coder), `qwen3`, `phi3` and `gemma3` (-> `gemma3_text`).
 
-Tensors: when every tensor is in a block format `mx.load` reads (Q4_0, Q4_1,
-Q8_0, F16, F32) and no `bits` are asked for, they are kept as they are (MLX
-affine, group size 32). Otherwise (K-quants, Q5_0, ...) each tensor is
-dequantized with the `gguf` package and quantized again to MLX 4 or 8 bits, or
-kept in bfloat16 (see gguf_dequant).
+Tensors, when no `bits` are asked for (the default): each quantized matrix
+becomes MLX affine, group size 32, in the fewest bits that hold its GGUF type,
+written from the GGUF blocks themselves (gguf_affine): Q4_0, Q4_1 and Q4_K 4
+bits, Q5_0, Q5_1 and Q5_K 5 bits, Q8_0 8 bits, all exact but for the float16
+rounding of the K-quants' sub-block scales; Q6_K quantized again to 8 bits from
+its exact values; other types (Q2_K, Q3_K, IQ*) dequantized and quantized again
+to 4 bits. F32, F16 and BF16 tensors are kept as they are. config.json's
+`quantization` names the modules whose bits differ from the most common ones.
+With `bits` 4 or 8 every matrix is dequantized with the `gguf` package and
+quantized again to that many MLX bits (the widest types to 8); 16 writes
+bfloat16 (gguf_dequant).
 
 What llama.cpp's converter changed is undone here: Gemma's RMSNorm weights are
 stored with the +1 already added (mlx-lm adds it itself, so it is subtracted);
@@ -37,10 +43,15 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from tierlm.models.gguf_affine import FLOAT_TYPES, convertible, to_affine
 from tierlm.models.gguf_dequant import GGUFTensor, quantization_config, read_gguf, to_mlx, type_counts
 from tierlm.models.model_folder import write_json_atomic
 
-GROUP_SIZE = 32  # every GGUF block format mx.load reads uses 32-value groups
+GROUP_SIZE = 32  # MLX affine groups: 32 values, as GGUF's blocks and K-quant sub-blocks
+# What config.json's "gguf" entry says the folder was made by. 1 (no entry): every
+# tensor re-quantized to 8 bits unless all were Q4_0/Q4_1/Q8_0/F16/F32; 2: each
+# quantized tensor in the fewest affine bits that hold its type (gguf_affine)
+IMPORT_FORMAT = 2
 _NORMAL, _CONTROL_TOKEN, _USER_DEFINED, _BYTE = 1, 3, 4, 6  # llama.cpp token_type values
 
 # (description, done, total): a stage when total is 0, else a step of it
@@ -89,9 +100,10 @@ def _rename(gguf_name: str, layer_names: dict[str, str]) -> str:
     return f"{_TOP_NAMES[module]}.{suffix}"
 
 
-def mlx_tensor_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.scales` -> `model.layers.3.self_attn.q_proj.scales` (llama)."""
-    return _rename(gguf_name, _LLAMA_LAYER_NAMES)
+def mlx_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """`blk.3.attn_q.scales` -> `model.layers.3.self_attn.q_proj.scales`, in the
+    names the importer gives `arch`'s tensors (a key of ARCHITECTURES)."""
+    return _rename(gguf_name, ARCHITECTURES[arch].layer_names)
 
 
 def _bits_of(weights: dict[str, mx.array], module: str) -> int:
@@ -101,12 +113,14 @@ def _bits_of(weights: dict[str, mx.array], module: str) -> int:
     return packed * 32 // in_features
 
 
-def _native_quantization(weights: dict[str, mx.array]) -> dict | None:
+def affine_quantization(weights: dict[str, mx.array]) -> dict | None:
+    """mlx-lm's `quantization` for group-size-32 affine weights: the bits most
+    modules have, and an entry of its own for each module with other bits."""
     quantized = sorted(k[: -len(".scales")] for k in weights if k.endswith(".scales"))
     if not quantized:
         return None
     bits = {m: _bits_of(weights, m) for m in quantized}
-    common = max(set(bits.values()), key=list(bits.values()).count)
+    common = max(sorted(set(bits.values())), key=list(bits.values()).count)
     quant: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common, "mode": "affine"}
     # mlx-lm reads per-module overrides from the same dict
     quant.update({m: {"group_size": GROUP_SIZE, "bits": b} for m, b in bits.items() if b != common})
@@ -502,13 +516,43 @@ def _is_derived(gguf_name: str) -> bool:
     return gguf_name.split(".")[0] in _DERIVED
 
 
-def _native_weights(gguf_path: Path, spec: _Arch) -> tuple[dict[str, mx.array], dict | None]:
-    raw = mx.load(str(gguf_path))
-    weights = {_rename(k, spec.layer_names): v for k, v in raw.items() if not _is_derived(k)}
-    if spec.norm_shift:
-        for k in [k for k in weights if k.endswith("norm.weight")]:
-            weights[k] = weights[k].astype(mx.float32) - spec.norm_shift
-    return weights, _native_quantization(weights)
+def _kept(t: GGUFTensor) -> mx.array:
+    """A float tensor in the file's own dtype (bfloat16 for BF16, float32 for F64)."""
+    if t.type_name == "F16":
+        return mx.array(np.asarray(t.raw).reshape(t.shape))
+    array = mx.array(t.to_float32())
+    return array.astype(mx.bfloat16) if t.type_name == "BF16" else array
+
+
+def affine_weights(tensors: list[GGUFTensor], spec: _Arch,
+                   progress: Progress) -> tuple[dict[str, mx.array], dict | None]:
+    """Each quantized matrix as MLX affine, group size 32, in the fewest bits that
+    hold its GGUF type (gguf_affine); float tensors as the file has them; a
+    quantized tensor of another shape dequantized as `bits=8` would (bfloat16)."""
+    weights: dict[str, mx.array] = {}
+    total = sum(int(np.prod(t.shape)) for t in tensors)
+    done = 0
+    for t in tensors:
+        if _is_derived(t.name):
+            continue
+        name = _rename(t.name, spec.layer_names)
+        if spec.norm_shift and name.endswith("norm.weight"):  # float32 once the shift is off
+            shifted = t.to_float32() - np.float32(spec.norm_shift)
+            converted = {name: mx.array(shifted)} if t.type_name in FLOAT_TYPES else to_mlx(name, shifted, 8)
+        elif t.type_name in FLOAT_TYPES:
+            converted = {name: _kept(t)}
+        elif convertible(t):
+            affine = to_affine(t)
+            module = name.removesuffix(".weight")
+            converted = {f"{module}.weight": affine.weight, f"{module}.scales": affine.scales,
+                         f"{module}.biases": affine.biases}
+        else:  # not a matrix of whole groups: what bits=8 makes of it
+            converted = to_mlx(name, t.to_float32(), 8)
+        mx.eval(list(converted.values()))
+        weights.update(converted)
+        done += int(np.prod(t.shape))
+        progress("converting to MLX affine (group size 32)", done, total)
+    return weights, affine_quantization(weights)
 
 
 def dequantized_weights(tensors: list[GGUFTensor], spec: _Arch, bits: int,
@@ -551,8 +595,9 @@ def import_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None
                 bits: int | None = None) -> Path:
     """Write an mlx-lm model folder for `gguf_path` into `out_dir` (created).
 
-    `bits` None keeps Q4_0/Q4_1/Q8_0/F16 files as they are and converts any
-    other to 8 bits; 4 or 8 re-quantize every matrix; 16 writes bfloat16.
+    `bits` None writes each quantized matrix in the fewest MLX affine bits that
+    hold its GGUF type (see the module's doc); 4 or 8 re-quantize every matrix;
+    16 writes bfloat16. config.json's "gguf" entry records IMPORT_FORMAT.
     The folder is written under a temporary name and renamed when complete: a
     file that fails (truncated, an unknown architecture, a broken vocabulary)
     raises ValueError and leaves nothing behind."""
@@ -571,14 +616,13 @@ def import_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None
     except Exception as e:  # tokenizers' own (a merge of an unknown token), a short or missing list
         raise ValueError(f"{gguf_path.name} has a broken vocabulary ({type(e).__name__}: {e})") from e
     derived = {t.name.split(".")[0]: t.to_float32() for t in tensors if _is_derived(t.name)}
-    if bits is None and all(t.native for t in tensors):
-        weights, quantization = _native_weights(gguf_path, spec)
+    if bits is None:
+        weights, quantization = affine_weights(tensors, spec, report)
     else:
-        bits = bits or 8
         weights, quantization = dequantized_weights(tensors, spec, bits, report)
     config = build_config(meta, weights, quantization, derived)
     config["gguf"] = {"file": gguf_path.name, "tensor_types": type_counts(tensors),
-                      "file_type": _scalar(meta, "general.file_type")}
+                      "file_type": _scalar(meta, "general.file_type"), "import_format": IMPORT_FORMAT}
     staging = out_dir.with_name(f".{out_dir.name}.importing")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -594,6 +638,16 @@ def import_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def import_format(folder: Path) -> int | None:
+    """The IMPORT_FORMAT `folder` was imported with (1 for folders older than the
+    number); None when it is not an imported GGUF or has no readable config."""
+    try:
+        entry = json.loads((folder / "config.json").read_text()).get("gguf")
+    except (OSError, ValueError):
+        return None
+    return int(entry.get("import_format", 1)) if isinstance(entry, dict) else None
 
 
 def describe(config: dict) -> str:
