@@ -38,29 +38,43 @@ class BuildError(RuntimeError):
     """The native library could not be built or loaded."""
 
 
-def build() -> Path:
-    """The compiled library, built once per source version into the user's cache."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:16]
+def build_once(stem: str, inputs: bytes, language: str, compiler_variable: str, default_compiler: str,
+               compile_into) -> Path:
+    """A library built once per version of `inputs` into the user's cache:
+    `compile_into(compiler, path)` writes it (raising subprocess's errors)."""
+    digest = hashlib.sha256(inputs).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm" / "native"
-    built = cache / f"tierlm_native-{digest}.so"
+    built = cache / f"{stem}-{digest}.so"
     if built.exists():
         return built
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = shutil.which(os.environ.get(compiler_variable, default_compiler))
     if compiler is None:
-        raise BuildError("no C compiler (cc) found")
+        raise BuildError(f"no {language} compiler ({default_compiler}) found")
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:  # then a rename: safe when two start at once
         tmp = Path(scratch) / built.name
-        command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp), *map(str, SOURCES), "-ldl", "-lpthread", "-lm"]
         try:
-            try:
-                subprocess.run(command, check=True, capture_output=True, timeout=120)
-            except subprocess.CalledProcessError:  # a compiler too old for AMX: build the rest
-                subprocess.run([*command, "-DTIERLM_NO_AMX"], check=True, capture_output=True, timeout=120)
+            compile_into(compiler, tmp)
+        except subprocess.CalledProcessError as e:
+            raise BuildError(f"the {language} compiler failed: {e.stderr.decode(errors='replace')[-400:]}") from e
         except (OSError, subprocess.SubprocessError) as e:
-            raise BuildError(f"the C compiler failed: {e}") from e
+            raise BuildError(f"the {language} compiler failed: {e}") from e
         os.replace(tmp, built)
     return built
+
+
+def build() -> Path:
+    """The compiled library, built once per source version into the user's cache."""
+    def compile_into(compiler: str, path: Path) -> None:
+        command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(path), *map(str, SOURCES), "-ldl", "-lpthread",
+                   "-lm"]
+        try:
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
+        except subprocess.CalledProcessError:  # a compiler too old for AMX: build the rest
+            subprocess.run([*command, "-DTIERLM_NO_AMX"], check=True, capture_output=True, timeout=120)
+
+    return build_once("tierlm_native", b"".join(p.read_bytes() for p in SOURCES + HEADERS), "C", "CC", "cc",
+                      compile_into)
 
 
 def load() -> ctypes.CDLL:

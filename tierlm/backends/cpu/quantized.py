@@ -6,7 +6,8 @@ eight times the memory, and decode bound by reading it. native/qgemm.c computes
 the same product as llama.cpp computes its quantized ones: the activations are
 quantized to int8 per 32 values and each block is an integer dot product
 (vpdpbusd where the CPU has VNNI, vpmaddubsw with AVX2), on the weights as MLX
-stores them (affine, 4, 5 or 8 bits, groups of 32, 64 or 128).
+stores them (affine, 4, 5 or 8 bits, groups of 32, 64 or 128). Every row has
+the same bits alone or batched.
 
 native/qmm_hook.cpp puts it behind MLX's own operation: `install()` builds it
 against the installed mlx package's headers, writes its function into the slot
@@ -24,11 +25,8 @@ avx512-vnni, avx-vnni, avx2, portable (plain C, any CPU), or off (MLX's own).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -58,29 +56,16 @@ def _mlx_dirs() -> tuple[Path, Path]:
 def build_hook() -> Path:
     """qmm_hook.cpp compiled against the installed mlx, once per source and mlx version."""
     include, lib = _mlx_dirs()
-    digest = hashlib.sha256(HOOK_SOURCE.read_bytes() + mx.__version__.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm" / "native"
-    built = cache / f"tierlm_qmm_hook-{digest}.so"
-    if built.exists():
-        return built
-    compiler = shutil.which(os.environ.get("CXX", "c++"))
-    if compiler is None:
-        raise native.BuildError("no C++ compiler (c++) found")
     if not (include / "mlx" / "primitives.h").exists() or not (lib / "libmlx.so").exists():
         raise native.BuildError(f"the mlx package has no headers or libmlx.so under {include.parent}")
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as scratch:
-        tmp = Path(scratch) / built.name
-        command = [compiler, "-O2", "-std=c++20", "-shared", "-fPIC", f"-I{include}", "-o", str(tmp),
-                   str(HOOK_SOURCE), f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}"]
-        try:
-            subprocess.run(command, check=True, capture_output=True, timeout=300)
-        except subprocess.CalledProcessError as e:
-            raise native.BuildError(f"the C++ compiler failed: {e.stderr.decode(errors='replace')[-400:]}") from e
-        except (OSError, subprocess.SubprocessError) as e:
-            raise native.BuildError(f"the C++ compiler failed: {e}") from e
-        os.replace(tmp, built)
-    return built
+
+    def compile_into(compiler: str, path: Path) -> None:
+        subprocess.run([compiler, "-O2", "-std=c++20", "-shared", "-fPIC", f"-I{include}", "-o", str(path),
+                        str(HOOK_SOURCE), f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}"],
+                       check=True, capture_output=True, timeout=300)
+
+    inputs = HOOK_SOURCE.read_bytes() + mx.__version__.encode()
+    return native.build_once("tierlm_qmm_hook", inputs, "C++", "CXX", "c++", compile_into)
 
 
 def _load_hook() -> ctypes.CDLL:
@@ -88,7 +73,7 @@ def _load_hook() -> ctypes.CDLL:
         hook = ctypes.CDLL(str(build_hook()), mode=os.RTLD_LOCAL | os.RTLD_NOW)
     except OSError as e:
         raise native.BuildError(f"could not load it: {e}") from e
-    hook.tierlm_qmm_hook_install.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    hook.tierlm_qmm_hook_install.argtypes = [ctypes.c_void_p] * 2
     hook.tierlm_qmm_hook_taken.restype = ctypes.c_ulong
     hook.tierlm_qmm_hook_passed.restype = ctypes.c_ulong
     return hook
@@ -143,8 +128,8 @@ def _install(lib: ctypes.CDLL | None) -> Feature:
     except native.BuildError as e:
         return Feature(False, f"could not build or load the hook: {e}")
     want = _product(mx.float32)  # MLX's own answer, before the slot is written
-    kernel, supports = (native.function_address(lib, name) for name in ("tierlm_qmm", "tierlm_qmm_supports"))
-    if not hook.tierlm_qmm_hook_install(kernel, supports):
+    functions = (native.function_address(lib, name) for name in ("tierlm_qmm", "tierlm_qmm_supports"))
+    if not hook.tierlm_qmm_hook_install(*functions):
         return Feature(False, "MLX's QuantizedMatmul slot was not found where the C++ ABI puts it")
     _hook = hook
     proved, check = self_check(want)

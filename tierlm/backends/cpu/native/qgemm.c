@@ -7,11 +7,12 @@
  *             = sum_g scale[n][g] * sum_{b in g} d[m][b] * ((q - c) . xq[m][b])
  *               + sum_g (bias[n][g] + c * scale[n][g]) * xsum[m][g]
  *
- * with xq = round(x / d), d = max|x| / 127 per 32-value block, and xsum the exact
- * float sum of x over the group, c = 2^(bits-1) the centre of q. The weights are read as MLX stores them (a
- * transposed N x K matrix, each row an LSB-first bitstream of K values), the
- * scales and biases as float32 (N x K/g). Each output element is computed by one
- * thread in one order whatever M or the split, so batching changes no bit.
+ * with xq = round(x / d), d = max|x| / 127 per 32-value block, xsum the exact
+ * float sum of x over the group, and c = 2^(bits-1) the centre of q. The weights
+ * are read as MLX stores them (a transposed N x K matrix, each row an LSB-first
+ * bitstream of K values), the scales and biases as float32 (N x K/g). Each
+ * output element is computed by one thread in one order whatever M or the split,
+ * so batching changes no bit.
  *
  * Paths, chosen at run time by what the CPU reports (tierlm_qmm_select can name
  * one, for tests and benchmarks): AVX-512 VNNI or AVX-VNNI (256-bit),
@@ -226,11 +227,17 @@ static inline __attribute__((always_inline)) TARGET __m256i dot_avx2(__m256i w, 
  * instance (see PRODUCTS). */
 #define TILE_BODY(DOT, R, C)                                                                           \
   long blocks = K / BLOCK, per_group = group / BLOCK, step = BLOCK * bits / 8, groups = K / group;     \
+  /* the next tile's weight rows, fetched a share a block while this one computes (a prefetch past \
+   * the matrix's end never faults) */                                                                 \
+  const char *ahead = (const char *)wrow + C * row_bytes;                                              \
+  long lines = (C * row_bytes + 63) / 64, share = 0;                                                   \
   __m256 acc[R][C];                                                                                    \
   for (int r = 0; r < R; r++)                                                                          \
     for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                                       \
   for (long g = 0, b = 0; g < groups; g++) {                                                           \
     for (long bb = 0; bb < per_group; bb++, b++) {                                                     \
+      for (share += lines; share >= blocks; share -= blocks, ahead += 64)                              \
+        _mm_prefetch(ahead, _MM_HINT_T0);                                                              \
       for (int c = 0; c < C; c++) {                                                                    \
         __m256i w = decode(wrow + c * row_bytes + b * step, bits);                                     \
         __m256 scale = _mm256_set1_ps(s[c * groups + g]);                                              \
@@ -361,17 +368,22 @@ static void tile_at(const job *j, tile_fn tile, int R, int C, long m0, long n0) 
     }
 }
 
-/* Output columns [first, last) of every activation row: full 4 x 2 tiles, then
+#define COLUMNS 32 /* weight rows a batch's tiles sweep together: they stay in the core's cache */
+
+/* Output columns [first, last) of every activation row: full 4 x 2 tiles, a
+ * block of COLUMNS weight rows at a time for every four activation rows, then
  * the rows and columns they leave by 1 x 8 and 1 x 1. */
 static void rows_of(void *arg, int part, int parts) {
   const job *j = arg;
   long first = j->N * part / parts, last = j->N * (part + 1) / parts;
   tiles t = j->path == PATH_SCALAR ? (tiles){0, 0, 0} : tiles_for(j->path, j->bits);
   long tiled = t.t4x2 ? j->M / 4 * 4 : 0, pairs = first + (last - first) / 2 * 2;
-  for (long m0 = 0; m0 < tiled; m0 += 4) {
-    for (long n = first; n < pairs; n += 2) tile_at(j, t.t4x2, 4, 2, m0, n);
-    for (long m = m0; m < m0 + 4 && pairs < last; m++) tile_at(j, t.t1x1, 1, 1, m, pairs);
+  for (long n0 = first; tiled && n0 < pairs; n0 += COLUMNS) {
+    long end = n0 + COLUMNS < pairs ? n0 + COLUMNS : pairs;
+    for (long m0 = 0; m0 < tiled; m0 += 4)
+      for (long n = n0; n < end; n += 2) tile_at(j, t.t4x2, 4, 2, m0, n);
   }
+  for (long m = 0; m < tiled && pairs < last; m++) tile_at(j, t.t1x1, 1, 1, m, pairs);
   for (long m = tiled; m < j->M; m++) {
     long n = first;
     for (; t.t1x8 && n + 8 <= last; n += 8) tile_at(j, t.t1x8, 1, 8, m, n);
