@@ -8,6 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -162,9 +165,19 @@ def test_memory_is_each_servers_median_over_its_starts():
 
 
 def test_a_process_and_its_children_are_measured():
-    mem = servers.process_memory(os.getpid())
-    assert mem["processes"] == 1 and mem["rss_bytes"] > 0
-    assert mem["rss_bytes"] <= mem["peak_rss_bytes"]
+    """A process with one child of its own (the test process may have any number:
+    the suite's shared servers are its children)."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '60']); print('ready', flush=True);"
+                               " time.sleep(60)"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        mem = servers.process_memory(parent.pid)
+        assert mem["processes"] == 2 and mem["rss_bytes"] > 0
+        assert mem["rss_bytes"] <= mem["peak_rss_bytes"]
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
     assert servers.process_memory(2**22 + 12345) == {}  # past pid_max: no such process
 
 
