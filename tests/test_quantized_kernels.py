@@ -144,13 +144,13 @@ def test_what_the_kernels_do_not_take_goes_to_mlx(case):
         x = mx.array(rng.standard_normal((2, 5, 128)).astype(np.float32))
     if case == "bfloat16":
         x, scales, biases = x.astype(mx.bfloat16), scales.astype(mx.bfloat16), biases.astype(mx.bfloat16)
-    before = quantized.taken()
+    before, left = quantized.taken(), quantized.left_to_mlx()
     with mx.stream(mx.cpu):
         got = mx.quantized_matmul(x, w, scales, biases, transpose=transpose, group_size=32, bits=bits)
         dense = mx.dequantize(w, scales, biases, group_size=32, bits=bits)
         want = x.astype(mx.float32) @ (dense.swapaxes(-1, -2) if transpose else dense).astype(mx.float32)
         mx.eval(got, want)
-    assert quantized.taken() == before
+    assert quantized.taken() == before and quantized.left_to_mlx() == left + 1
     tolerance = 0.05 if case == "bfloat16" else 1e-4  # MLX sums bfloat16 products in bfloat16
     assert np.abs(np.array(got.astype(mx.float32)) - np.array(want)).max() <= tolerance * np.abs(np.array(want)).max()
 

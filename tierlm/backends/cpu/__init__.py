@@ -92,7 +92,7 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
     def counters() -> dict:
         python = dict(cpu_kernels.calls)  # one copy under the GIL; the worker thread may be counting
         return {"calls": {**state.counts(), **{f"kernel_{k}": v for k, v in python.items()},
-                          "quantized_hook": quantized.taken()}}
+                          "quantized_hook": quantized.taken(), "quantized_left_to_mlx": quantized.left_to_mlx()}}
 
     return Backend(name="cpu", extra_bytes=packed_bytes, layout_tag=AMX_LAYOUT_TAG if packed else b"",
                    log=tuple(log), warnings=warnings, summary=summary, counters=counters)

@@ -1,6 +1,6 @@
 """Quantized weights on MLX's CPU backend, multiplied by tierlm's kernels.
 
-MLX's CPU `quantized_matmul` computes one element at a time (~0.3 GB/s of
+MLX's CPU `quantized_matmul` computes one element at a time (~1 GB/s of
 weights here), so the CPU fast path used to run every model in float32: four to
 eight times the memory, and decode bound by reading it. native/qgemm.c computes
 the same product as llama.cpp computes its quantized ones: the activations are
@@ -93,10 +93,6 @@ def install(lib: ctypes.CDLL | None) -> Feature:
         return _feature
 
 
-def current() -> Feature | None:
-    return _feature
-
-
 def on() -> bool:
     return _feature is not None and _feature.on
 
@@ -148,6 +144,11 @@ def remove() -> None:
 def taken() -> int:
     """Quantized products qgemm.c took so far in this process."""
     return int(_hook.tierlm_qmm_hook_taken()) if _hook is not None else 0
+
+
+def left_to_mlx() -> int:
+    """Quantized products the hook handed to MLX's own code (formats it does not take)."""
+    return int(_hook.tierlm_qmm_hook_passed()) if _hook is not None else 0
 
 
 def _product(dtype) -> np.ndarray:
