@@ -396,9 +396,10 @@ def _folder_bytes(folder: Path) -> int:
 @pytest.mark.parametrize("name, arch, fixture", [("qwen2.5-coder-0.5b", "qwen2", "qwen_path"),
                                                  ("gemma-3-270m", "gemma3", "gemma_path")])
 def test_a_pulled_model_holds_its_ggufs_values(name, arch, fixture, request, real_ggufs):
-    """Every quantized tensor of the pulled folder (imported again if an older
-    importer made it) against gguf's dequantization of the file, its bits in
-    config.json, and the folder's weights against the file's size."""
+    """The pulled folder (imported again if an older importer made it): every
+    quantized tensor's bits in config.json, the first two of each GGUF type
+    against gguf's dequantization of the file (all of them took a minute more
+    for no more types), and the folder's weights against the file's size."""
     folder = request.getfixturevalue(fixture)
     path = real_ggufs(name)
     assert import_format(folder) == IMPORT_FORMAT
@@ -407,6 +408,7 @@ def test_a_pulled_model_holds_its_ggufs_values(name, arch, fixture, request, rea
     saved = mx.load(str(folder / "model.safetensors"))
     _, tensors = read_gguf(path)
     worst: dict[str, float] = {}
+    checked: dict[str, int] = {}
     for t in tensors:
         module = mlx_tensor_name(t.name, arch).removesuffix(".weight")
         if not convertible(t):
@@ -414,6 +416,9 @@ def test_a_pulled_model_holds_its_ggufs_values(name, arch, fixture, request, rea
             continue
         bits = affine_bits(t.type_name)
         assert quant.get(module, quant)["bits"] == bits, module
+        checked[t.type_name] = checked.get(t.type_name, 0) + 1
+        if checked[t.type_name] > 2:
+            continue
         err = check_against_gguf(t.type_name, np.asarray(t.raw), t.shape, saved[f"{module}.weight"],
                                  saved[f"{module}.scales"], saved[f"{module}.biases"], bits)
         worst[t.type_name] = max(worst.get(t.type_name, 0.0), err)
@@ -423,32 +428,3 @@ def test_a_pulled_model_holds_its_ggufs_values(name, arch, fixture, request, rea
     assert size <= 1.15 * file_size
 
 
-PROMPTS = ("Write a Python function that returns the n-th Fibonacci number.",
-           "What does the `git rebase` command do?",
-           "Reverse a string in JavaScript.",
-           "Explain what a hash map is in one sentence.",
-           "Write a SQL query that counts the rows of the table users.")
-
-
-@pytest.mark.slow
-def test_qwen_answers_as_the_8_bit_import_does(qwen_path, real_ggufs, tmp_path):
-    """Greedy, 24 tokens, through tierlm's loader (on the CPU: the weights
-    dequantized to float32). Measured on two AVX-512 cores: all five the same."""
-    from mlx_lm.generate import generate_step
-
-    from tierlm.models.loader import load_model
-
-    eight = import_gguf(real_ggufs("qwen2.5-coder-0.5b"), tmp_path / "eight", bits=8)
-    answers = []
-    for folder in (qwen_path, eight):
-        model, tokenizer = load_model(folder)
-        picks = []
-        for prompt in PROMPTS:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            picks.append([int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=24,
-                                                           sampler=lambda x: mx.argmax(x, axis=-1))])
-        answers.append(picks)
-        del model
-    same = sum(a == b for a, b in zip(*answers))
-    print(f"\nthe same greedy answer as the 8-bit import: {same} of {len(PROMPTS)}")
-    assert same >= len(PROMPTS) - 1

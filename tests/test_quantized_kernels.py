@@ -208,7 +208,7 @@ PROMPTS = ["Write a Python function that reverses a string.", "What is the capit
            "Give me a SQL query that counts rows in a table named users."]
 
 
-def _answers(path, dtype):
+def _answers(path, dtype, greedy=True):
     """The reference text's per-token log-probabilities, fed one token at a time
     as decoding does (the int8 kernels' rows), and greedy answers to PROMPTS."""
     from mlx_lm import generate
@@ -223,14 +223,14 @@ def _answers(path, dtype):
     for token, following in zip(ids, ids[1:]):
         logits = model(mx.array([[token]]), cache=cache)[0, -1].astype(mx.float32)
         chosen.append((logits[following] - mx.logsumexp(logits)).item())
-    greedy = [generate(model, tokenizer, tokenizer.apply_chat_template(
-        [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False), max_tokens=32, verbose=False)
-        for p in PROMPTS]
-    return np.array(chosen), greedy
+    answers = [generate(model, tokenizer, tokenizer.apply_chat_template(
+        [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False), max_tokens=24, verbose=False)
+        for p in PROMPTS] if greedy else []
+    return np.array(chosen), answers
 
 
-def _compare(path):
-    float32, quant = _answers(path, "float32"), _answers(path, "quantized")
+def _compare(path, greedy=True):
+    float32, quant = _answers(path, "float32", greedy), _answers(path, "quantized", greedy)
     change = np.abs(float32[0] - quant[0])
     same = sum(a == b for a, b in zip(float32[1], quant[1]))
     return change, same
@@ -244,7 +244,7 @@ def test_the_default_models_log_probabilities_stay_close(model_path):
     most); the bound is twice that. Its greedy answers match float32's on only
     2-5 of the 8 prompts (near-ties flip after a few tokens), so they are
     compared on the real agent model below."""
-    change, _ = _compare(model_path)
+    change, _ = _compare(model_path, greedy=False)
     assert change.mean() < 0.11 and change.max() < 0.75
 
 
@@ -252,7 +252,7 @@ def test_the_default_models_log_probabilities_stay_close(model_path):
 @pytest.mark.skipif(not FEATURE.on, reason=f"quantized kernels off: {FEATURE}")
 def test_the_agent_models_answers_stay_those_of_float32(qwen_path):
     """Qwen2.5-Coder-0.5B (from its Q4_K_M GGUF): greedy answers equal those of
-    the same weights in float32 on most prompts (8 of 8 here), and the reference
+    the same weights in float32 on most prompts (8 of 8 here, 24 tokens), and the reference
     text's per-token log-probabilities, decoding, move by < 0.05 on average and
     < 0.5 at most (0.017 and 0.14 here: about three times as much room)."""
     change, same = _compare(qwen_path)
