@@ -115,6 +115,15 @@ def tierlm_backend(start: dict) -> dict | None:
     return engine.get("backend") if isinstance(engine, dict) else None
 
 
+def _measured(args, server, tokenizer, spec, rnd: int, results: list[dict], concurrency: int, phase: str,
+              **run_args) -> dict:
+    """One workload run against a started server, kept in `results`; its summary."""
+    run = runs.run_one(args, server.base_url, tokenizer, concurrency, **run_args)
+    run.update(server=spec.name, round=rnd, phase=phase)
+    results.append(run)
+    return run["summary"]
+
+
 def run_compare(args, command: str) -> int:
     """`tierlm bench compare`; `command`: the command line, for the result file."""
     concurrencies = runs.concurrencies(args.concurrency)
@@ -134,21 +143,15 @@ def run_compare(args, command: str) -> int:
                          "warming_s": server.wait_warm()}
                 start["memory_after_load"] = server.memory()
                 for c in concurrencies:
-                    run = runs.run_one(args, server.base_url, tokenizer, c, label=spec.name)
-                    run.update(server=spec.name, round=rnd, phase="streams")
-                    results.append(run)
-                    s = run["summary"]
+                    s = _measured(args, server, tokenizer, spec, rnd, results, c, "streams", label=spec.name)
                     console.print(
                         f"  {spec.name} c={c}: {s['output_tok_s']:.1f} out tok/s, "
                         f"TTFT p50 {ms(s['ttft_s']['p50'])} ms, ITL p50 {ms(s['itl_s']['p50'])} ms, "
                         f"failed {s['failed']}"
                     )
                 if long_prompts is not None:
-                    run = runs.run_one(args, server.base_url, tokenizer, 1, label=f"{spec.name} long prompts",
-                                       workload=long_prompts)
-                    run.update(server=spec.name, round=rnd, phase="long-prompt")
-                    results.append(run)
-                    s = run["summary"]
+                    s = _measured(args, server, tokenizer, spec, rnd, results, 1, "long-prompt",
+                                  label=f"{spec.name} long prompts", workload=long_prompts)
                     console.print(
                         f"  {spec.name} {args.ttft_prompt_len}-token prompts: "
                         f"TTFT p50 {ms(s['ttft_s']['p50'])} ms, "

@@ -524,58 +524,61 @@ def _kept(t: GGUFTensor) -> mx.array:
     return array.astype(mx.bfloat16) if t.type_name == "BF16" else array
 
 
+def _converted_one_by_one(tensors: list[GGUFTensor], spec: _Arch, progress: Progress, stage: str, convert):
+    """Each stored (not derived) tensor under its MLX name through
+    `convert(tensor, name)`, evaluated as it comes (one tensor's floats in memory
+    at a time), with progress by values converted; the MLX weights."""
+    weights: dict[str, mx.array] = {}
+    total = sum(int(np.prod(t.shape)) for t in tensors)
+    done = 0
+    for t in tensors:
+        if _is_derived(t.name):
+            continue
+        converted = convert(t, _rename(t.name, spec.layer_names))
+        mx.eval(list(converted.values()))
+        weights.update(converted)
+        done += int(np.prod(t.shape))
+        progress(stage, done, total)
+    return weights
+
+
 def affine_weights(tensors: list[GGUFTensor], spec: _Arch,
                    progress: Progress) -> tuple[dict[str, mx.array], dict | None]:
     """Each quantized matrix as MLX affine, group size 32, in the fewest bits that
     hold its GGUF type (gguf_affine); float tensors as the file has them; a
     quantized tensor of another shape dequantized as `bits=8` would (bfloat16)."""
-    weights: dict[str, mx.array] = {}
-    total = sum(int(np.prod(t.shape)) for t in tensors)
-    done = 0
-    for t in tensors:
-        if _is_derived(t.name):
-            continue
-        name = _rename(t.name, spec.layer_names)
+    def convert(t: GGUFTensor, name: str) -> dict[str, mx.array]:
         if spec.norm_shift and name.endswith("norm.weight"):  # float32 once the shift is off
             shifted = t.to_float32() - np.float32(spec.norm_shift)
-            converted = {name: mx.array(shifted)} if t.type_name in FLOAT_TYPES else to_mlx(name, shifted, 8)
-        elif t.type_name in FLOAT_TYPES:
-            converted = {name: _kept(t)}
-        elif convertible(t):
+            return {name: mx.array(shifted)} if t.type_name in FLOAT_TYPES else to_mlx(name, shifted, 8)
+        if t.type_name in FLOAT_TYPES:
+            return {name: _kept(t)}
+        if convertible(t):
             affine = to_affine(t)
             module = name.removesuffix(".weight")
-            converted = {f"{module}.weight": affine.weight, f"{module}.scales": affine.scales,
-                         f"{module}.biases": affine.biases}
-        else:  # not a matrix of whole groups: what bits=8 makes of it
-            converted = to_mlx(name, t.to_float32(), 8)
-        mx.eval(list(converted.values()))
-        weights.update(converted)
-        done += int(np.prod(t.shape))
-        progress("converting to MLX affine (group size 32)", done, total)
+            return {f"{module}.weight": affine.weight, f"{module}.scales": affine.scales,
+                    f"{module}.biases": affine.biases}
+        return to_mlx(name, t.to_float32(), 8)  # not a matrix of whole groups: what bits=8 makes of it
+
+    weights = _converted_one_by_one(tensors, spec, progress, "converting to MLX affine (group size 32)", convert)
     return weights, affine_quantization(weights)
 
 
 def dequantized_weights(tensors: list[GGUFTensor], spec: _Arch, bits: int,
                         progress: Progress) -> tuple[dict[str, mx.array], dict | None]:
-    weights: dict[str, mx.array] = {}
     overrides: dict[str, int] = {}
-    total = sum(int(np.prod(t.shape)) for t in tensors)
-    done = 0
-    for t in tensors:
-        if _is_derived(t.name):
-            continue
-        name = _rename(t.name, spec.layer_names)
+
+    def convert(t: GGUFTensor, name: str) -> dict[str, mx.array]:
         values = t.to_float32()
         if spec.norm_shift and name.endswith("norm.weight"):
             values = values - np.float32(spec.norm_shift)
         converted = to_mlx(name, values, t.bits_for(bits))
         if name.removesuffix(".weight") + ".scales" in converted:
             overrides[name.removesuffix(".weight")] = t.bits_for(bits)
-        mx.eval(list(converted.values()))
-        weights.update(converted)
-        done += values.size
-        progress(f"converting to {'bfloat16' if bits == 16 else f'{bits}-bit'}", done, total)
-    return weights, quantization_config(bits, overrides)
+        return converted
+
+    stage = f"converting to {'bfloat16' if bits == 16 else f'{bits}-bit'}"
+    return _converted_one_by_one(tensors, spec, progress, stage, convert), quantization_config(bits, overrides)
 
 
 def logging_progress(logger: logging.Logger) -> Progress:
