@@ -7,7 +7,7 @@ What is in it: the sgemm route (sgemm_route.c), AMX weight tiles and their
 products (amx_bf16.c), attention's fixed-order products (exact_gemm.c, shared
 over the cores by threads.c), the row softmax (with or without a mask) and
 log-sum-exp (softmax.c), SwiGLU and GELU (swiglu.c), MLX's quantized matmul
-(qgemm.c); counters.h counts the
+(qgemm.c, with qgemm_avx512.c and unpack.h); counters.h counts the
 calls each of them serves, which the self-check and the tests read.
 
 Built the first time a model is loaded on MLX's CPU backend, never on import.
@@ -26,8 +26,8 @@ from pathlib import Path
 
 HERE = Path(__file__).parent / "native"
 SOURCES = [HERE / name for name in ("sgemm_route.c", "amx_bf16.c", "exact_gemm.c", "softmax.c", "swiglu.c", "qgemm.c",
-                                        "threads.c")]
-HEADERS = [HERE / "exp512.h", HERE / "counters.h", HERE / "threads.h"]
+                                        "qgemm_avx512.c", "threads.c")]
+HEADERS = [HERE / "exp512.h", HERE / "counters.h", HERE / "threads.h", HERE / "unpack.h"]
 
 # The order of counters.h's enum: what each tierlm_counts slot counts.
 COUNTERS = ("sgemm", "sgemm_amx", "sgemm_exact", "sgemm_gemv", "sgemm_blas", "softmax", "swiglu", "logsumexp", "gelu",

@@ -3,11 +3,19 @@
 MLX's CPU `quantized_matmul` computes one element at a time (~1 GB/s of
 weights here), so the CPU fast path used to run every model in float32: four to
 eight times the memory, and decode bound by reading it. native/qgemm.c computes
-the same product as llama.cpp computes its quantized ones: the activations are
-quantized to int8 per 32 values and each block is an integer dot product
-(vpdpbusd where the CPU has VNNI, vpmaddubsw with AVX2), on the weights as MLX
-stores them (affine, 4, 5 or 8 bits, groups of 32, 64 or 128). Every row has
-the same bits alone or batched.
+the same product on the weights as MLX stores them (affine, 4, 5 or 8 bits,
+groups of 32, 64 or 128):
+
+- with AVX-512 (qgemm_avx512.c), in float32: each block of weights is unpacked
+  in registers and multiplied into the float activations; a prompt's (or a
+  large batch's) weights are dequantized once into cache-sized panels;
+- with AVX-VNNI or AVX2, as llama.cpp computes its quantized products: the
+  activations are quantized to int8 per 32 values and each block is an integer
+  dot product (vpdpbusd, vpmaddubsw), which on 8-lane CPUs costs half the
+  instructions of its float form;
+- anywhere else, the same integer products in plain C.
+
+Every row has the same bits alone or batched.
 
 native/qmm_hook.cpp puts it behind MLX's own operation: `install()` builds it
 against the installed mlx package's headers, writes its function into the slot
@@ -19,7 +27,7 @@ must be float32 for it: weights.py converts them when it keeps a model
 quantized.
 
 TIERLM_QUANT_KERNEL picks the path: auto (the fastest the CPU reports),
-avx512-vnni, avx-vnni, avx2, portable (plain C, any CPU), or off (MLX's own).
+avx512, avx-vnni, avx2, portable (plain C, any CPU), or off (MLX's own).
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ from tierlm.backends.cpu.route import Feature
 
 HOOK_SOURCE = native.HERE / "qmm_hook.cpp"
 # qgemm.c's path numbers, fastest first, by the names TIERLM_QUANT_KERNEL takes
-PATHS = {"avx512-vnni": 3, "avx-vnni": 2, "avx2": 1, "portable": 0}
+PATHS = {"avx512": 3, "avx-vnni": 2, "avx2": 1, "portable": 0}
+FLOAT_PATHS = ("avx512",)  # float32 activations; the others quantize them to int8 per 32 values
 NAMES = {number: name for name, number in PATHS.items()}
 BITS = (4, 5, 8)  # what qgemm.c multiplies; MLX's own code takes the rest
 GROUP_SIZES = (32, 64, 128)

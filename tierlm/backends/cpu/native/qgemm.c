@@ -1,7 +1,17 @@
-/* MLX's affine-quantized matmul (4, 5 and 8 bits), as llama.cpp computes its
- * quantized products: the activations are quantized to int8 per block of 32
- * values, each block's product with the weights is an integer dot product
- * (vpmaddubsw with AVX2, vpdpbusd with VNNI), scaled back in float.
+/* MLX's affine-quantized matmul (4, 5 and 8 bits) on weights that stay packed
+ * in memory; `tierlm_qmm` is what the hook (qmm_hook.cpp) calls.
+ *
+ * Paths, chosen at run time by what the CPU reports (tierlm_qmm_select can name
+ * one, for tests and benchmarks):
+ *   - AVX-512: float32 products of the weights unpacked in registers
+ *     (qgemm_avx512.c);
+ *   - AVX-VNNI and AVX2+FMA: this file's integer products, computed as llama.cpp
+ *     computes its quantized ones: the activations are quantized to int8 per
+ *     block of 32 values, each block's product with the weights is an integer
+ *     dot product (vpmaddubsw with AVX2, vpdpbusd with VNNI), scaled back in
+ *     float. With 8 lanes of float32 a block costs twice the instructions of
+ *     its integer product, so for these CPUs the integers are the faster form;
+ *   - portable C that any CPU runs (the integer products).
  *
  *   out[m][n] = sum_k x[m][k] * (scale[n][k/g] * q[n][k] + bias[n][k/g])
  *             = sum_g scale[n][g] * sum_{b in g} d[m][b] * ((q - c) . xq[m][b])
@@ -10,13 +20,9 @@
  * with xq = round(x / d), d = max|x| / 127 per 32-value block, xsum the exact
  * float sum of x over the group, and c = 2^(bits-1) the centre of q. The weights
  * are read as MLX stores them (a transposed N x K matrix, each row an LSB-first
- * bitstream of K values), the scales and biases as float32 (N x K/g). Each
- * output element is computed by one thread in one order whatever M or the split,
- * so batching changes no bit.
- *
- * Paths, chosen at run time by what the CPU reports (tierlm_qmm_select can name
- * one, for tests and benchmarks): AVX-512 VNNI or AVX-VNNI (256-bit),
- * AVX2+FMA, and portable C that any CPU runs. */
+ * bitstream of K values), the scales and biases as float32 (N x K/g). On every
+ * path each output element is computed by one thread in one order whatever M or
+ * the split, so batching changes no bit. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -25,10 +31,15 @@
 
 #include "counters.h"
 #include "threads.h"
+#include "unpack.h"
 
 #define BLOCK 32
 
-enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX_VNNI = 2, PATH_AVX512_VNNI = 3 };
+enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX_VNNI = 2, PATH_AVX512 = 3 };
+
+/* qgemm_avx512.c */
+void tierlm_qmm_avx512(const float *x, long M, long K, const void *w, const float *scales, const float *biases,
+                       long N, int bits, int group, float *out);
 
 static int path_in_use = -1;
 
@@ -38,9 +49,7 @@ int tierlm_qmm_available(int path) {
     case PATH_SCALAR: return 1;
     case PATH_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case PATH_AVX_VNNI: return tierlm_qmm_available(PATH_AVX2) && __builtin_cpu_supports("avxvnni");
-    case PATH_AVX512_VNNI:
-      return tierlm_qmm_available(PATH_AVX2) && __builtin_cpu_supports("avx512vnni") &&
-             __builtin_cpu_supports("avx512vl");
+    case PATH_AVX512: return tierlm_qmm_available(PATH_AVX2) && __builtin_cpu_supports("avx512f");
   }
   return 0;
 }
@@ -51,7 +60,7 @@ int tierlm_qmm_select(int path) {
     if (!tierlm_qmm_available(path)) return -1;
     path_in_use = path;
   } else {
-    path_in_use = tierlm_qmm_available(PATH_AVX512_VNNI) ? PATH_AVX512_VNNI
+    path_in_use = tierlm_qmm_available(PATH_AVX512)     ? PATH_AVX512
                   : tierlm_qmm_available(PATH_AVX_VNNI) ? PATH_AVX_VNNI
                   : tierlm_qmm_available(PATH_AVX2)     ? PATH_AVX2
                                                         : PATH_SCALAR;
@@ -172,42 +181,6 @@ static inline int value_at(const uint8_t *row, int bits, long k) {
   return (window >> (bit & 7)) & ((1 << bits) - 1);
 }
 
-/* ---- AVX2 / VNNI: one 32-value weight block decoded to 32 bytes ---------- */
-
-/* 16 bytes hold 32 nibbles: low nibbles (even values) in the low half, high in the high half. */
-static inline TARGET __m256i decode4(const uint8_t *p) {
-  __m128i packed = _mm_loadu_si128((const __m128i *)p);
-  __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-/* 20 bytes hold 32 values of 5 bits at bit 5i. Each 16-bit lane takes the two
- * bytes around its value (pshufb), a multiply by 2^(8-r) moves its bits to 8..12
- * (AVX2 has no per-lane 16-bit shift), >> 8 brings them down; values 0-7 and
- * 16-23 come out of one register, 8-15 and 24-31 of the other, and packing
- * interleaves them back into order. */
-static inline TARGET __m256i decode5(const uint8_t *p) {
-  /* low 128 bits: bytes 0-15 (values 0-15); high: bytes 4-19 (values 16-31 at 6-15) */
-  __m256i bytes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
-                                          _mm_loadu_si128((const __m128i *)(p + 4)), 1);
-  /* value j of a chunk of 8 starting at byte c: bytes c + (5j >> 3) and the next */
-#define PAIRS(c) c, c + 1, c, c + 1, c + 1, c + 2, c + 1, c + 2, c + 2, c + 3, c + 3, c + 4, c + 3, c + 4, c + 4, -1
-  const __m256i first = _mm256_setr_epi8(PAIRS(0), PAIRS(6));   /* values 0-7; 16-23 at bytes 10-14 */
-  const __m256i second = _mm256_setr_epi8(PAIRS(5), PAIRS(11)); /* values 8-15; 24-31 at bytes 15-19 */
-#undef PAIRS
-  /* the shift of value j is 5j & 7: 0 5 2 7 4 1 6 3; multiply by 2^(8 - shift) */
-  const __m256i up = _mm256_setr_epi16(256, 8, 64, 2, 16, 128, 4, 32, 256, 8, 64, 2, 16, 128, 4, 32);
-  __m256i lo = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(bytes, first), up), 8);
-  __m256i hi = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(bytes, second), up), 8);
-  return _mm256_and_si256(_mm256_packus_epi16(lo, hi), _mm256_set1_epi8(0x1F));
-}
-
-static inline __attribute__((always_inline)) TARGET __m256i decode(const uint8_t *p, int bits) {
-  if (bits == 4) return decode4(p);
-  if (bits == 5) return decode5(p);
-  return _mm256_loadu_si256((const __m256i *)p);
-}
-
 /* sum of w[i] * q[i] in 8 int32 lanes with vpmaddubsw: 8-bit weights as w - 128
  * (unsigned ones would overflow its int16 pairs), narrower ones as they are. */
 static inline __attribute__((always_inline)) TARGET __m256i dot_avx2(__m256i w, __m256i q, int bits) {
@@ -239,7 +212,7 @@ static inline __attribute__((always_inline)) TARGET __m256i dot_avx2(__m256i w, 
       for (share += lines; share >= blocks; share -= blocks, ahead += 64)                              \
         _mm_prefetch(ahead, _MM_HINT_T0);                                                              \
       for (int c = 0; c < C; c++) {                                                                    \
-        __m256i w = decode(wrow + c * row_bytes + b * step, bits);                                     \
+        __m256i w = unpack(wrow + c * row_bytes + b * step, bits);                                     \
         __m256 scale = _mm256_set1_ps(s[c * groups + g]);                                              \
         for (int r = 0; r < R; r++) {                                                                  \
           __m256i q = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + r) * K + b * BLOCK));          \
@@ -269,15 +242,12 @@ typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const float *s, con
   TILE(name##_1x8, isa, DOT, bits_, 1, 8) \
   TILE(name##_1x1, isa, DOT, bits_, 1, 1)
 
-/* vpdpbusd sums u8 x s8 products into int32 lanes without saturating. AVX-VNNI
- * encodes it with VEX, AVX-512 VNNI with EVEX: a CPU may have either, so both
- * are built. */
+/* vpdpbusd sums u8 x s8 products into int32 lanes without saturating (AVX-VNNI,
+ * VEX-encoded). */
 #define DOT_AVX2 dot_avx2(w, q, bits)
 #define DOT_AVXVNNI _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, q)
-#define DOT_AVX512VNNI _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, q)
 #define ISA_AVX2 "avx2,fma"
 #define ISA_AVXVNNI "avx2,fma,avxvnni"
-#define ISA_AVX512VNNI "avx2,fma,avx512f,avx512vl,avx512vnni"
 
 PRODUCTS(avx2_4, ISA_AVX2, DOT_AVX2, 4)
 PRODUCTS(avx2_5, ISA_AVX2, DOT_AVX2, 5)
@@ -285,9 +255,6 @@ PRODUCTS(avx2_8, ISA_AVX2, DOT_AVX2, 8)
 PRODUCTS(avxvnni_4, ISA_AVXVNNI, DOT_AVXVNNI, 4)
 PRODUCTS(avxvnni_5, ISA_AVXVNNI, DOT_AVXVNNI, 5)
 PRODUCTS(avxvnni_8, ISA_AVXVNNI, DOT_AVXVNNI, 8)
-PRODUCTS(avx512vnni_4, ISA_AVX512VNNI, DOT_AVX512VNNI, 4)
-PRODUCTS(avx512vnni_5, ISA_AVX512VNNI, DOT_AVX512VNNI, 5)
-PRODUCTS(avx512vnni_8, ISA_AVX512VNNI, DOT_AVX512VNNI, 8)
 
 typedef struct {
   tile_fn t4x2, t1x8, t1x1;
@@ -295,11 +262,10 @@ typedef struct {
 
 static tiles tiles_for(int path, int bits) {
 #define TILES(p) {p##_4x2, p##_1x8, p##_1x1}
-  static const tiles table[4][3] = {
+  static const tiles table[3][3] = {
       {{0}, {0}, {0}},
       {TILES(avx2_4), TILES(avx2_5), TILES(avx2_8)},
       {TILES(avxvnni_4), TILES(avxvnni_5), TILES(avxvnni_8)},
-      {TILES(avx512vnni_4), TILES(avx512vnni_5), TILES(avx512vnni_8)},
   };
 #undef TILES
   return table[path][bits == 4 ? 0 : bits == 5 ? 1 : 2];
@@ -396,6 +362,11 @@ void tierlm_qmm(const float *x, long M, long K, const void *w, const float *scal
                 int bits, int group, float *out) {
   if (path_in_use < 0) tierlm_qmm_select(-1);
   int path = path_in_use;
+  if (path == PATH_AVX512) {
+    tierlm_qmm_avx512(x, M, K, w, scales, biases, N, bits, group, out);
+    TIERLM_COUNT(COUNT_QMM);
+    return;
+  }
   long blocks = K / BLOCK, groups = K / group;
   size_t quantized = (size_t)(M * K + 63) & ~(size_t)63;
   char *buffer = malloc(quantized + sizeof(float) * M * (blocks + 2 * groups));

@@ -1,0 +1,226 @@
+/* MLX's affine-quantized matmul with AVX-512, in float32 (qgemm.c's fastest
+ * path; it calls tierlm_qmm_avx512 when the CPU has AVX-512F):
+ *
+ *   out[m][n] = sum_k x[m][k] * (scale[n][k/g] * q[n][k] + bias[n][k/g])
+ *
+ * Each 32-value block of a weight row is unpacked (unpack.h), turned into two
+ * vectors of 16 floats (q * scale + bias, one fused multiply-add) and multiplied
+ * into the accumulators of every activation row of its tile. A tile of R
+ * activation rows x C weight rows unpacks each block once for its R rows; with
+ * many activation rows (prompts, large batches) a block of weight rows is
+ * dequantized once into a panel that every tile of rows then reads, so the
+ * unpacking is paid once per product instead of once per R rows. The
+ * activations stay float32: the product is the dequantized weights' own.
+ *
+ * Every output element is one chain of fused multiply-adds over K in one order
+ * (16 lanes), then the same horizontal sum, whether its weights came unpacked
+ * or from a panel and whatever the tile or the split over the cores: a row has
+ * the same bits alone or batched. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "threads.h"
+#include "unpack.h"
+
+#define BLOCK 32
+#define LANES 16
+#define ISA __attribute__((target("avx2,fma,avx512f")))
+#define INLINE static inline __attribute__((always_inline)) ISA
+#define UNROLL _Pragma("GCC unroll 16")
+
+/* Where value i of a 32-block lands once unpacked (see unpack.h). */
+static inline int position(int bits, int i) { return bits == 4 ? (i & 1) * 16 + (i >> 1) : i; }
+
+/* Half v of an unpacked block as float32 q * scale + bias. */
+INLINE __m512 dequantized(__m256i u, int v, __m512 scale, __m512 bias) {
+  __m512i lanes = _mm512_cvtepu8_epi32(v ? _mm256_extracti128_si256(u, 1) : _mm256_castsi256_si128(u));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), scale, bias);
+}
+
+/* The lanes' sum, as one pairwise tree. */
+INLINE float lanes_sum(__m512 v) {
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/* x as the tiles read it: each R rows of a full tile block by block (block b
+ * of row r at (b * R + r) * 32 floats from the tile's first row), the rows after
+ * the last full tile as they are; each block's values in unpacked order. One
+ * pointer with constant offsets keeps a tile's loop in registers. */
+static float *pack_rows(const float *x, long M, long K, int bits, int R) {
+  float *packed = malloc(sizeof(float) * M * K);
+  long tiled = M / R * R;
+  for (long m = 0; m < M; m++) {
+    long m0 = m < tiled ? m / R * R : m, rows = m < tiled ? R : 1;
+    for (long b = 0; b < K / BLOCK; b++) {
+      float *to = packed + m0 * K + (b * rows + (m - m0)) * BLOCK;
+      for (int i = 0; i < BLOCK; i++) to[position(bits, i)] = x[m * K + b * BLOCK + i];
+    }
+  }
+  return packed;
+}
+
+/* sum_k w[c][k] x[r][k] for R activation rows (x, packed) times C weight rows,
+ * into out[r * C + c]. The weights come either packed, from wrow (row_bytes
+ * apart, unpacked here block by block, the next tile's rows prefetched a share a
+ * block), or (PANEL) dequantized, from panel (K floats apart). `bits` is a
+ * constant in each instance. */
+#define TILE_BODY(R, C, PANEL)                                                                           \
+  long per_group = group / BLOCK, step = BLOCK * bits / 8, groups = K / group, blocks = K / BLOCK;      \
+  const char *ahead = (const char *)wrow + C * row_bytes; /* a prefetch past the end never faults */    \
+  long lines = (C * row_bytes + 63) / 64, share = 0;                                                     \
+  __m512 acc[R][C];                                                                                      \
+  UNROLL for (int r = 0; r < R; r++) UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps(); \
+  for (long g = 0, b = 0; g < groups; g++) {                                                             \
+    __m512 scale[C], bias_of[C];                                                                         \
+    UNROLL for (int c = 0; c < C; c++) if (!PANEL) {                                                     \
+      scale[c] = _mm512_set1_ps(s[c * groups + g]);                                                      \
+      bias_of[c] = _mm512_set1_ps(bias[c * groups + g]);                                                 \
+    }                                                                                                    \
+    for (long bb = 0; bb < per_group; bb++, b++, x += R * BLOCK) {                                       \
+      __m256i u[C];                                                                                      \
+      if (!PANEL) {                                                                                      \
+        for (share += lines; share >= blocks; share -= blocks, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0); \
+        UNROLL for (int c = 0; c < C; c++) u[c] = unpack(wrow + c * row_bytes + b * step, bits);         \
+      }                                                                                                  \
+      UNROLL for (int v = 0; v < BLOCK / LANES; v++) {                                                   \
+        __m512 w[C];                                                                                     \
+        UNROLL for (int c = 0; c < C; c++)                                                               \
+          w[c] = PANEL ? _mm512_loadu_ps(panel + c * K + b * BLOCK + v * LANES)                          \
+                       : dequantized(u[c], v, scale[c], bias_of[c]);                                     \
+        UNROLL for (int r = 0; r < R; r++) {                                                             \
+          __m512 xv = _mm512_loadu_ps(x + r * BLOCK + v * LANES);                                        \
+          UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(w[c], xv, acc[r][c]);           \
+        }                                                                                                \
+      }                                                                                                  \
+    }                                                                                                    \
+  }                                                                                                      \
+  UNROLL for (int r = 0; r < R; r++) UNROLL for (int c = 0; c < C; c++) out[r * C + c] = lanes_sum(acc[r][c]);
+
+typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const float *s, const float *bias,
+                        const float *panel, const float *x, long K, int group, float *out);
+
+#define TILE(name, bits_, R, C, PANEL)                                                                  \
+  static ISA void name(const uint8_t *wrow, long row_bytes, const float *s, const float *bias,          \
+                       const float *panel, const float *x, long K, int group, float *out) {             \
+    const int bits = bits_;                                                                             \
+    TILE_BODY(R, C, PANEL)                                                                              \
+  }
+
+/* `rows` weight rows from wrow dequantized into panel (K floats a row, each
+ * block's values in unpacked order): the values TILE_BODY computes. */
+typedef void (*dequantize_fn)(const uint8_t *wrow, long row_bytes, const float *s, const float *bias, long K,
+                              int group, long rows, float *panel);
+
+#define DEQUANTIZE(name, bits_)                                                                          \
+  static ISA void name(const uint8_t *wrow, long row_bytes, const float *s, const float *bias, long K,    \
+                       int group, long rows, float *panel) {                                             \
+    const int bits = bits_;                                                                              \
+    long groups = K / group, step = BLOCK * bits / 8;                                                    \
+    for (long c = 0; c < rows; c++)                                                                      \
+      for (long b = 0; b < K / BLOCK; b++) {                                                             \
+        long g = b * BLOCK / group;                                                                      \
+        __m512 scale = _mm512_set1_ps(s[c * groups + g]), shift = _mm512_set1_ps(bias[c * groups + g]);  \
+        __m256i u = unpack(wrow + c * row_bytes + b * step, bits);                                       \
+        UNROLL for (int v = 0; v < BLOCK / LANES; v++)                                                   \
+          _mm512_storeu_ps(panel + c * K + b * BLOCK + v * LANES, dequantized(u, v, scale, shift));      \
+      }                                                                                                  \
+  }
+
+/* The tiles: R x C (prompts and batches; 4 x 4 keeps 16 accumulators, 4
+ * weight vectors and the scales in the 32 registers), R x 1 (the columns those
+ * leave), 1 x 8 (one row: eight independent chains), 1 x 1 (what is left), and
+ * the panel's dequantizer. */
+#define R 4
+#define C 4
+#define WIDTH(b)                        \
+  TILE(big_##b, b, R, C, 0)             \
+  TILE(rx1_##b, b, R, 1, 0)             \
+  TILE(one_by_8_##b, b, 1, 8, 0)        \
+  TILE(one_by_1_##b, b, 1, 1, 0)        \
+  DEQUANTIZE(dequantize_##b, b)
+WIDTH(4)
+WIDTH(5)
+WIDTH(8)
+TILE(panel_tile, 8, R, C, 1) /* reads floats: the same for every width */
+
+typedef struct {
+  tile_fn big, rx1, one_by_8, one_by_1;
+  dequantize_fn dequantize;
+} tiles;
+
+static tiles tiles_for(int bits) {
+  static const tiles table[3] = {
+      {big_4, rx1_4, one_by_8_4, one_by_1_4, dequantize_4},
+      {big_5, rx1_5, one_by_8_5, one_by_1_5, dequantize_5},
+      {big_8, rx1_8, one_by_8_8, one_by_1_8, dequantize_8},
+  };
+  return table[bits == 4 ? 0 : bits == 5 ? 1 : 2];
+}
+
+/* ---- the product, shared over the cores by output columns ---------------- */
+
+typedef struct {
+  long M, K, N;
+  int bits, group;
+  const uint8_t *w;
+  const float *scales, *biases, *x;
+  float *out;
+} job;
+
+/* Tile (m0, n0) of rows x columns outputs; panel: the dequantized weight rows from n0, or NULL. */
+static void tile_at(const job *j, tile_fn tile, int rows, int columns, long m0, long n0, const float *panel) {
+  long groups = j->K / j->group, row_bytes = j->K * j->bits / 8;
+  float got[R * C > 8 ? R * C : 8];
+  tile(j->w + n0 * row_bytes, row_bytes, j->scales + n0 * groups, j->biases + n0 * groups, panel,
+       j->x + m0 * j->K, j->K, j->group, got);
+  for (int r = 0; r < rows; r++)
+    for (int c = 0; c < columns; c++) j->out[(m0 + r) * j->N + n0 + c] = got[r * columns + c];
+}
+
+#define PANEL_ROWS 16      /* from this many activation rows, weights are dequantized into panels */
+#define PANEL_FLOATS 65536 /* a panel's size: it stays in the core's cache while the tiles sweep it */
+#define COLUMNS 48         /* weight rows fewer activation rows sweep together, straight from the packing */
+
+/* Output columns [first, last) of every activation row: R x C tiles over a
+ * block of weight rows at a time, the columns they leave by R x 1, the rows
+ * they leave by 1 x 8 and 1 x 1. */
+static void columns_of(void *arg, int part, int parts) {
+  const job *j = arg;
+  tiles t = tiles_for(j->bits);
+  long first = j->N * part / parts, last = j->N * (part + 1) / parts, whole = first + (last - first) / C * C;
+  long tiled = j->M / R * R, groups = j->K / j->group, row_bytes = j->K * j->bits / 8;
+  long step = j->M >= PANEL_ROWS ? (PANEL_FLOATS / j->K / C + 1) * C : COLUMNS;
+  float *panel = j->M >= PANEL_ROWS ? malloc(sizeof(float) * step * j->K) : NULL;
+  for (long n0 = first; tiled && n0 < whole; n0 += step) {
+    long end = n0 + step < whole ? n0 + step : whole;
+    if (panel)
+      t.dequantize(j->w + n0 * row_bytes, row_bytes, j->scales + n0 * groups, j->biases + n0 * groups, j->K,
+                   j->group, end - n0, panel);
+    for (long m0 = 0; m0 < tiled; m0 += R)
+      for (long n = n0; n < end; n += C)
+        tile_at(j, panel ? panel_tile : t.big, R, C, m0, n, panel ? panel + (n - n0) * j->K : NULL);
+  }
+  free(panel);
+  for (long m0 = 0; m0 < tiled; m0 += R)
+    for (long n = whole; n < last; n++) tile_at(j, t.rx1, R, 1, m0, n, NULL);
+  for (long m = tiled; m < j->M; m++) {
+    long n = first;
+    for (; n + 8 <= last; n += 8) tile_at(j, t.one_by_8, 1, 8, m, n, NULL);
+    for (; n < last; n++) tile_at(j, t.one_by_1, 1, 1, m, n, NULL);
+  }
+}
+
+/* out (M x N) = x (M x K) times the quantized W (N x K) transposed. */
+void tierlm_qmm_avx512(const float *x, long M, long K, const void *w, const float *scales, const float *biases,
+                       long N, int bits, int group, float *out) {
+  float *packed = pack_rows(x, M, K, bits, R);
+  job j = {M, K, N, bits, group, w, scales, biases, packed, out};
+  /* a part per core, but not for products too small to share */
+  tierlm_parallel(columns_of, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
+  free(packed);
+}
