@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "counters.h"
+#include "threads.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -80,18 +81,35 @@ static void scale_row(float *row, long n, float factor) {
  * rest become 0. Masked columns (-inf) at a row's end are cut off the same way,
  * so a mask array (batched prefill) gives what "causal" gives alone. A row that
  * sees nothing (all -inf) becomes all 0. */
-void tierlm_softmax_rows(float *x, long rows, long cols, long causal) {
-  TIERLM_COUNT(COUNT_SOFTMAX);
-  for (long r = 0; r < rows; r++) {
-    float *row = x + r * cols;
-    long seen = causal > 0 ? cols - causal + r % causal + 1 : cols;
+typedef struct {
+  float *x;
+  long rows, cols, causal;
+  const unsigned char *mask;
+  long heads, length, mask_batch;
+} rows_job;
+
+/* Rows too few to be worth waking the other cores for stay on the caller's. */
+static int parts_for(long rows, long cols) { return rows < 2 || rows * cols < (1L << 15) ? 1 : 64; }
+
+static void softmax_part(void *arg, int part, int parts) {
+  const rows_job *j = arg;
+  for (long r = j->rows * part / parts; r < j->rows * (part + 1) / parts; r++) {
+    float *row = j->x + r * j->cols;
+    long seen = j->causal > 0 ? j->cols - j->causal + r % j->causal + 1 : j->cols;
     if (seen < 0) seen = 0;
     seen = last_seen(row, seen);
     float top = seen ? row_max(row, seen) : -INFINITY;
     if (top == -INFINITY) seen = 0;
     else scale_row(row, seen, 1.0f / exp_row(row, seen, top, 1));
-    memset(row + seen, 0, (cols - seen) * sizeof(float));
+    memset(row + seen, 0, (j->cols - seen) * sizeof(float));
   }
+}
+
+/* The rows are shared over the cores (threads.c), each row whole on one. */
+void tierlm_softmax_rows(float *x, long rows, long cols, long causal) {
+  TIERLM_COUNT(COUNT_SOFTMAX);
+  rows_job j = {x, rows, cols, causal, 0, 0, 0, 0};
+  tierlm_parallel(softmax_part, &j, parts_for(rows, cols));
 }
 
 /* tierlm_softmax_rows without `causal`, after the mask: the rows are (batch,
@@ -100,27 +118,34 @@ void tierlm_softmax_rows(float *x, long rows, long cols, long causal) {
  * shared); a 0 byte makes its score -inf first. The same as MLX's
  * where(mask, scores, -inf) followed by tierlm_softmax_rows, bit for bit, in one
  * pass less over the scores. */
-void tierlm_softmax_rows_masked(float *x, long rows, long cols, const unsigned char *mask, long heads, long length,
-                                long mask_batch) {
-  TIERLM_COUNT(COUNT_SOFTMAX);
+static void masked_softmax_part(void *arg, int part, int parts) {
+  const rows_job *j = arg;
   const __m512 masked = _mm512_set1_ps(-INFINITY);
-  for (long r = 0; r < rows; r++) {
-    float *row = x + r * cols;
-    long b = r / (heads * length), i = r % length;
-    const unsigned char *m = mask + (b * mask_batch * length + i) * cols;
-    long j = 0;
-    for (; j + 16 <= cols; j += 16) {
-      __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(m + j)));
-      _mm512_mask_storeu_ps(row + j, _mm512_cmpeq_epi32_mask(bytes, _mm512_setzero_si512()), masked);
+  long cols = j->cols;
+  for (long r = j->rows * part / parts; r < j->rows * (part + 1) / parts; r++) {
+    float *row = j->x + r * cols;
+    long b = r / (j->heads * j->length), i = r % j->length;
+    const unsigned char *m = j->mask + (b * j->mask_batch * j->length + i) * cols;
+    long c = 0;
+    for (; c + 16 <= cols; c += 16) {
+      __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(m + c)));
+      _mm512_mask_storeu_ps(row + c, _mm512_cmpeq_epi32_mask(bytes, _mm512_setzero_si512()), masked);
     }
-    for (; j < cols; j++)
-      if (!m[j]) row[j] = -INFINITY;
+    for (; c < cols; c++)
+      if (!m[c]) row[c] = -INFINITY;
     long seen = last_seen(row, cols);
     float top = seen ? row_max(row, seen) : -INFINITY;
     if (top == -INFINITY) seen = 0;
     else scale_row(row, seen, 1.0f / exp_row(row, seen, top, 1));
     memset(row + seen, 0, (cols - seen) * sizeof(float));
   }
+}
+
+void tierlm_softmax_rows_masked(float *x, long rows, long cols, const unsigned char *mask, long heads, long length,
+                                long mask_batch) {
+  TIERLM_COUNT(COUNT_SOFTMAX);
+  rows_job j = {x, rows, cols, 0, mask, heads, length, mask_batch};
+  tierlm_parallel(masked_softmax_part, &j, parts_for(rows, cols));
 }
 
 /* out[r] = log(sum_j exp(x[r][j])) over each of `rows` rows of `cols` floats:

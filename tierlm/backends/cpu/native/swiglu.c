@@ -5,6 +5,7 @@
  * ~3.7 ms a layer. kernels.py calls this on the evaluated gate and
  * up projections instead. Element by element, so batching changes no bit. */
 #include "counters.h"
+#include "threads.h"
 
 #if defined(__x86_64__)
 #pragma GCC push_options
@@ -12,15 +13,38 @@
 
 #include "exp512.h"
 
+typedef struct {
+  float *gate;
+  const float *x;
+  long n;
+} swiglu_job;
+
+/* Part `part` of `parts` of n elements, in whole vectors but for the last. */
+static void span_of(long n, int part, int parts, long *from, long *to) {
+  long vectors = (n + 15) / 16;
+  *from = vectors * part / parts * 16;
+  *to = vectors * (part + 1) / parts * 16;
+  if (*to > n) *to = n;
+}
+
+static void swiglu_part(void *arg, int part, int parts) {
+  const swiglu_job *j = arg;
+  const __m512 one = _mm512_set1_ps(1.0f);
+  long from, to;
+  span_of(j->n, part, parts, &from, &to);
+  for (long i = from; i < to; i += 16) {
+    __mmask16 lanes = to - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (to - i)) - 1);
+    __m512 g = _mm512_maskz_loadu_ps(lanes, j->gate + i);
+    __m512 sig = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_mask_storeu_ps(j->gate + i, lanes, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(lanes, j->x + i)));
+  }
+}
+
+/* Shared over the cores (threads.c) for a prompt's rows; each element on its own. */
 void tierlm_swiglu(float *gate, const float *x, long n) {
   TIERLM_COUNT(COUNT_SWIGLU);
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (long i = 0; i < n; i += 16) {
-    __mmask16 lanes = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-    __m512 g = _mm512_maskz_loadu_ps(lanes, gate + i);
-    __m512 sig = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    _mm512_mask_storeu_ps(gate + i, lanes, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(lanes, x + i)));
-  }
+  swiglu_job j = {gate, x, n};
+  tierlm_parallel(swiglu_part, &j, n < (1L << 15) ? 1 : 64);
 }
 
 /* GELU, tanh approximation (mlx.nn.gelu_approx: 0.5 x (1 + tanh(y)), y =
