@@ -67,7 +67,7 @@ static float *pack_rows(const float *x, long M, long K, int bits, int R) {
 /* sum_k w[c][k] x[r][k] for R activation rows (x, packed) times C weight rows,
  * into out[r * C + c]. The weights come either packed, from wrow (row_bytes
  * apart, unpacked here block by block, the next tile's rows prefetched a share a
- * block), or (PANEL) dequantized, from panel (K floats apart). `bits` is a
+ * block), or (PANEL) dequantized, from panel (see dequantize). `bits` is a
  * constant in each instance. */
 #define TILE_BODY(R, C, PANEL)                                                                           \
   long per_group = group / BLOCK, step = BLOCK * bits / 8, groups = K / group, blocks = K / BLOCK;      \
@@ -90,7 +90,7 @@ static float *pack_rows(const float *x, long M, long K, int bits, int R) {
       UNROLL for (int v = 0; v < BLOCK / LANES; v++) {                                                   \
         __m512 w[C];                                                                                     \
         UNROLL for (int c = 0; c < C; c++)                                                               \
-          w[c] = PANEL ? _mm512_loadu_ps(panel + c * K + b * BLOCK + v * LANES)                          \
+          w[c] = PANEL ? _mm512_loadu_ps(panel + (b * C + c) * BLOCK + v * LANES)                        \
                        : dequantized(u[c], v, scale[c], bias_of[c]);                                     \
         UNROLL for (int r = 0; r < R; r++) {                                                             \
           __m512 xv = _mm512_loadu_ps(x + r * BLOCK + v * LANES);                                        \
@@ -111,8 +111,10 @@ typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const float *s, con
     TILE_BODY(R, C, PANEL)                                                                              \
   }
 
-/* `rows` weight rows from wrow dequantized into panel (K floats a row, each
- * block's values in unpacked order): the values TILE_BODY computes. */
+/* `rows` weight rows from wrow (a multiple of C) dequantized into panel: the
+ * values TILE_BODY computes, each C rows block by block (block b of row c at
+ * (b * C + c) * 32 floats from the C rows' start, C * K floats a group), so a
+ * tile reads its weights as one stream, as it reads its activations. */
 typedef void (*dequantize_fn)(const uint8_t *wrow, long row_bytes, const float *s, const float *bias, long K,
                               int group, long rows, float *panel);
 
@@ -126,8 +128,9 @@ typedef void (*dequantize_fn)(const uint8_t *wrow, long row_bytes, const float *
         long g = b * BLOCK / group;                                                                      \
         __m512 scale = _mm512_set1_ps(s[c * groups + g]), shift = _mm512_set1_ps(bias[c * groups + g]);  \
         __m256i u = unpack(wrow + c * row_bytes + b * step, bits);                                       \
+        float *to = panel + c / C * C * K + (b * C + c % C) * BLOCK;                                     \
         UNROLL for (int v = 0; v < BLOCK / LANES; v++)                                                   \
-          _mm512_storeu_ps(panel + c * K + b * BLOCK + v * LANES, dequantized(u, v, scale, shift));      \
+          _mm512_storeu_ps(to + v * LANES, dequantized(u, v, scale, shift));                             \
       }                                                                                                  \
   }
 
