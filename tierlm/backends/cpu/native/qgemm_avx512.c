@@ -47,12 +47,27 @@ INLINE float lanes_sum(__m512 v) {
   return _mm_cvtss_f32(s);
 }
 
+/* A buffer of at least `floats` floats kept by the calling thread for its next
+ * call (a fresh one every product cost page faults: a decode step makes
+ * ~170 products); the pool's threads and MLX's live as long as the process. */
+static float *scratch(float **kept, size_t *capacity, size_t floats) {
+  if (floats > *capacity) {
+    free(*kept);
+    *kept = malloc(sizeof(float) * floats);
+    *capacity = floats;
+  }
+  return *kept;
+}
+
+static __thread float *packed_kept, *panel_kept;
+static __thread size_t packed_capacity, panel_capacity;
+
 /* x as the tiles read it: each R rows of a full tile block by block (block b
  * of row r at (b * R + r) * 32 floats from the tile's first row), the rows after
  * the last full tile as they are; each block's values in unpacked order. One
  * pointer with constant offsets keeps a tile's loop in registers. */
 static float *pack_rows(const float *x, long M, long K, int bits, int R) {
-  float *packed = malloc(sizeof(float) * M * K);
+  float *packed = scratch(&packed_kept, &packed_capacity, M * K);
   long tiled = M / R * R;
   for (long m = 0; m < M; m++) {
     long m0 = m < tiled ? m / R * R : m, rows = m < tiled ? R : 1;
@@ -198,7 +213,7 @@ static void columns_of(void *arg, int part, int parts) {
   long first = j->N * part / parts, last = j->N * (part + 1) / parts, whole = first + (last - first) / C * C;
   long tiled = j->M / R * R, groups = j->K / j->group, row_bytes = j->K * j->bits / 8;
   long step = j->M >= PANEL_ROWS ? (PANEL_FLOATS / j->K / C + 1) * C : COLUMNS;
-  float *panel = j->M >= PANEL_ROWS ? malloc(sizeof(float) * step * j->K) : NULL;
+  float *panel = j->M >= PANEL_ROWS ? scratch(&panel_kept, &panel_capacity, step * j->K) : NULL;
   for (long n0 = first; tiled && n0 < whole; n0 += step) {
     long end = n0 + step < whole ? n0 + step : whole;
     if (panel)
@@ -208,7 +223,6 @@ static void columns_of(void *arg, int part, int parts) {
       for (long n = n0; n < end; n += C)
         tile_at(j, panel ? panel_tile : t.big, R, C, m0, n, panel ? panel + (n - n0) * j->K : NULL);
   }
-  free(panel);
   for (long m0 = 0; m0 < tiled; m0 += R)
     for (long n = whole; n < last; n++) tile_at(j, t.rx1, R, 1, m0, n, NULL);
   for (long m = tiled; m < j->M; m++) {
@@ -225,5 +239,4 @@ void tierlm_qmm_avx512(const float *x, long M, long K, const void *w, const floa
   job j = {M, K, N, bits, group, w, scales, biases, packed, out};
   /* a part per core, but not for products too small to share */
   tierlm_parallel(columns_of, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
-  free(packed);
 }
