@@ -207,7 +207,7 @@ static void tile_at(const job *j, tile_fn tile, int rows, int columns, long m0, 
 
 /* Output columns [first, last) of every activation row: R x C tiles over a
  * block of weight rows at a time, the columns they leave by R x 1, the rows
-  * they leave by 1 x 4 and 1 x 1. */
+ * they leave by 1 x 4 and 1 x 1. */
 static void columns_of(void *arg, int part, int parts) {
   const job *j = arg;
   tiles t = tiles_for(j->bits);
