@@ -104,12 +104,22 @@ def test_both_ways_of_rebuilding_packed_blocks_continue_exactly(model):
         assert mx.allclose(expected, got, atol=1e-5).item(), way
 
 
-def test_a_file_gone_between_its_header_and_its_load_is_refused_not_raised(model, written):
+def test_a_file_gone_between_its_header_and_its_load_is_refused_not_raised(model, written, monkeypatch,
+                                                                          caplog):
     folder, tokens, _ = written
+    gone = chain_files(folder, tokens)[3]
+    real = block_file.check_header
+
+    def check_header_then_delete(head, size, key, *rest):
+        header = real(head, size, key, *rest)
+        if gone.stem == key.hex():
+            gone.unlink()  # its header passed; now MLX cannot open it
+        return header
+
+    monkeypatch.setattr(block_file, "check_header", check_header_then_delete)
     pc = cache_on(model, folder)
-    block = ssd_tier._Ahead(b"k" * 32, (), 0, None)
-    assert not pc.ssd._start_load(block)  # no file of that key: MLX cannot open it
-    assert block.error.startswith("unreadable") and block.arrays is None
+    assert pc.lookup(tokens).tokens == 3 * BLOCK
+    assert pc.ssd.snapshot_stats()["errors"] == 1 and "rejected (unreadable" in caplog.text
     pc.close()
 
 

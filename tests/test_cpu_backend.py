@@ -631,14 +631,17 @@ def test_a_collected_model_does_not_free_tiles_a_queued_graph_still_reads(model_
     """mlx-lm queues the next step with mx.async_eval; if the model is dropped
     meanwhile, its packed copies must outlive the products still running (this
     segfaulted when unpacking freed them at once)."""
-    import time
+    from conftest import wait_until
 
     from tierlm.models.loader import load_model
 
     model, _ = load_model(model_path, tokenizer=lambda: None)  # its tokenizer is not needed here
-    logits = model(mx.array([[(7 * i) % 1000 + 3 for i in range(1024)]]))  # many times the 0.2 s below
+    logits = model(mx.array([[(7 * i) % 1000 + 3 for i in range(1024)]]))  # hundreds of products
+    native_calls = lambda: sum(STATE.counts().values())  # the native kernels that ran or run now
+    before = native_calls()
     mx.async_eval(logits)
-    time.sleep(0.2)  # let the products start (a race: this can miss it, never fail falsely)
+    # dropped once the products have started (a race: the graph may end first, never fail falsely)
+    wait_until(lambda: native_calls() > before, timeout=60, interval=0.001)
     del model
     gc.collect()
     assert bool(mx.isfinite(logits).all().item())

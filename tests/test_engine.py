@@ -354,7 +354,7 @@ def test_requests_waiting_for_a_prefix_in_flight_take_it_from_the_cache(loaded):
         params = SamplingParams(max_tokens=3, temperature=0)
         a, b, c = (Request(engine.new_request_id(), prefix + [100 + i], params) for i in range(3))
         ca, cb, cc = engine.add_request(a), engine.add_request(b), engine.add_request(c)
-        waiting = lambda: len(engine.scheduler._deferred_keys)
+        waiting = engine.scheduler.waiting_for_prefix
         # A prefills 8 chunks, one a step; B and C wait all along: C is aborted while it waits
         await abort_on_the_worker(engine, c.request_id, lambda: waiting() == 2)
         outputs = []

@@ -17,8 +17,9 @@ import pytest
 from engine_testing import request, run, started
 from mlx_lm.generate import BatchGenerator
 
-from tierlm.engine import scheduler as scheduler_module
+from tierlm.engine.detokenizer import IncrementalText
 from tierlm.engine.request import FinishReason
+from tierlm.engine.scheduler import Scheduler
 
 # the watchdog's timeout where a test waits for it: long enough that no honest
 # step (a prefill of a batch of requests on a busy 2-core machine) is taken for a stall
@@ -121,14 +122,14 @@ def test_a_logits_processor_that_raises_fails_its_request_alone(loaded):
 
 def test_a_detokenizer_that_raises_fails_its_request_alone(loaded, monkeypatch):
     """A fault we cannot cause for real: the text of one request's token raises."""
+    real = IncrementalText.add
 
-    class Exploding(scheduler_module.IncrementalText):
-        def add(self, token: int) -> str:
-            if "<explode>" in self._stop:
-                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-            return super().add(token)
+    def add(self, token: int) -> str:
+        if self.watches_stops:  # the victim's text, the only one with a stop string
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(self, token)
 
-    monkeypatch.setattr(scheduler_module, "IncrementalText", Exploding)
+    monkeypatch.setattr(IncrementalText, "add", add)
 
     alone, victim, bystander = run(beside_a_bystander(loaded, 20, stop=["<explode>"]))
     assert victim.finish_reason == FinishReason.ERROR and "detokenizing failed" in victim.error
@@ -138,20 +139,21 @@ def test_a_detokenizer_that_raises_fails_its_request_alone(loaded, monkeypatch):
 @pytest.mark.slow  # its twin on the other detokenizer stays in the fast run
 def test_a_detokenizer_that_raises_on_the_fast_path_fails_its_request_alone(loaded, monkeypatch):
     """The same fault where the text of several tokens is made at once (a request
-    with no stop string: Scheduler._emit), the victim told apart by the leading
-    space it keeps. It may have made its tokens; it ends with an error."""
+    with no stop string: IncrementalText.add_many), the victim told apart by the
+    leading space it keeps. It may have made its tokens; it ends with an error."""
+    real_init, real_add_many = IncrementalText.__init__, IncrementalText.add_many
 
-    class Exploding(scheduler_module.IncrementalText):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.explodes = bool(args[3] if len(args) > 3 else kwargs.get("keep_leading_space"))
+    def init(self, detokenizer, stop, bytes_table=None, keep_leading_space=False):
+        real_init(self, detokenizer, stop, bytes_table, keep_leading_space)
+        self.explodes = keep_leading_space  # the victim's text
 
-        def add_many(self, tokens: list[int]) -> str:
-            if self.explodes:
-                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-            return super().add_many(tokens)
+    def add_many(self, tokens: list[int]) -> str:
+        if self.explodes:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real_add_many(self, tokens)
 
-    monkeypatch.setattr(scheduler_module, "IncrementalText", Exploding)
+    monkeypatch.setattr(IncrementalText, "__init__", init)
+    monkeypatch.setattr(IncrementalText, "add_many", add_many)
 
     alone, victim, bystander = run(beside_a_bystander(loaded, 20, keep_leading_space=True, ignore_eos=True))
     assert victim.finish_reason == FinishReason.ERROR and "detokenizing failed" in victim.error
@@ -217,21 +219,29 @@ def test_steps_that_keep_failing_make_the_engine_degraded_until_one_works(loaded
 @pytest.mark.slow  # waits out a watchdog
 def test_a_request_that_stops_progressing_is_ended_by_the_watchdog(loaded, monkeypatch):
     """A fault we cannot cause for real: the batch stops returning one request's tokens."""
-    real = BatchGenerator.next
+    real_insert, real_next = BatchGenerator.insert_segments, BatchGenerator.next
+    victim_max_tokens = 100_000  # tells the victim apart where the batch takes it in
+    victim_uids: list[int] = []
     starved: set[int] = set()
 
+    def insert_segments(self, segments, max_tokens=None, **kwargs):
+        uids = real_insert(self, segments, max_tokens, **kwargs)
+        victim_uids.extend(uid for uid, most in zip(uids, max_tokens or []) if most == victim_max_tokens)
+        return uids
+
     def next_(self):
-        prompts, tokens = real(self)
+        prompts, tokens = real_next(self)
         return prompts, [r for r in tokens if r.uid not in starved]
 
+    monkeypatch.setattr(BatchGenerator, "insert_segments", insert_segments)
     monkeypatch.setattr(BatchGenerator, "next", next_)
 
     async def go():
         engine = await started(loaded, stall_timeout_s=STALL_S)
-        victim = request(loaded, engine, max_tokens=100_000, ignore_eos=True)
+        victim = request(loaded, engine, max_tokens=victim_max_tokens, ignore_eos=True)
         collector = engine.add_request(victim)
         await collector.get()  # its first token: it is running
-        starved.add(engine.scheduler._uid_of[victim.request_id])
+        starved.update(victim_uids)
         beside = await engine.generate(request(loaded, engine, max_tokens=8))
         ended = await asyncio.wait_for(collector.get(), timeout=60)
         while not ended.finished:
@@ -247,14 +257,17 @@ def test_a_request_that_stops_progressing_is_ended_by_the_watchdog(loaded, monke
 
 @pytest.mark.slow  # waits out a watchdog
 def test_a_request_the_scheduler_loses_is_answered_by_the_watchdog(loaded, monkeypatch):
-    """A fault we cannot cause for real: admission drops a request on the floor."""
-    real = scheduler_module.Scheduler._admit
+    """A fault we cannot cause for real: the scheduler takes a request on (it is
+    live: the engine waits for its answer) and drops it on the floor."""
+    real = Scheduler.add_request
 
-    def admit(self):
-        self.waiting = type(self.waiting)(r for r in self.waiting if r.params.seed != 404)
-        real(self)
+    def add_request(self, incoming):
+        if incoming.params.seed == 404:
+            self.live.add(incoming.request_id)  # taken on, and never queued
+        else:
+            real(self, incoming)
 
-    monkeypatch.setattr(scheduler_module.Scheduler, "_admit", admit)
+    monkeypatch.setattr(Scheduler, "add_request", add_request)
 
     async def go():
         engine = await started(loaded, stall_timeout_s=2.0)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 
 import httpx
 import openai
 import pytest
 from conftest import start_server, stop_server, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from tierlm.models.random_model import PRESETS, make_random_model
 
@@ -59,6 +59,13 @@ def set_memory(srv, value: int) -> None:
     srv.memory.write_text(str(value))
 
 
+def waiting_for_memory(srv) -> float:
+    """How many requests wait out the pause now (/metrics)."""
+    text = httpx.get(srv.base_url + "/metrics", timeout=30).text
+    return next(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name == "tierlm:requests_waiting_for_memory")
+
+
 def test_soft_mark_unloads_idle_models_and_new_requests_wait_until_memory_drops(enforced):
     load(enforced, "tiny1")
     load(enforced, "tiny2")
@@ -71,10 +78,12 @@ def test_soft_mark_unloads_idle_models_and_new_requests_wait_until_memory_drops(
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             reply = pool.submit(lambda: enforced.client().chat.completions.create(
                 model="tiny0", messages=ASK, max_tokens=4, temperature=0))
-            time.sleep(1.0)  # long enough for it to have been served, were admission open
+            # it reached the pool, past everything that comes before a model is lent, and waits there
+            wait_until(lambda: waiting_for_memory(enforced) == 1)
             assert not reply.done(), "a new request waits while memory is above the soft mark"
             set_memory(enforced, LOW)
             assert reply.result(timeout=60).usage.completion_tokens > 0
+        assert waiting_for_memory(enforced) == 0
         assert "new requests start again" in enforced.log()
     finally:
         set_memory(enforced, LOW)

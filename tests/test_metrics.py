@@ -75,7 +75,8 @@ def test_names_and_types(srv):
         assert families[name].type == kind, name
     whole_process = ("tierlm:model_memory_budget_bytes", "tierlm:model_memory_used_bytes",
                      "tierlm:memory_soft_mark_bytes", "tierlm:memory_hard_mark_bytes",
-                     "tierlm:process_memory_bytes", "tierlm:requests_paused")
+                     "tierlm:process_memory_bytes", "tierlm:requests_paused",
+                     "tierlm:requests_waiting_for_memory")
     for name in ours - set(whole_process):  # a model label on each sample of the others
         assert all("model" in s.labels for s in families[name].samples), name
 

@@ -331,6 +331,8 @@ class TierlmCollector(Collector):
                                 value=pool.used_bytes())
         yield GaugeMetricFamily(PREFIX + "requests_paused", "1 while new requests wait for memory "
                                 "(above the soft mark)", value=1 if pool.paused else 0)
+        yield GaugeMetricFamily(PREFIX + "requests_waiting_for_memory", "new requests waiting now for "
+                                "memory to drop under the soft mark", value=pool.waiting_for_memory)
         enforcer = self.m.enforcer
         if enforcer is not None:
             soft, hard = pool.current.settings.memory_marks_bytes()

@@ -184,6 +184,12 @@ class Scheduler:
         self.live -= lost
         return sorted(lost)
 
+    def waiting_for_prefix(self) -> int:
+        """Worker thread: how many waiting requests hold off for a prefix another
+        request is computing now, their block keys kept for the next look-up (an
+        abort or their admission forgets them)."""
+        return len(self._deferred_keys)
+
     def take_outputs(self) -> list[RequestOutput]:
         """Everything produced since the last call, one output per request."""
         failed = {}

@@ -110,6 +110,7 @@ class ModelPool:
         self._estimates: dict[str, int] = {}  # model path -> what it took to load last time
         self.current: Any = None  # what its maker keeps beside it (the API: the settings in force)
         self.paused: str | None = None  # why new requests wait (the memory enforcer), or None
+        self.waiting_for_memory = 0  # requests waiting out a pause now
         self._resumed = asyncio.Event()
 
     # ---- names --------------------------------------------------------------
@@ -208,11 +209,14 @@ class ModelPool:
         if self.paused is None:
             return
         reason = self.paused
+        self.waiting_for_memory += 1
         try:
             await asyncio.wait_for(self._resumed.wait(), timeout=PAUSE_WAIT_S)
         except asyncio.TimeoutError:
             raise PoolError(503, f"the server is short of memory ({reason}); this request waited "
                             f"{PAUSE_WAIT_S:.0f} s for it to drop. Try again later", "memory_pressure") from None
+        finally:
+            self.waiting_for_memory -= 1
 
     def pause(self, reason: str) -> None:
         """New requests wait (acquire) until `resume`."""
