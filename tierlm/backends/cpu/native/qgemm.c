@@ -198,7 +198,7 @@ static inline __attribute__((always_inline)) TARGET __m256i dot_avx2(__m256i w, 
  * horizontal sum, whatever the tile: so a row's result has the same bits
  * whether it was computed alone or in a batch. `bits` is a constant in each
  * instance (see PRODUCTS). */
-#define TILE_BODY(DOT, R, C)                                                                           \
+#define TILE_BODY(DOT, R, C, PANEL)                                                                    \
   long blocks = K / BLOCK, per_group = group / BLOCK, step = BLOCK * bits / 8, groups = K / group;     \
   /* the next tile's weight rows, fetched a share a block while this one computes (a prefetch past \
    * the matrix's end never faults) */                                                                 \
@@ -209,10 +209,11 @@ static inline __attribute__((always_inline)) TARGET __m256i dot_avx2(__m256i w, 
     for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                                       \
   for (long g = 0, b = 0; g < groups; g++) {                                                           \
     for (long bb = 0; bb < per_group; bb++, b++) {                                                     \
-      for (share += lines; share >= blocks; share -= blocks, ahead += 64)                              \
+      for (share += lines; !PANEL && share >= blocks; share -= blocks, ahead += 64)                    \
         _mm_prefetch(ahead, _MM_HINT_T0);                                                              \
       for (int c = 0; c < C; c++) {                                                                    \
-        __m256i w = unpack(wrow + c * row_bytes + b * step, bits);                                     \
+        __m256i w = PANEL ? _mm256_loadu_si256((const __m256i *)(panel + (b * C + c) * BLOCK))         \
+                          : unpack(wrow + c * row_bytes + b * step, bits);                             \
         __m256 scale = _mm256_set1_ps(s[c * groups + g]);                                              \
         for (int r = 0; r < R; r++) {                                                                  \
           __m256i q = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + r) * K + b * BLOCK));          \
@@ -225,22 +226,43 @@ static inline __attribute__((always_inline)) TARGET __m256i dot_avx2(__m256i w, 
   for (int r = 0; r < R; r++)                                                                          \
     for (int c = 0; c < C; c++) out[r * C + c] = hsum(acc[r][c]);
 
-typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const float *s, const activations *a, long m0,
-                        long K, int group, float *out);
+typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const float *s, const uint8_t *panel,
+                        const activations *a, long m0, long K, int group, float *out);
 
-/* The tiles: 4 activation rows x 2 weight rows (batches), 1 x 8 (one row: eight
- * independent chains), 1 x 1 (what is left). */
-#define TILE(name, isa, DOT, bits_, R, C)                                                                  \
+/* The tiles: 4 activation rows x 2 weight rows (batches), the same reading
+ * unpacked weights from a panel (many activation rows), 1 x 8 (one row: eight
+ * independent chains), 1 x 1 (what is left); and what fills the panel. */
+#define TILE(name, isa, DOT, bits_, R, C, PANEL)                                                           \
   static __attribute__((target(isa))) void name(const uint8_t *wrow, long row_bytes, const float *s,        \
-                                                const activations *a, long m0, long K, int group,           \
-                                                float *out) {                                               \
+                                                const uint8_t *panel, const activations *a, long m0, long K, \
+                                                int group, float *out) {                                    \
     const int bits = bits_;                                                                                 \
-    TILE_BODY(DOT, R, C)                                                                                    \
+    TILE_BODY(DOT, R, C, PANEL)                                                                             \
   }
-#define PRODUCTS(name, isa, DOT, bits_)   \
-  TILE(name##_4x2, isa, DOT, bits_, 4, 2) \
-  TILE(name##_1x8, isa, DOT, bits_, 1, 8) \
-  TILE(name##_1x1, isa, DOT, bits_, 1, 1)
+
+/* `rows` weight rows (a multiple of 2) unpacked into panel as the 4 x 2 tile
+ * reads them: each 2 rows block by block (block b of row c at (2b + c) * 32
+ * bytes from the pair's start), one stream per tile. The same bytes `unpack`
+ * gives the other tiles, so the products are the same. */
+typedef void (*unpack_rows_fn)(const uint8_t *wrow, long row_bytes, long K, long rows, uint8_t *panel);
+
+#define UNPACK_ROWS(name, bits_)                                                                         \
+  static UNPACK_TARGET void name(const uint8_t *wrow, long row_bytes, long K, long rows, uint8_t *panel) { \
+    const int bits = bits_;                                                                              \
+    for (long c = 0; c < rows; c++)                                                                      \
+      for (long b = 0; b < K / BLOCK; b++)                                                               \
+        _mm256_storeu_si256((__m256i *)(panel + c / 2 * 2 * K + (b * 2 + c % 2) * BLOCK),                \
+                            unpack(wrow + c * row_bytes + b * BLOCK * bits / 8, bits));                  \
+  }
+UNPACK_ROWS(unpack_rows_4, 4)
+UNPACK_ROWS(unpack_rows_5, 5)
+UNPACK_ROWS(unpack_rows_8, 8)
+
+#define PRODUCTS(name, isa, DOT, bits_)           \
+  TILE(name##_4x2, isa, DOT, bits_, 4, 2, 0)      \
+  TILE(name##_4x2_panel, isa, DOT, bits_, 4, 2, 1) \
+  TILE(name##_1x8, isa, DOT, bits_, 1, 8, 0)      \
+  TILE(name##_1x1, isa, DOT, bits_, 1, 1, 0)
 
 /* vpdpbusd sums u8 x s8 products into int32 lanes without saturating (AVX-VNNI,
  * VEX-encoded). */
@@ -257,15 +279,16 @@ PRODUCTS(avxvnni_5, ISA_AVXVNNI, DOT_AVXVNNI, 5)
 PRODUCTS(avxvnni_8, ISA_AVXVNNI, DOT_AVXVNNI, 8)
 
 typedef struct {
-  tile_fn t4x2, t1x8, t1x1;
+  tile_fn t4x2, t4x2_panel, t1x8, t1x1;
+  unpack_rows_fn unpack_rows;
 } tiles;
 
 static tiles tiles_for(int path, int bits) {
-#define TILES(p) {p##_4x2, p##_1x8, p##_1x1}
+#define TILES(p, b) {p##_##b##_4x2, p##_##b##_4x2_panel, p##_##b##_1x8, p##_##b##_1x1, unpack_rows_##b}
   static const tiles table[3][3] = {
       {{0}, {0}, {0}},
-      {TILES(avx2_4), TILES(avx2_5), TILES(avx2_8)},
-      {TILES(avxvnni_4), TILES(avxvnni_5), TILES(avxvnni_8)},
+      {TILES(avx2, 4), TILES(avx2, 5), TILES(avx2, 8)},
+      {TILES(avxvnni, 4), TILES(avxvnni, 5), TILES(avxvnni, 8)},
   };
 #undef TILES
   return table[path][bits == 4 ? 0 : bits == 5 ? 1 : 2];
@@ -316,12 +339,13 @@ static float product_c(const job *j, long m, long n) {
   return total;
 }
 
-/* Tile (m0, n0) of R x C outputs: the products, then the groups' terms. */
-static void tile_at(const job *j, tile_fn tile, int R, int C, long m0, long n0) {
+/* Tile (m0, n0) of R x C outputs: the products, then the groups' terms;
+ * panel: the unpacked weight rows from n0, or NULL. */
+static void tile_at(const job *j, tile_fn tile, int R, int C, long m0, long n0, const uint8_t *panel) {
   long groups = j->K / j->group, row_bytes = j->K * j->bits / 8;
   float got[8];
   if (tile)
-    tile(j->w + n0 * row_bytes, row_bytes, j->scales + n0 * groups, j->a, m0, j->K, j->group, got);
+    tile(j->w + n0 * row_bytes, row_bytes, j->scales + n0 * groups, panel, j->a, m0, j->K, j->group, got);
   else
     got[0] = product_c(j, m0, n0);
   for (int r = 0; r < R; r++)
@@ -334,26 +358,41 @@ static void tile_at(const job *j, tile_fn tile, int R, int C, long m0, long n0) 
     }
 }
 
-#define COLUMNS 32 /* weight rows a batch's tiles sweep together: they stay in the core's cache */
+#define COLUMNS 32          /* weight rows a few activation rows' tiles sweep together, straight from the packing */
+#define PANEL_ROWS 16       /* from this many activation rows, weights are unpacked once into panels */
+#define PANEL_BYTES 262144  /* a panel's size: it stays in the core's cache while the tiles sweep it */
+
+static __thread uint8_t *panel_kept; /* a thread's panel, kept for its next product */
+static __thread long panel_capacity;
 
 /* Output columns [first, last) of every activation row: full 4 x 2 tiles, a
- * block of COLUMNS weight rows at a time for every four activation rows, then
- * the rows and columns they leave by 1 x 8 and 1 x 1. */
+ * block of weight rows at a time for every four activation rows (unpacked into
+ * a panel first when there are many activation rows), then the rows and
+ * columns they leave by 1 x 8 and 1 x 1. */
 static void rows_of(void *arg, int part, int parts) {
   const job *j = arg;
   long first = j->N * part / parts, last = j->N * (part + 1) / parts;
-  tiles t = j->path == PATH_SCALAR ? (tiles){0, 0, 0} : tiles_for(j->path, j->bits);
+  tiles t = j->path == PATH_SCALAR ? (tiles){0} : tiles_for(j->path, j->bits);
   long tiled = t.t4x2 ? j->M / 4 * 4 : 0, pairs = first + (last - first) / 2 * 2;
-  for (long n0 = first; tiled && n0 < pairs; n0 += COLUMNS) {
-    long end = n0 + COLUMNS < pairs ? n0 + COLUMNS : pairs;
-    for (long m0 = 0; m0 < tiled; m0 += 4)
-      for (long n = n0; n < end; n += 2) tile_at(j, t.t4x2, 4, 2, m0, n);
+  long row_bytes = j->K * j->bits / 8, many = tiled && j->M >= PANEL_ROWS;
+  long step = many ? (PANEL_BYTES / j->K / 2 + 1) * 2 : COLUMNS;
+  if (many && panel_capacity < step * j->K) {
+    free(panel_kept);
+    panel_kept = malloc(step * j->K);
+    panel_capacity = step * j->K;
   }
-  for (long m = 0; m < tiled && pairs < last; m++) tile_at(j, t.t1x1, 1, 1, m, pairs);
+  for (long n0 = first; tiled && n0 < pairs; n0 += step) {
+    long end = n0 + step < pairs ? n0 + step : pairs;
+    if (many) t.unpack_rows(j->w + n0 * row_bytes, row_bytes, j->K, end - n0, panel_kept);
+    for (long m0 = 0; m0 < tiled; m0 += 4)
+      for (long n = n0; n < end; n += 2)
+        tile_at(j, many ? t.t4x2_panel : t.t4x2, 4, 2, m0, n, many ? panel_kept + (n - n0) * j->K : NULL);
+  }
+  for (long m = 0; m < tiled && pairs < last; m++) tile_at(j, t.t1x1, 1, 1, m, pairs, NULL);
   for (long m = tiled; m < j->M; m++) {
     long n = first;
-    for (; t.t1x8 && n + 8 <= last; n += 8) tile_at(j, t.t1x8, 1, 8, m, n);
-    for (; n < last; n++) tile_at(j, t.t1x1, 1, 1, m, n);
+    for (; t.t1x8 && n + 8 <= last; n += 8) tile_at(j, t.t1x8, 1, 8, m, n, NULL);
+    for (; n < last; n++) tile_at(j, t.t1x1, 1, 1, m, n, NULL);
   }
 }
 
