@@ -150,7 +150,7 @@ def test_the_self_check_fails_once_the_slot_is_given_back():
         s = route.prepare()
         count = lambda: native.counts(s.lib)["sgemm"]
         before = route.self_check(count)[0]
-        route._restore()
+        route.restore_slots()
         after = route.self_check(count)
         print(json.dumps({"before": before, "after": after[0], "why": after[1]}))
     """)
@@ -280,8 +280,8 @@ def test_native_masked_softmax_is_where_then_softmax_bit_for_bit(batch, mask_bat
     mask[..., -1] = True
     mask[..., 2, :] = False  # a row that sees nothing
     mx.eval(scores, mask)
-    want = cpu_kernels._native_softmax(mx.where(mask, scores, -mx.inf), 0)
-    got = cpu_kernels._native_masked_softmax(mx.array(scores), mask)
+    want = cpu_kernels.native_softmax(mx.where(mask, scores, -mx.inf), 0)
+    got = cpu_kernels.native_masked_softmax(mx.array(scores), mask)
     assert np.array_equal(np.array(got).view(np.uint32), np.array(want).view(np.uint32))
 
 
@@ -293,9 +293,9 @@ def test_gelu_matches_mlx_and_runs_for_prefill_only(native, monkeypatch):
     if not native:
         x[0, 0, :4] = mx.array([-1e4, -60.0, 0.0, 1e4])  # exp(-2z) overflows to inf: 0, not nan
     want = nn.gelu_approx(x)
-    got = cpu_kernels._native_gelu(x) if native else cpu_kernels._numpy_gelu(x)
+    got = cpu_kernels.native_gelu(x) if native else cpu_kernels.numpy_gelu(x)
     assert got.dtype == mx.float32 and mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
-    proxy = cpu_kernels._ModelNn()
+    proxy = cpu_kernels.ModelNn()
     before = counts()
     assert mx.allclose(proxy.gelu_approx(x), want, rtol=1e-5, atol=1e-6).item()
     small = x[:1, :1]  # a decode step's activation: MLX's own
@@ -342,6 +342,8 @@ def test_packed_weight_multiplies_in_bfloat16_on_amx(rows):
 def test_a_packed_model_keeps_its_logits_and_frees_its_copies():
     """Through the backend's entry point: the copies are memory it reports, its
     layout tag changes the prefix cache's keys, and the products run on AMX."""
+    gc.collect()  # models other tests dropped: gone before the counts are taken
+    packed, prepared = cpu_amx.packed_models(), backends.prepared_models()
     model = tiny_model("llama")
     want = _logits_through_a_cache(model)
     mx.eval(want)  # before packing: MLX is lazy
@@ -349,8 +351,9 @@ def test_a_packed_model_keeps_its_logits_and_frees_its_copies():
     backend = backends.prepare(model, cpu_weights_dtype="stored", memory_bytes=2**40, cpu_kernels=False)
     assert backend.summary["amx_packed_weights"] == 2 * 7 + 1  # seven Linears a layer, and the tied embedding
     assert backends.describe(model) is backend
+    assert (cpu_amx.packed_models(), backends.prepared_models()) == (packed + 1, prepared + 1)
     assert parameter_layout(model) == layout + b" products: bfloat16 on AMX"  # other KV: other cache keys
-    assert backend.extra_bytes == sum(w.size * 2 for w in cpu_amx._matmul_weights(model))
+    assert backend.extra_bytes == sum(w.size * 2 for w in cpu_amx.matmul_weights(model))
     before = counts()
     got = _logits_through_a_cache(model)
     mx.eval(got)
@@ -358,11 +361,9 @@ def test_a_packed_model_keeps_its_logits_and_frees_its_copies():
     for w, g in zip(want, got):
         assert not mx.array_equal(g, w).item()
         assert mx.allclose(g, w, rtol=0.05, atol=0.05).item()
-    model_id = id(model)
     del model, backend
     gc.collect()
-    assert model_id not in cpu_amx._packed_bytes
-    assert model_id not in backends._by_model
+    assert (cpu_amx.packed_models(), backends.prepared_models()) == (packed, prepared)
 
 
 def test_fast_exp_is_close_to_exp_and_exactly_zero_far_below():
@@ -374,10 +375,10 @@ def test_fast_exp_is_close_to_exp_and_exactly_zero_far_below():
 
 
 def test_numpy_exp_softmax_is_exp_and_exactly_zero_far_below():
-    """The in-place exp of `_numpy_shifted_exp`: exp(x - row max), no denormals."""
+    """The in-place exp of `numpy_shifted_exp`: exp(x - row max), no denormals."""
     x = mx.concatenate([mx.linspace(-87, 0, 70_000), mx.array([-88.0, -100.0, -1e4, -mx.inf])])[None]
     mx.eval(x)
-    got = cpu_kernels._numpy_shifted_exp(x * 1)  # in place: a fresh array
+    got = cpu_kernels.numpy_shifted_exp(x * 1)  # in place: a fresh array
     assert mx.allclose(got[:, :70_000], mx.exp(x[:, :70_000]), rtol=1e-5, atol=0).item()  # fast_exp: 5e-5
     assert got[0, 70_000:].tolist() == [0.0, 0.0, 0.0, 0.0]  # exp(-88) would be a denormal
 
@@ -443,15 +444,15 @@ def test_native_logsumexp_matches_mlx_and_serves_mlx_lms_batch_step():
     logits[1, :] = -mx.inf  # a row that sees nothing
     logits[3, 500] = mx.nan  # a broken model's logits must not look fine
     want = mx.logsumexp(logits, axis=-1, keepdims=True)
-    got = cpu_kernels._native_logsumexp(logits)
+    got = cpu_kernels.native_logsumexp(logits)
     assert got.shape == (4, 1) and got[1, 0].item() == -np.inf and np.isnan(got[3, 0].item())
     assert mx.allclose(got[::2], want[::2], rtol=1e-6, atol=1e-5).item()
     generate = sys.modules["mlx_lm.generate"]
     model = tiny_model("llama")
     try:
         cpu_kernels.install(model)
-        assert isinstance(generate.mx, cpu_kernels._GenerateMx)
-        assert generate.mx.logsumexp is cpu_kernels._GenerateMx.logsumexp and generate.mx.arange is mx.arange
+        assert isinstance(generate.mx, cpu_kernels.GenerateMx)
+        assert generate.mx.logsumexp is cpu_kernels.GenerateMx.logsumexp and generate.mx.arange is mx.arange
         before = counts()
         gen = BatchGenerator(model, completion_batch_size=2)
         pending = set(gen.insert([[5, 6, 7], [8, 9]], max_tokens=[3, 3]))
@@ -468,7 +469,7 @@ def test_native_logsumexp_matches_mlx_and_serves_mlx_lms_batch_step():
 @needs_avx512
 def test_native_softmax_of_a_strided_array_works_on_a_copy():
     scores = mx.random.normal((1, 2, 5, 7)).transpose(0, 1, 3, 2)  # not row-major
-    got = cpu_kernels._native_softmax(scores, causal=0)
+    got = cpu_kernels.native_softmax(scores, causal=0)
     assert mx.allclose(got, mx.softmax(scores, axis=-1), rtol=1e-5, atol=1e-6).item()
 
 
@@ -493,9 +494,9 @@ def test_native_swiglu_matches_mlx_and_leaves_views_to_the_compiled_one():
     gate, x = mx.random.normal((3, 50)) * 30, mx.random.normal((3, 50))
     want = nn.silu(gate) * x
     mx.eval(want)
-    assert mx.allclose(cpu_kernels._native_swiglu(gate, x), want, rtol=1e-5, atol=1e-5).item()
+    assert mx.allclose(cpu_kernels.native_swiglu(gate, x), want, rtol=1e-5, atol=1e-5).item()
     both = mx.random.normal((3, 100))
-    assert cpu_kernels._native_swiglu(both[:, :50], both[:, 50:]) is None  # views of one buffer
+    assert cpu_kernels.native_swiglu(both[:, :50], both[:, 50:]) is None  # views of one buffer
 
 
 def _logits_through_a_cache(model) -> list[mx.array]:
@@ -567,7 +568,7 @@ def test_the_loader_packs_for_amx_unless_told_not_to(tiny_model_path):
     model, _ = load_model(tiny_model_path, use_amx=False, tokenizer=lambda: None)
     assert backends.describe(model).extra_bytes == 0 and backends.describe(model).layout_tag == b""
     model, _ = load_model(tiny_model_path, tokenizer=lambda: None)
-    matmul_weights = cpu_amx._matmul_weights(model)
+    matmul_weights = cpu_amx.matmul_weights(model)
     assert len(matmul_weights) == 2 * 7 + 1  # seven Linears a layer, and the tied embedding
     assert backends.describe(model).extra_bytes == sum(w.size * 2 for w in matmul_weights) > 0  # bfloat16 copies
 

@@ -77,6 +77,12 @@ def describe(model) -> Backend:
     return _by_model.get(id(model), NONE)
 
 
+def prepared_models() -> int:
+    """How many live models `prepare` has recorded a description for: a model's
+    goes when the model is garbage-collected."""
+    return len(_by_model)
+
+
 def prefill_step_for(device) -> int:
     """Prompt tokens per prefill chunk on `device`."""
     import mlx.core as mx

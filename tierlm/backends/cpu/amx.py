@@ -42,10 +42,17 @@ def packed_bytes(model: nn.Module) -> int:
     return _packed_bytes.get(id(model), 0)
 
 
-def _matmul_weights(model: nn.Module) -> list[mx.array]:
-    """The float32 weights that multiply activations: every Linear's, and the
-    embedding table when there is no separate output head (tied embeddings
-    multiply through `as_linear`)."""
+def packed_models() -> int:
+    """How many live models `pack` has run on: a model's entry (and its copies)
+    goes when the model is garbage-collected."""
+    return len(_packed_bytes)
+
+
+def matmul_weights(model: nn.Module) -> list[mx.array]:
+    """The weights `pack` copies to bfloat16 (the copies' bytes are counted
+    from them): the float32 weights that multiply activations, every Linear's,
+    and the embedding table when there is no separate output head (tied
+    embeddings multiply through `as_linear`)."""
     linears = [m for _, m in model.named_modules() if type(m) is nn.Linear]
     weights = [m.weight for m in linears]
     has_head = any(name.endswith("lm_head") for name, m in model.named_modules() if type(m) is nn.Linear)
@@ -69,7 +76,7 @@ def pack(model: nn.Module) -> int:
     native = route.current().lib
     mx.eval(model.parameters())
     packed, copies = [], 0
-    for weight in _matmul_weights(model):
+    for weight in matmul_weights(model):
         address = _address(weight)
         if address and native.tierlm_amx_pack(address, *weight.shape):
             packed.append(address)

@@ -17,7 +17,7 @@ native/exact_gemm.c, bit-exact whatever the padding) around the softmax.
 MLX's CPU device and only for float32 inputs; everything else (quantized KV
 caches, attention sinks, 16-bit activations) still goes to mlx-lm's own. Where
 the native kernels run, mlx-lm's per-step log-sum-exp of the logits runs in
-native code too (`_GenerateMx`). `calls` counts what ran (the native library
+native code too (`GenerateMx`). `calls` counts what ran (the native library
 counts its own calls too): the tests check that what is reported in use runs.
 """
 
@@ -52,7 +52,7 @@ _EXP2_TAYLOR = tuple(math.log(2) ** k / math.factorial(k) for k in range(9, -1, 
 _SQUARINGS = 7
 _LOWEST = -87.0  # exp(-87) ~ 1.6e-38, just above float32's smallest normal number
 _SMALLEST_NORMAL = np.finfo(np.float32).tiny
-# scores of at least this many elements take numpy's exp (`_numpy_shifted_exp`):
+# scores of at least this many elements take numpy's exp (`numpy_shifted_exp`):
 # below it, evaluating them apart costs more than the exp (decode steps of a few
 # sequences over short contexts)
 NUMPY_EXP_MIN = 2**16
@@ -90,18 +90,18 @@ def attention(queries, keys, values, scale: float, mask, native: bool | None = N
     causal = isinstance(mask, str)  # "causal": query i sits at position span - length + i
     native = native if native is not None else native_kernels()
     if native and _foldable(mask, batch, length, span):
-        weights = _native_masked_softmax(scores, mask)
+        weights = native_masked_softmax(scores, mask)
         return (weights.reshape(batch, kv_heads, group * length, span) @ values).reshape(batch, heads, length, dim)
     if not causal and mask is not None:
         scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
     if native:
-        weights = _native_softmax(scores, length if causal else 0)
+        weights = native_softmax(scores, length if causal else 0)
         return (weights.reshape(batch, kv_heads, group * length, span) @ values).reshape(batch, heads, length, dim)
     if causal:
         allowed = mx.arange(span)[None] <= mx.arange(span - length, span)[:, None]
         scores = mx.where(allowed, scores, -mx.inf)
     if scores.size >= NUMPY_EXP_MIN:
-        weights = _numpy_shifted_exp(scores)
+        weights = numpy_shifted_exp(scores)
     else:
         weights = _shifted_exp(scores, scores.max(axis=-1, keepdims=True))
     out = weights.reshape(batch, kv_heads, group * length, span) @ values
@@ -134,18 +134,24 @@ def _in_place(scores: mx.array, compute, *also: mx.array) -> mx.array:
     return scores if in_place else mx.array(view)
 
 
-def _native_softmax(scores: mx.array, causal: int) -> mx.array:
-    """native/softmax.c over the evaluated scores, in place."""
+def native_softmax(scores: mx.array, causal: int) -> mx.array:
+    """Softmax over the last axis of float32 `scores` in native code
+    (native/softmax.c), in place when MLX's buffer allows (else on a copy): what
+    `attention` runs where `native_kernels()`. With `causal` > 0 the rows are
+    blocks of `causal` queries ending at the last key, and each sees the keys up
+    to its own position; a row that sees nothing becomes all 0. Needs the native
+    library (route.prepare)."""
     rows, cols = scores.size // scores.shape[-1], scores.shape[-1]
     return _in_place(scores, lambda view: _lib().tierlm_softmax_rows(view.ctypes.data, rows, cols, causal))
 
 
-def _numpy_shifted_exp(scores: mx.array) -> mx.array:
+def numpy_shifted_exp(scores: mx.array) -> mx.array:
     """exp(scores - row max) by numpy's vectorized exp, in place on the evaluated
-    scores (as `_native_softmax` does), for CPUs without the native kernels: ~5x
-    faster than `fast_exp` over a prefill layer's scores (SmolLM2, 256 queries x
-    2,048 keys: ~20 ms against ~95 ms on an AVX2-only AMD EPYC), where the
-    softmax was most of a long prefill. Results below float32's smallest normal
+    scores (as `native_softmax` does): `attention`'s softmax over many scores on
+    CPUs without the native kernels (it divides by the sum after the product by
+    the values). ~5x faster than `fast_exp` over a prefill layer's scores
+    (SmolLM2, 256 queries x 2,048 keys: ~20 ms against ~95 ms on an AVX2-only
+    AMD EPYC), where the softmax was most of a long prefill. Results below float32's smallest normal
     number become 0, as in `fast_exp`: a denormal in a matmul is ~10x slower."""
     def shifted_exp(view: np.ndarray) -> None:
         view -= view.max(axis=-1, keepdims=True)
@@ -162,10 +168,13 @@ def _foldable(mask, batch: int, length: int, span: int) -> bool:
             and mask.shape[0] in (1, batch) and mask.shape[1] == 1 and mask.shape[2:] == (length, span))
 
 
-def _native_masked_softmax(scores: mx.array, mask: mx.array) -> mx.array:
-    """native/softmax.c with the mask applied in its first pass over each row:
-    what MLX's where(mask, scores, -inf) and then `_native_softmax` give, bit for
-    bit, without writing the scores once more (~40 ms a layer at 16k keys)."""
+def native_masked_softmax(scores: mx.array, mask: mx.array) -> mx.array:
+    """`attention`'s softmax of (B, heads, L, S) float32 scores under a boolean
+    (B or 1, 1, L, S) mask, as mlx-lm's caches make for a prefill, where
+    `native_kernels()`: native/softmax.c with the mask applied in its first pass
+    over each row, in place. What MLX's where(mask, scores, -inf) and then
+    `native_softmax` give, bit for bit, without writing the scores once more
+    (~40 ms a layer at 16k keys)."""
     _, heads, length, span = scores.shape
 
     def masked_softmax(view: np.ndarray) -> None:
@@ -188,10 +197,12 @@ def _wrap_attention(original):
     return scaled_dot_product_attention
 
 
-def _native_swiglu(gate: mx.array, x: mx.array) -> mx.array | None:
-    """native/swiglu.c into the evaluated gate projection, in place (mlx-lm's
-    models pass a fresh projection output, or column views of a fused one); None
-    when the two are not plain row-major arrays of one shape."""
+def native_swiglu(gate: mx.array, x: mx.array) -> mx.array | None:
+    """silu(gate) · x of float32 arrays, the SwiGLU `install` gives mlx-lm's
+    models where `native_kernels()`: native/swiglu.c into the evaluated gate
+    projection, in place (mlx-lm's models pass a fresh projection output, or
+    column views of a fused one); None when the two are not plain row-major
+    arrays of one shape (the compiled `swiglu` takes those)."""
     mx.eval(gate, x)
     g, u = np.array(gate, copy=False), np.array(x, copy=False)
     if g.shape != u.shape or not (g.flags.c_contiguous and g.flags.writeable and u.flags.c_contiguous):
@@ -205,7 +216,7 @@ def _wrap_swiglu(original):
         if gate.dtype != mx.float32 or x.dtype != mx.float32:
             return original(gate, x)
         calls["swiglu"] += 1
-        if native_kernels() and (out := _native_swiglu(gate, x)) is not None:
+        if native_kernels() and (out := native_swiglu(gate, x)) is not None:
             return out
         return swiglu(gate, x)
 
@@ -216,8 +227,10 @@ def _wrap_swiglu(original):
 _WRAPPERS = {"scaled_dot_product_attention": _wrap_attention, "swiglu": _wrap_swiglu}
 
 
-def _native_logsumexp(a: mx.array) -> mx.array:
-    """log(sum(exp(a))) over the last axis of an evaluated (rows, cols) float32, keepdims."""
+def native_logsumexp(a: mx.array) -> mx.array:
+    """log(sum(exp(a))) over the last axis of a (rows, cols) float32, keepdims, in
+    native code (native/softmax.c): what `GenerateMx.logsumexp` runs for mlx-lm's
+    per-step normalization of the logits. A row of -inf gives -inf, a nan gives nan."""
     mx.eval(a)
     view = np.ascontiguousarray(np.array(a, copy=False))  # a view when it already is
     out = np.empty((view.shape[0], 1), np.float32)
@@ -225,9 +238,10 @@ def _native_logsumexp(a: mx.array) -> mx.array:
     return mx.array(out)
 
 
-class _GenerateMx(types.ModuleType):
-    """mlx.core as mlx_lm.generate sees it once installed: the same, except that
-    the log-sum-exp of float32 (batch, vocabulary) logits runs in native code.
+class GenerateMx(types.ModuleType):
+    """mlx.core as mlx_lm.generate sees it once installed where `native_kernels()`
+    (`install` puts one in the module's `mx`): the same, except that the
+    log-sum-exp of float32 (batch, vocabulary) logits runs in native code.
     mlx-lm's BatchGenerator normalizes every decode step's logits with it, which
     took ~11 ms a step at batch 16 over SmolLM2's 49k vocabulary in MLX's
     scalar exp (~10 % of the step)."""
@@ -242,17 +256,17 @@ class _GenerateMx(types.ModuleType):
     def logsumexp(a, axis=None, keepdims=False, **kwargs):
         if a.dtype == mx.float32 and a.ndim == 2 and axis in (-1, 1) and keepdims and not kwargs:
             calls["logsumexp"] += 1
-            return _native_logsumexp(a)
+            return native_logsumexp(a)
         return mx.logsumexp(a, axis=axis, keepdims=keepdims, **kwargs)
 
 
 _GELU_C = math.sqrt(2 / math.pi)
 
 
-def _numpy_gelu(x: mx.array) -> mx.array:
-    """GELU (tanh approximation) of an evaluated float32 by numpy's vectorized exp,
-    into a new array, where the native kernels are off: 0.5·(1 + tanh z) is
-    1 / (1 + exp(-2z)), z = √(2/π)·(x + 0.044715·x³). One Gemma 3 MLP activation
+def numpy_gelu(x: mx.array) -> mx.array:
+    """GELU (tanh approximation) of a float32 by numpy's vectorized exp, into a
+    new array: what `ModelNn.gelu_approx` runs where the native kernels are off.
+    0.5·(1 + tanh z) is 1 / (1 + exp(-2z)), z = √(2/π)·(x + 0.044715·x³). One Gemma 3 MLP activation
     of 256 × 2,048 took ~19 ms in MLX's scalar tanh, ~4 ms this way (AVX2-only
     AMD EPYC), within 5e-7 of it."""
     mx.eval(x)
@@ -267,8 +281,9 @@ def _numpy_gelu(x: mx.array) -> mx.array:
     return mx.array(np.divide(v, t, out=t))
 
 
-def _native_gelu(x: mx.array) -> mx.array:
-    """native/swiglu.c's GELU (tanh approximation) of an evaluated float32, into a new array."""
+def native_gelu(x: mx.array) -> mx.array:
+    """GELU (tanh approximation) of a float32 in native code (native/swiglu.c),
+    into a new array: what `ModelNn.gelu_approx` runs where `native_kernels()`."""
     mx.eval(x)
     view = np.ascontiguousarray(np.array(x, copy=False))  # a view when it already is
     out = np.empty(view.shape, np.float32)
@@ -302,10 +317,10 @@ def gelu_erf(x: mx.array) -> mx.array:
 NATIVE_GELU_MIN = 1 << 16
 
 
-class _ModelNn(types.ModuleType):
-    """mlx.nn as an mlx-lm model module sees it once installed: the same, except
-    that `gelu_approx` of float32 runs in native code (numpy's exp without the
-    native kernels). MLX's tanh on this backend is scalar: Gemma 3's MLP
+class ModelNn(types.ModuleType):
+    """mlx.nn as an mlx-lm model module sees it once installed (`install` puts
+    one in the module's `nn`): the same, except that `gelu_approx` of float32
+    runs in native code (numpy's exp without the native kernels). MLX's tanh on this backend is scalar: Gemma 3's MLP
     activation took ~20 ns an element, ~40 % of a prefill chunk at the start of
     a prompt (0.2 ms in native code)."""
 
@@ -319,7 +334,7 @@ class _ModelNn(types.ModuleType):
     def gelu_approx(x):
         if x.dtype == mx.float32 and x.size >= NATIVE_GELU_MIN:
             calls["gelu"] += 1
-            return _native_gelu(x) if native_kernels() else _numpy_gelu(x)
+            return native_gelu(x) if native_kernels() else numpy_gelu(x)
         return nn.gelu_approx(x)
 
 
@@ -351,11 +366,11 @@ def install(model: nn.Module) -> list[str]:
                 setattr(module, name, wrap(current))
             replaced.append(f"{module.__name__.rsplit('.', 1)[-1]}.{name}")
         if getattr(module, "nn", None) is nn:
-            module.nn = _ModelNn()
-        if isinstance(getattr(module, "nn", None), _ModelNn) and _calls_gelu(module):
+            module.nn = ModelNn()
+        if isinstance(getattr(module, "nn", None), ModelNn) and _calls_gelu(module):
             replaced.append(f"{module.__name__.rsplit('.', 1)[-1]}.gelu_approx")
     if native_kernels():
-        _generate_module().mx = _GenerateMx()
+        _generate_module().mx = GenerateMx()
         replaced.append("generate.logsumexp")
     return replaced
 
@@ -371,7 +386,7 @@ def uninstall(model: nn.Module) -> None:
     """Put mlx-lm's own functions back (for comparisons)."""
     _generate_module().mx = mx
     for module in _mlx_lm_modules(model):
-        if isinstance(getattr(module, "nn", None), _ModelNn):
+        if isinstance(getattr(module, "nn", None), ModelNn):
             module.nn = nn
         for name in _WRAPPERS:
             current = getattr(module, name, None)

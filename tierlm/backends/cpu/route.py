@@ -261,8 +261,16 @@ def _write(slots: list[got.Slot], address: int) -> None:
             _written.append((slot, previous))
 
 
+def restore_slots() -> None:
+    """Gives MLX's cblas_sgemm slots back what they held before `prepare` wrote
+    them: MLX's matmuls run on its bundled BLAS again, so `self_check` fails.
+    `current()` still describes what `prepare` set up. For tests and comparisons."""
+    with _lock:
+        _restore()
+
+
 def _restore() -> None:
-    """Gives every written slot back what it held before tierlm wrote it."""
+    """Gives every written slot back what it held before tierlm wrote it (under `_lock`)."""
     while _written:
         slot, previous = _written.pop()
         got.write(slot, previous)
