@@ -101,6 +101,25 @@ def test_a_row_has_the_same_bits_alone_and_in_a_batch(name, bits, path):
         assert np.array_equal(_kernel(x[row:row + 1].copy(), w, scales, biases, bits, 32)[0], batch[row])
 
 
+@pytest.mark.skipif(STATE.lib is None or "avx512" not in PATHS or not STATE.lib.tierlm_qmm_avx512_vbmi(-1),
+                    reason="needs AVX-512 VBMI")
+def test_vbmi_unpacking_gives_the_same_bits(path):
+    """5-bit blocks unpacked with VBMI (four instructions) or the AVX2 way:
+    the same values, so the same products to the bit, alone, tiled and in
+    panels."""
+    STATE.lib.tierlm_qmm_select(quantized.PATHS["avx512"])
+    w, scales, biases = _weights(70, 640, 5, 32, seed=4)
+    x = np.random.default_rng(5).standard_normal((21, 640)).astype(np.float32)
+    try:
+        for rows in (1, 4, 9, 21):
+            STATE.lib.tierlm_qmm_avx512_vbmi(1)
+            with_vbmi = _kernel(x[:rows].copy(), w, scales, biases, 5, 32)
+            STATE.lib.tierlm_qmm_avx512_vbmi(0)
+            assert np.array_equal(_kernel(x[:rows].copy(), w, scales, biases, 5, 32), with_vbmi)
+    finally:
+        STATE.lib.tierlm_qmm_avx512_vbmi(1)
+
+
 def test_the_kernels_compute_zeros_and_constant_rows():
     w, scales, biases = _weights(40, 64, 4, 32)
     x = np.zeros((2, 64), np.float32)

@@ -141,7 +141,8 @@ def _install(lib: ctypes.CDLL | None) -> Feature:
     if not proved:
         remove()
         return Feature(False, check)
-    return Feature(True, f"{NAMES[number]}, {why}; {check}")
+    vbmi = "; 5-bit blocks unpacked with VBMI" if NAMES[number] == "avx512" and lib.tierlm_qmm_avx512_vbmi(-1) else ""
+    return Feature(True, f"{NAMES[number]}, {why}; {check}{vbmi}")
 
 
 def remove() -> None:

@@ -26,8 +26,25 @@
 #define BLOCK 32
 #define LANES 16
 #define ISA __attribute__((target("avx2,fma,avx512f")))
+#define ISA_VBMI UNPACK_VBMI_TARGET
 #define INLINE static inline __attribute__((always_inline)) ISA
 #define UNROLL _Pragma("GCC unroll 16")
+
+/* Whether 5-bit blocks are unpacked with AVX-512 VBMI: on CPUs that have it,
+ * unless turned off (tests compare the two). */
+static int vbmi = -1;
+
+static int vbmi_available(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
+
+/* on: 1 or 0 to choose (1 only where the CPU has it), -1 to ask; returns the choice in force. */
+int tierlm_qmm_avx512_vbmi(int on) {
+  if (on >= 0 || vbmi < 0) vbmi = on != 0 && vbmi_available();
+  return vbmi;
+}
 
 /* Where value i of a 32-block lands once unpacked (see unpack.h). */
 static inline int position(int bits, int i) { return bits == 4 ? (i & 1) * 16 + (i >> 1) : i; }
@@ -84,7 +101,7 @@ static float *pack_rows(const float *x, long M, long K, int bits, int R) {
  * apart, unpacked here block by block, the next tile's rows prefetched a share a
  * block), or (PANEL) dequantized, from panel (see dequantize). `bits` is a
  * constant in each instance. */
-#define TILE_BODY(R, C, PANEL)                                                                           \
+#define TILE_BODY(UNPACK, R, C, PANEL)                                                                           \
   long per_group = group / BLOCK, step = BLOCK * bits / 8, groups = K / group, blocks = K / BLOCK;      \
   const char *ahead = (const char *)wrow + C * row_bytes; /* a prefetch past the end never faults */    \
   long lines = (C * row_bytes + 63) / 64, share = 0;                                                     \
@@ -100,7 +117,7 @@ static float *pack_rows(const float *x, long M, long K, int bits, int R) {
       __m256i u[C];                                                                                      \
       if (!PANEL) {                                                                                      \
         for (share += lines; share >= blocks; share -= blocks, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0); \
-        UNROLL for (int c = 0; c < C; c++) u[c] = unpack(wrow + c * row_bytes + b * step, bits);         \
+        UNROLL for (int c = 0; c < C; c++) u[c] = UNPACK(wrow + c * row_bytes + b * step, bits);         \
       }                                                                                                  \
       UNROLL for (int v = 0; v < BLOCK / LANES; v++) {                                                   \
         __m512 w[C];                                                                                     \
@@ -119,11 +136,11 @@ static float *pack_rows(const float *x, long M, long K, int bits, int R) {
 typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const float *s, const float *bias,
                         const float *panel, const float *x, long K, int group, float *out);
 
-#define TILE(name, bits_, R, C, PANEL)                                                                  \
-  static ISA void name(const uint8_t *wrow, long row_bytes, const float *s, const float *bias,          \
+#define TILE(name, isa, UNPACK, bits_, R, C, PANEL)                                                    \
+  static isa void name(const uint8_t *wrow, long row_bytes, const float *s, const float *bias,          \
                        const float *panel, const float *x, long K, int group, float *out) {             \
     const int bits = bits_;                                                                             \
-    TILE_BODY(R, C, PANEL)                                                                              \
+    TILE_BODY(UNPACK, R, C, PANEL)                                                                      \
   }
 
 /* `rows` weight rows from wrow (a multiple of C) dequantized into panel: the
@@ -133,8 +150,8 @@ typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const float *s, con
 typedef void (*dequantize_fn)(const uint8_t *wrow, long row_bytes, const float *s, const float *bias, long K,
                               int group, long rows, float *panel);
 
-#define DEQUANTIZE(name, bits_)                                                                          \
-  static ISA void name(const uint8_t *wrow, long row_bytes, const float *s, const float *bias, long K,    \
+#define DEQUANTIZE(name, isa, UNPACK, bits_)                                                             \
+  static isa void name(const uint8_t *wrow, long row_bytes, const float *s, const float *bias, long K,    \
                        int group, long rows, float *panel) {                                             \
     const int bits = bits_;                                                                              \
     long groups = K / group, step = BLOCK * bits / 8;                                                    \
@@ -142,7 +159,7 @@ typedef void (*dequantize_fn)(const uint8_t *wrow, long row_bytes, const float *
       for (long b = 0; b < K / BLOCK; b++) {                                                             \
         long g = b * BLOCK / group;                                                                      \
         __m512 scale = _mm512_set1_ps(s[c * groups + g]), shift = _mm512_set1_ps(bias[c * groups + g]);  \
-        __m256i u = unpack(wrow + c * row_bytes + b * step, bits);                                       \
+        __m256i u = UNPACK(wrow + c * row_bytes + b * step, bits);                                       \
         float *to = panel + c / C * C * K + (b * C + c % C) * BLOCK;                                     \
         UNROLL for (int v = 0; v < BLOCK / LANES; v++)                                                   \
           _mm512_storeu_ps(to + v * LANES, dequantized(u, v, scale, shift));                             \
@@ -156,16 +173,22 @@ typedef void (*dequantize_fn)(const uint8_t *wrow, long row_bytes, const float *
  * the panel's dequantizer. */
 #define R 4
 #define C 4
-#define WIDTH(b)                        \
-  TILE(big_##b, b, R, C, 0)             \
-  TILE(rx1_##b, b, R, 1, 0)             \
-  TILE(one_by_4_##b, b, 1, 4, 0)        \
-  TILE(one_by_1_##b, b, 1, 1, 0)        \
-  DEQUANTIZE(dequantize_##b, b)
-WIDTH(4)
-WIDTH(5)
-WIDTH(8)
-TILE(panel_tile, 8, R, C, 1) /* reads floats: the same for every width */
+#define WIDTH(b, name, isa, UNPACK)                  \
+  TILE(big_##name, isa, UNPACK, b, R, C, 0)           \
+  TILE(rx1_##name, isa, UNPACK, b, R, 1, 0)           \
+  TILE(one_by_4_##name, isa, UNPACK, b, 1, 4, 0)      \
+  TILE(one_by_1_##name, isa, UNPACK, b, 1, 1, 0)
+WIDTH(4, 4, ISA, unpack)
+WIDTH(5, 5, ISA, unpack)
+WIDTH(8, 8, ISA, unpack)
+/* CPUs with AVX-512 VBMI unpack 5-bit blocks in 4 instructions: the same
+ * values, one row's product ~20% faster; their panels are filled the plain
+ * way, which measured faster there (53-62 against 69-79 ms at 16 rows) */
+WIDTH(5, 5_vbmi, ISA_VBMI, unpack_vbmi)
+DEQUANTIZE(dequantize_4, ISA, unpack, 4)
+DEQUANTIZE(dequantize_5, ISA, unpack, 5)
+DEQUANTIZE(dequantize_8, ISA, unpack, 8)
+TILE(panel_tile, ISA, unpack, 8, R, C, 1) /* reads floats: the same for every width */
 
 typedef struct {
   tile_fn big, rx1, one_by_4, one_by_1;
@@ -173,11 +196,13 @@ typedef struct {
 } tiles;
 
 static tiles tiles_for(int bits) {
-  static const tiles table[3] = {
+  static const tiles table[4] = {
       {big_4, rx1_4, one_by_4_4, one_by_1_4, dequantize_4},
       {big_5, rx1_5, one_by_4_5, one_by_1_5, dequantize_5},
       {big_8, rx1_8, one_by_4_8, one_by_1_8, dequantize_8},
+      {big_5_vbmi, rx1_5_vbmi, one_by_4_5_vbmi, one_by_1_5_vbmi, dequantize_5},
   };
+  if (bits == 5 && tierlm_qmm_avx512_vbmi(-1)) return table[3];
   return table[bits == 4 ? 0 : bits == 5 ? 1 : 2];
 }
 

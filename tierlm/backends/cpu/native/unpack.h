@@ -44,4 +44,22 @@ static inline __attribute__((always_inline)) UNPACK_TARGET __m256i unpack(const 
   return _mm256_loadu_si256((const __m256i *)p);
 }
 
+/* unpack5 with AVX-512 VBMI, in four instructions instead of ten: each
+ * 64-bit lane gathers the 5 bytes that hold its 8 values (vpermb), and
+ * vpmultishiftqb takes the byte at bit 5k of the lane for value k. The load is
+ * masked to the block's 20 bytes (the last block of a matrix ends it). */
+#define UNPACK_VBMI_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vbmi")))
+
+static inline __attribute__((always_inline)) UNPACK_VBMI_TARGET __m256i unpack5_vbmi(const uint8_t *p) {
+  const __m256i gather = _mm256_setr_epi8(0, 1, 2, 3, 4, 0, 0, 0, 5, 6, 7, 8, 9, 0, 0, 0,
+                                          10, 11, 12, 13, 14, 0, 0, 0, 15, 16, 17, 18, 19, 0, 0, 0);
+  const __m256i at = _mm256_set1_epi64x(0x231E19140F0A0500LL); /* bits 0, 5, 10, ... 35 */
+  __m256i lanes = _mm256_permutexvar_epi8(gather, _mm256_maskz_loadu_epi8(0xFFFFF, p));
+  return _mm256_and_si256(_mm256_multishift_epi64_epi8(at, lanes), _mm256_set1_epi8(0x1F));
+}
+
+static inline __attribute__((always_inline)) UNPACK_VBMI_TARGET __m256i unpack_vbmi(const uint8_t *p, int bits) {
+  return bits == 5 ? unpack5_vbmi(p) : unpack(p, bits);
+}
+
 #endif
