@@ -76,7 +76,7 @@ int tierlm_qmm_supports(int bits, int group, long K) {
 /* ---- the activations, quantized once per call ---------------------------- */
 
 typedef struct {
-  int8_t *q;   /* M x K, each 32-block in the order its weight block decodes */
+  int8_t *q;   /* M x K, each 32-block in the order its weights unpack */
   float *d;    /* M x K/32: the scale of each block */
   float *sum;  /* M x K/g: the exact sum of x over each group */
   float *fix;  /* M x K/g: what multiplies a group's weight scale besides the products (see below) */
@@ -94,9 +94,6 @@ static inline int centred_products(int path, int bits) {
   return path == PATH_SCALAR || (path == PATH_AVX2 && bits == 8);
 }
 
-/* Where value i of a 32-block lands in the decoded weight block: 4-bit blocks
- * decode low nibbles (even values) then high nibbles (odd values). */
-static inline int position(int bits, int i) { return bits == 4 ? (i & 1) * 16 + (i >> 1) : i; }
 
 static void quantize_block_c(const float *v, int bits, int8_t *q, float *d, int32_t *qsum) {
   float amax = 0.f;
@@ -105,7 +102,7 @@ static void quantize_block_c(const float *v, int bits, int8_t *q, float *d, int3
   int32_t total = 0;
   for (int i = 0; i < BLOCK; i++) {
     int8_t t = (int8_t)nearbyintf(v[i] * inv);
-    q[position(bits, i)] = t;
+    q[unpacked_position(bits, i)] = t;
     total += t;
   }
   *d = amax / 127.f;
@@ -333,7 +330,7 @@ static float product_c(const job *j, long m, long n) {
     const int8_t *q = j->a->q + m * j->K + b * BLOCK;
     int32_t dot = 0;
     for (int i = 0; i < BLOCK; i++)
-      dot += (value_at(wrow, j->bits, b * BLOCK + i) - centre(j->bits)) * q[position(j->bits, i)];
+      dot += (value_at(wrow, j->bits, b * BLOCK + i) - centre(j->bits)) * q[unpacked_position(j->bits, i)];
     total += s[b / per_group] * j->a->d[m * blocks + b] * (float)dot;
   }
   return total;

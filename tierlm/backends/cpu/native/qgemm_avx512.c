@@ -46,9 +46,6 @@ int tierlm_qmm_avx512_vbmi(int on) {
   return vbmi;
 }
 
-/* Where value i of a 32-block lands once unpacked (see unpack.h). */
-static inline int position(int bits, int i) { return bits == 4 ? (i & 1) * 16 + (i >> 1) : i; }
-
 /* Half v of an unpacked block as float32 q * scale + bias. */
 INLINE __m512 dequantized(__m256i u, int v, __m512 scale, __m512 bias) {
   __m512i lanes = _mm512_cvtepu8_epi32(v ? _mm256_extracti128_si256(u, 1) : _mm256_castsi256_si128(u));
@@ -90,7 +87,7 @@ static float *pack_rows(const float *x, long M, long K, int bits, int R) {
     long m0 = m < tiled ? m / R * R : m, rows = m < tiled ? R : 1;
     for (long b = 0; b < K / BLOCK; b++) {
       float *to = packed + m0 * K + (b * rows + (m - m0)) * BLOCK;
-      for (int i = 0; i < BLOCK; i++) to[position(bits, i)] = x[m * K + b * BLOCK + i];
+      for (int i = 0; i < BLOCK; i++) to[unpacked_position(bits, i)] = x[m * K + b * BLOCK + i];
     }
   }
   return packed;

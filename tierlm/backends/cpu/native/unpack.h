@@ -10,6 +10,10 @@
 
 #define UNPACK_TARGET __attribute__((target("avx2,fma")))
 
+/* Where value i of a 32-value block lands once unpacked: the activations are
+ * put in the same order, so that each pairs with its weight. */
+static inline int unpacked_position(int bits, int i) { return bits == 4 ? (i & 1) * 16 + (i >> 1) : i; }
+
 /* 16 bytes hold 32 nibbles: low nibbles (even values) in the low half, high in the high half. */
 static inline UNPACK_TARGET __m256i unpack4(const uint8_t *p) {
   __m128i packed = _mm_loadu_si128((const __m128i *)p);
