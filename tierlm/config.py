@@ -176,8 +176,9 @@ class Settings:
                                              "memory", per_model=True)
     # ---- MLX's CPU backend
     cpu_weights_dtype: str = setting("auto", "weights' dtype on the CPU backend: auto (quantized ones kept "
-                                             "quantized where tierlm's kernels take them, else float32 when "
-                                             "it fits), quantized, float32, bfloat16, float16, or stored",
+                                             "quantized where tierlm's AVX-512 kernels take them, else float32 "
+                                             "when it fits, else quantized), quantized, float32, bfloat16, "
+                                             "float16, or stored",
                                      per_model=True)
     cpu_kernels: bool = setting(True, "on the CPU backend in float32, tierlm's attention and SwiGLU",
                                 per_model=True)

@@ -106,6 +106,11 @@ def on() -> bool:
     return _feature is not None and _feature.on
 
 
+def float_products() -> bool:
+    """The kernels in use multiply in float32 (AVX-512), not with int8 activations."""
+    return on() and _feature.detail.split(",")[0] in FLOAT_PATHS
+
+
 def _choose_path(lib: ctypes.CDLL) -> tuple[int | None, str]:
     """qgemm.c's path, and why; None: off."""
     choice = os.environ.get("TIERLM_QUANT_KERNEL", "auto")

@@ -1,9 +1,11 @@
 """The weights' dtype on MLX's CPU backend.
 
 A quantized model stays quantized ("quantized") when tierlm's kernels multiply
-its format (quantized.py: affine 4, 5 or 8 bits): its scales and biases become
-float32, which the kernels read, and any layer in another format is
-dequantized to float32. Otherwise, with a real BLAS loaded, float32 weights
+its format (quantized.py: affine 4, 5 or 8 bits) in float32 (AVX-512): its
+scales and biases become float32, which the kernels read, and any layer in
+another format is dequantized to float32. The int8 kernels (AVX2, AVX-VNNI)
+take a model only when its float32 weights do not fit. Otherwise, with a real
+BLAS loaded, float32 weights
 decode ~2-15x faster than the stored ones (MLX's own CPU quantized matmul does
 not get faster with batch size), and 16-bit weights never win (MLX's CPU matmul
 for them does not use BLAS): so a model is dequantized to float32 when that
@@ -47,14 +49,20 @@ def choose_dtype(setting: str, model: nn.Module, memory_bytes: int) -> str:
         return "stored"
     if setting != "auto":
         return setting
-    if quantized.on() and any(_kernels_take(m) for _, m in model.named_modules()):
+    kernels_take = quantized.on() and any(_kernels_take(m) for _, m in model.named_modules())
+    if kernels_take and quantized.float_products():
         return "quantized"
+    # The int8 products (CPUs without AVX-512) move a small model's answers:
+    # with attention and SwiGLU outside the AVX-512 kernels too, SmolLM2's
+    # greedy answers changed, so they take only models float32 does not fit.
     state = route.current()
-    if state is None or not state.blas.on:
-        return "stored"  # without BLAS float32 gains little and costs 8x the memory
-    # On AMX machines the float32 weights get bfloat16 copies too (amx.py).
-    needed = float32_bytes(model) * (3 if amx.available() else 2) // 2
-    return "float32" if needed <= memory_bytes // 2 else "stored"
+    if state is not None and state.blas.on:
+        # On AMX machines the float32 weights get bfloat16 copies too (amx.py).
+        needed = float32_bytes(model) * (3 if amx.available() else 2) // 2
+        if needed <= memory_bytes // 2:
+            return "float32"
+    # without BLAS float32 gains little and costs 8x the memory
+    return "quantized" if kernels_take else "stored"
 
 
 def _kernels_take(module: nn.Module) -> bool:
