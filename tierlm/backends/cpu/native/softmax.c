@@ -75,12 +75,16 @@ static void scale_row(float *row, long n, float factor) {
   }
 }
 
-/* softmax over each of `rows` rows of `cols` floats, in place. With `causal` > 0
- * the rows are the queries of blocks of `causal` consecutive positions ending at
- * the last column: row r sees columns up to cols - causal + r % causal, and the
- * rest become 0. Masked columns (-inf) at a row's end are cut off the same way,
- * so a mask array (batched prefill) gives what "causal" gives alone. A row that
- * sees nothing (all -inf) becomes all 0. */
+/* softmax in place over the first `seen` columns of a row of `cols` (the rest
+ * were masked off: they become 0); a row whose seen scores are all -inf
+ * becomes all 0. */
+static void softmax_row(float *row, long seen, long cols) {
+  float top = seen ? row_max(row, seen) : -INFINITY;
+  if (top == -INFINITY) seen = 0;
+  else scale_row(row, seen, 1.0f / exp_row(row, seen, top, 1));
+  memset(row + seen, 0, (cols - seen) * sizeof(float));
+}
+
 typedef struct {
   float *x;
   long rows, cols, causal;
@@ -97,27 +101,23 @@ static void softmax_part(void *arg, int part, int parts) {
     float *row = j->x + r * j->cols;
     long seen = j->causal > 0 ? j->cols - j->causal + r % j->causal + 1 : j->cols;
     if (seen < 0) seen = 0;
-    seen = last_seen(row, seen);
-    float top = seen ? row_max(row, seen) : -INFINITY;
-    if (top == -INFINITY) seen = 0;
-    else scale_row(row, seen, 1.0f / exp_row(row, seen, top, 1));
-    memset(row + seen, 0, (j->cols - seen) * sizeof(float));
+    softmax_row(row, last_seen(row, seen), j->cols);
   }
 }
 
-/* The rows are shared over the cores (threads.c), each row whole on one. */
+/* softmax over each of `rows` rows of `cols` floats, in place. With `causal` > 0
+ * the rows are the queries of blocks of `causal` consecutive positions ending at
+ * the last column: row r sees columns up to cols - causal + r % causal, and the
+ * rest become 0. Masked columns (-inf) at a row's end are cut off the same way,
+ * so a mask array (batched prefill) gives what "causal" gives alone. A row that
+ * sees nothing (all -inf) becomes all 0. The rows are shared over the cores
+ * (threads.c), each row whole on one. */
 void tierlm_softmax_rows(float *x, long rows, long cols, long causal) {
   TIERLM_COUNT(COUNT_SOFTMAX);
   rows_job j = {x, rows, cols, causal, 0, 0, 0, 0};
   tierlm_parallel(softmax_part, &j, parts_for(rows, cols));
 }
 
-/* tierlm_softmax_rows without `causal`, after the mask: the rows are (batch,
- * head, query) of scores whose mask is (batch or 1, 1, `length`, cols) bytes
- * (`mask_batch`: 1 when the mask has a row block per batch entry, 0 when one is
- * shared); a 0 byte makes its score -inf first. The same as MLX's
- * where(mask, scores, -inf) followed by tierlm_softmax_rows, bit for bit, in one
- * pass less over the scores. */
 static void masked_softmax_part(void *arg, int part, int parts) {
   const rows_job *j = arg;
   const __m512 masked = _mm512_set1_ps(-INFINITY);
@@ -133,14 +133,16 @@ static void masked_softmax_part(void *arg, int part, int parts) {
     }
     for (; c < cols; c++)
       if (!m[c]) row[c] = -INFINITY;
-    long seen = last_seen(row, cols);
-    float top = seen ? row_max(row, seen) : -INFINITY;
-    if (top == -INFINITY) seen = 0;
-    else scale_row(row, seen, 1.0f / exp_row(row, seen, top, 1));
-    memset(row + seen, 0, (cols - seen) * sizeof(float));
+    softmax_row(row, last_seen(row, cols), cols);
   }
 }
 
+/* tierlm_softmax_rows without `causal`, after the mask: the rows are (batch,
+ * head, query) of scores whose mask is (batch or 1, 1, `length`, cols) bytes
+ * (`mask_batch`: 1 when the mask has a row block per batch entry, 0 when one is
+ * shared); a 0 byte makes its score -inf first. The same as MLX's
+ * where(mask, scores, -inf) followed by tierlm_softmax_rows, bit for bit, in one
+ * pass less over the scores. */
 void tierlm_softmax_rows_masked(float *x, long rows, long cols, const unsigned char *mask, long heads, long length,
                                 long mask_batch) {
   TIERLM_COUNT(COUNT_SOFTMAX);
