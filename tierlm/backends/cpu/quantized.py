@@ -54,6 +54,7 @@ GROUP_SIZES = (32, 64, 128)
 
 _lock = threading.Lock()
 _feature: Feature | None = None
+_path: str | None = None  # the path install() put in use, by its PATHS name
 _hook: ctypes.CDLL | None = None
 
 
@@ -108,7 +109,7 @@ def on() -> bool:
 
 def float_products() -> bool:
     """The kernels in use multiply in float32 (AVX-512), not with int8 activations."""
-    return on() and _feature.detail.split(",")[0] in FLOAT_PATHS
+    return on() and _path in FLOAT_PATHS
 
 
 def _choose_path(lib: ctypes.CDLL) -> tuple[int | None, str]:
@@ -127,7 +128,7 @@ def _choose_path(lib: ctypes.CDLL) -> tuple[int | None, str]:
 
 
 def _install(lib: ctypes.CDLL | None) -> Feature:
-    global _hook
+    global _hook, _path
     if lib is None:
         return Feature(False, "the native library is not loaded")
     number, why = _choose_path(lib)
@@ -146,8 +147,9 @@ def _install(lib: ctypes.CDLL | None) -> Feature:
     if not proved:
         remove()
         return Feature(False, check)
-    vbmi = "; 5-bit blocks unpacked with VBMI" if NAMES[number] == "avx512" and lib.tierlm_qmm_avx512_vbmi(-1) else ""
-    return Feature(True, f"{NAMES[number]}, {why}; {check}{vbmi}")
+    _path = NAMES[number]
+    vbmi = "; 5-bit blocks unpacked with VBMI" if _path == "avx512" and lib.tierlm_qmm_avx512_vbmi(-1) else ""
+    return Feature(True, f"{_path}, {why}; {check}{vbmi}")
 
 
 def remove() -> None:

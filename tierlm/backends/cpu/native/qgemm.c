@@ -359,8 +359,8 @@ static void tile_at(const job *j, tile_fn tile, int R, int C, long m0, long n0, 
 #define PANEL_ROWS 16       /* from this many activation rows, weights are unpacked once into panels */
 #define PANEL_BYTES 262144  /* a panel's size: it stays in the core's cache while the tiles sweep it */
 
-static __thread uint8_t *panel_kept; /* a thread's panel, kept for its next product */
-static __thread long panel_capacity;
+static __thread void *panel_kept; /* this thread's panel (threads.h) */
+static __thread size_t panel_capacity;
 
 /* Output columns [first, last) of every activation row: full 4 x 2 tiles, a
  * block of weight rows at a time for every four activation rows (unpacked into
@@ -371,19 +371,16 @@ static void rows_of(void *arg, int part, int parts) {
   long first = j->N * part / parts, last = j->N * (part + 1) / parts;
   tiles t = j->path == PATH_SCALAR ? (tiles){0} : tiles_for(j->path, j->bits);
   long tiled = t.t4x2 ? j->M / 4 * 4 : 0, pairs = first + (last - first) / 2 * 2;
-  long row_bytes = j->K * j->bits / 8, many = tiled && j->M >= PANEL_ROWS;
+  long row_bytes = j->K * j->bits / 8;
+  int many = tiled && j->M >= PANEL_ROWS;
   long step = many ? (PANEL_BYTES / j->K / 2 + 1) * 2 : COLUMNS;
-  if (many && panel_capacity < step * j->K) {
-    free(panel_kept);
-    panel_kept = malloc(step * j->K);
-    panel_capacity = step * j->K;
-  }
+  uint8_t *panel = many ? tierlm_kept_buffer(&panel_kept, &panel_capacity, step * j->K) : NULL;
   for (long n0 = first; tiled && n0 < pairs; n0 += step) {
     long end = n0 + step < pairs ? n0 + step : pairs;
-    if (many) t.unpack_rows(j->w + n0 * row_bytes, row_bytes, j->K, end - n0, panel_kept);
+    if (many) t.unpack_rows(j->w + n0 * row_bytes, row_bytes, j->K, end - n0, panel);
     for (long m0 = 0; m0 < tiled; m0 += 4)
       for (long n = n0; n < end; n += 2)
-        tile_at(j, many ? t.t4x2_panel : t.t4x2, 4, 2, m0, n, many ? panel_kept + (n - n0) * j->K : NULL);
+        tile_at(j, many ? t.t4x2_panel : t.t4x2, 4, 2, m0, n, many ? panel + (n - n0) * j->K : NULL);
   }
   for (long m = 0; m < tiled && pairs < last; m++) tile_at(j, t.t1x1, 1, 1, m, pairs, NULL);
   for (long m = tiled; m < j->M; m++) {

@@ -61,19 +61,7 @@ INLINE float lanes_sum(__m512 v) {
   return _mm_cvtss_f32(s);
 }
 
-/* A buffer of at least `floats` floats kept by the calling thread for its next
- * call (a fresh one every product cost page faults: a decode step makes
- * ~170 products); the pool's threads and MLX's live as long as the process. */
-static float *scratch(float **kept, size_t *capacity, size_t floats) {
-  if (floats > *capacity) {
-    free(*kept);
-    *kept = malloc(sizeof(float) * floats);
-    *capacity = floats;
-  }
-  return *kept;
-}
-
-static __thread float *packed_kept, *panel_kept;
+static __thread void *packed_kept, *panel_kept; /* this thread's scratch (threads.h) */
 static __thread size_t packed_capacity, panel_capacity;
 
 /* x as the tiles read it: each R rows of a full tile block by block (block b
@@ -81,7 +69,7 @@ static __thread size_t packed_capacity, panel_capacity;
  * the last full tile as they are; each block's values in unpacked order. One
  * pointer with constant offsets keeps a tile's loop in registers. */
 static float *pack_rows(const float *x, long M, long K, int bits, int R) {
-  float *packed = scratch(&packed_kept, &packed_capacity, M * K);
+  float *packed = tierlm_kept_buffer(&packed_kept, &packed_capacity, sizeof(float) * M * K);
   long tiled = M / R * R;
   for (long m = 0; m < M; m++) {
     long m0 = m < tiled ? m / R * R : m, rows = m < tiled ? R : 1;
@@ -241,7 +229,7 @@ static void columns_of(void *arg, int part, int parts) {
   long tiled = j->M / R * R, groups = j->K / j->group, row_bytes = j->K * j->bits / 8;
   int many = j->M >= panel_rows(j->bits);
   long step = many ? (PANEL_FLOATS / j->K / C + 1) * C : COLUMNS;
-  float *panel = many ? scratch(&panel_kept, &panel_capacity, step * j->K) : NULL;
+  float *panel = many ? tierlm_kept_buffer(&panel_kept, &panel_capacity, sizeof(float) * step * j->K) : NULL;
   for (long n0 = first; tiled && n0 < whole; n0 += step) {
     long end = n0 + step < whole ? n0 + step : whole;
     if (panel)

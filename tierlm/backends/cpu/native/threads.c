@@ -133,3 +133,12 @@ void tierlm_parallel(tierlm_part_fn fn, void *arg, int max_parts) {
   pthread_mutex_unlock(&lock);
   pthread_mutex_unlock(&busy);
 }
+
+void *tierlm_kept_buffer(void **kept, size_t *capacity, size_t bytes) {
+  if (bytes > *capacity) {
+    free(*kept);
+    *kept = malloc(bytes);
+    *capacity = bytes;
+  }
+  return *kept;
+}
