@@ -65,8 +65,8 @@ def _int8_reference(x, w, scales, biases, bits, group) -> np.ndarray:
 @pytest.mark.parametrize("bits", quantized.BITS)
 @pytest.mark.parametrize("group", quantized.GROUP_SIZES)
 def test_each_path_computes_its_product(name, bits, group, path):
-    """Every path, width and group size, for a row alone, a tile, its tail and
-    a prompt's worth of rows (panels: from 16 rows, 32 for 8 bits on AVX-512). The AVX-512 path
+    """Every path, width and group size, for a row alone, two and three rows
+    (verifying draft tokens), a tile, its tail and a prompt's worth of rows (panels: from 16 rows, 32 for 8 bits on AVX-512). The AVX-512 path
     multiplies in float32: the dequantized weights' product within float32's
     rounding. The others: the int8 product exactly (float32 rounding), and the
     float product within the error of int8 activations (<= 1.5% of the largest
@@ -75,7 +75,7 @@ def test_each_path_computes_its_product(name, bits, group, path):
     w, scales, biases = _weights(70, 384, bits, group)
     x = np.random.default_rng(1).standard_normal((37, 384)).astype(np.float32)
     dense = np.array(mx.dequantize(mx.array(w), mx.array(scales), mx.array(biases), group_size=group, bits=bits))
-    for rows in (1, 4, 9, 21, 37):
+    for rows in (1, 2, 3, 4, 5, 8, 9, 21, 37):
         got = _kernel(x[:rows].copy(), w, scales, biases, bits, group)
         exact = x[:rows].astype(np.float64) @ dense.T.astype(np.float64)
         if name in quantized.FLOAT_PATHS:
@@ -96,7 +96,7 @@ def test_a_row_has_the_same_bits_alone_and_in_a_batch(name, bits, path):
     w, scales, biases = _weights(300, 256, bits, 32, seed=2)
     x = np.random.default_rng(3).standard_normal((35, 256)).astype(np.float32)
     batch = _kernel(x, w, scales, biases, bits, 32)
-    for rows in (11, 19):  # tiles alone; panels (not yet for 8 bits on AVX-512)
+    for rows in (2, 3, 5, 6, 7, 8, 11, 19):  # short batches (one tile), tiles and what they leave; panels (not yet for 8 bits on AVX-512)
         assert np.array_equal(_kernel(x[:rows].copy(), w, scales, biases, bits, 32), batch[:rows])
     for row in range(35):
         assert np.array_equal(_kernel(x[row:row + 1].copy(), w, scales, biases, bits, 32)[0], batch[row])
@@ -112,7 +112,7 @@ def test_vbmi_unpacking_gives_the_same_bits(path):
     w, scales, biases = _weights(70, 640, 5, 32, seed=4)
     x = np.random.default_rng(5).standard_normal((21, 640)).astype(np.float32)
     try:
-        for rows in (1, 4, 9, 21):
+        for rows in (1, 3, 4, 7, 9, 21):
             STATE.lib.tierlm_qmm_avx512_vbmi(1)
             with_vbmi = _kernel(x[:rows].copy(), w, scales, biases, 5, 32)
             STATE.lib.tierlm_qmm_avx512_vbmi(0)

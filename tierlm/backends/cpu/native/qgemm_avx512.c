@@ -61,18 +61,21 @@ INLINE float lanes_sum(__m512 v) {
   return _mm_cvtss_f32(s);
 }
 
+#define SHORT 8 /* up to this many activation rows make one tile: each weight block unpacked once */
+
 static __thread void *packed_kept, *panel_kept; /* this thread's scratch (threads.h) */
 static __thread size_t packed_capacity, panel_capacity;
 
 /* x as the tiles read it: each R rows of a full tile block by block (block b
- * of row r at (b * R + r) * 32 floats from the tile's first row), the rows after
- * the last full tile as they are; each block's values in unpacked order. One
- * pointer with constant offsets keeps a tile's loop in registers. */
+ * of row r at (b * R + r) * 32 floats from the tile's first row), and the rows
+ * after the last full tile likewise as one smaller tile; each block's values in
+ * unpacked order. One pointer with constant offsets keeps a tile's loop in
+ * registers. */
 static float *pack_rows(const float *x, long M, long K, int bits, int R) {
   float *packed = tierlm_kept_buffer(&packed_kept, &packed_capacity, sizeof(float) * M * K);
-  long tiled = M / R * R;
+  long tiled = M <= SHORT ? 0 : M / R * R;
   for (long m = 0; m < M; m++) {
-    long m0 = m < tiled ? m / R * R : m, rows = m < tiled ? R : 1;
+    long m0 = m < tiled ? m / R * R : tiled, rows = m < tiled ? R : M - tiled;
     for (long b = 0; b < K / BLOCK; b++) {
       float *to = packed + m0 * K + (b * rows + (m - m0)) * BLOCK;
       for (int i = 0; i < BLOCK; i++) to[unpacked_position(bits, i)] = x[m * K + b * BLOCK + i];
@@ -153,16 +156,33 @@ typedef void (*dequantize_fn)(const uint8_t *wrow, long row_bytes, const float *
 
 /* The tiles: R x C (prompts and batches; 4 x 4 keeps 16 accumulators, 4
  * weight vectors and the scales in the 32 registers), R x 1 (the columns those
- * leave), 1 x 4 (one row: four independent chains, ~5% faster than eight
- * here), 1 x 1 (what is left), and
- * the panel's dequantizer. */
+ * leave), and for the 1 to 3 rows after the last full tile (one row decoding,
+ * a few verifying draft tokens) r x 4 and r x 1, each weight block unpacked
+ * once for all of them (one row: four independent chains, ~5% faster than
+ * eight here); and the panel's dequantizer. */
 #define R 4
 #define C 4
 #define WIDTH(b, name, isa, UNPACK)                  \
   TILE(big_##name, isa, UNPACK, b, R, C, 0)           \
   TILE(rx1_##name, isa, UNPACK, b, R, 1, 0)           \
-  TILE(one_by_4_##name, isa, UNPACK, b, 1, 4, 0)      \
-  TILE(one_by_1_##name, isa, UNPACK, b, 1, 1, 0)
+  TILE(r1x4_##name, isa, UNPACK, b, 1, 4, 0)          \
+  TILE(r2x4_##name, isa, UNPACK, b, 2, 4, 0)          \
+  TILE(r3x4_##name, isa, UNPACK, b, 3, 4, 0)          \
+  TILE(r5x2_##name, isa, UNPACK, b, 5, 2, 0)          \
+  TILE(r6x2_##name, isa, UNPACK, b, 6, 2, 0)          \
+  TILE(r7x2_##name, isa, UNPACK, b, 7, 2, 0)          \
+  TILE(r8x2_##name, isa, UNPACK, b, 8, 2, 0)          \
+  TILE(r1x1_##name, isa, UNPACK, b, 1, 1, 0)          \
+  TILE(r2x1_##name, isa, UNPACK, b, 2, 1, 0)          \
+  TILE(r3x1_##name, isa, UNPACK, b, 3, 1, 0)          \
+  TILE(r5x1_##name, isa, UNPACK, b, 5, 1, 0)          \
+  TILE(r6x1_##name, isa, UNPACK, b, 6, 1, 0)          \
+  TILE(r7x1_##name, isa, UNPACK, b, 7, 1, 0)          \
+  TILE(r8x1_##name, isa, UNPACK, b, 8, 1, 0)          \
+  static const tile_fn few_##name[SHORT + 1] = {0, r1x4_##name, r2x4_##name, r3x4_##name, big_##name, \
+                                                r5x2_##name, r6x2_##name, r7x2_##name, r8x2_##name}; \
+  static const tile_fn few1_##name[SHORT + 1] = {0, r1x1_##name, r2x1_##name, r3x1_##name, rx1_##name, \
+                                                 r5x1_##name, r6x1_##name, r7x1_##name, r8x1_##name};
 WIDTH(4, 4, ISA, unpack)
 WIDTH(5, 5, ISA, unpack)
 WIDTH(8, 8, ISA, unpack)
@@ -176,16 +196,21 @@ DEQUANTIZE(dequantize_8, ISA, unpack, 8)
 TILE(panel_tile, ISA, unpack, 8, R, C, 1) /* reads floats: the same for every width */
 
 typedef struct {
-  tile_fn big, rx1, one_by_4, one_by_1;
+  tile_fn big, rx1;
+  const tile_fn *few, *few1; /* by rows, for up to SHORT rows in one tile: r x columns_of_few(r), r x 1 */
   dequantize_fn dequantize;
 } tiles;
 
+/* the columns a tile of `rows` rows (up to SHORT) covers: accumulators for
+ * 16 outputs at most */
+static int columns_of_few(long rows) { return rows <= R ? C : 2; }
+
 static tiles tiles_for(int bits) {
   static const tiles table[4] = {
-      {big_4, rx1_4, one_by_4_4, one_by_1_4, dequantize_4},
-      {big_5, rx1_5, one_by_4_5, one_by_1_5, dequantize_5},
-      {big_8, rx1_8, one_by_4_8, one_by_1_8, dequantize_8},
-      {big_5_vbmi, rx1_5_vbmi, one_by_4_5_vbmi, one_by_1_5_vbmi, dequantize_5},
+      {big_4, rx1_4, few_4, few1_4, dequantize_4},
+      {big_5, rx1_5, few_5, few1_5, dequantize_5},
+      {big_8, rx1_8, few_8, few1_8, dequantize_8},
+      {big_5_vbmi, rx1_5_vbmi, few_5_vbmi, few1_5_vbmi, dequantize_5},
   };
   if (bits == 5 && tierlm_qmm_avx512_vbmi(-1)) return table[3];
   return table[bits == 4 ? 0 : bits == 5 ? 1 : 2];
@@ -204,7 +229,7 @@ typedef struct {
 /* Tile (m0, n0) of rows x columns outputs; panel: the dequantized weight rows from n0, or NULL. */
 static void tile_at(const job *j, tile_fn tile, int rows, int columns, long m0, long n0, const float *panel) {
   long groups = j->K / j->group, row_bytes = j->K * j->bits / 8;
-  float got[R * C > 8 ? R * C : 8];
+  float got[R * C];
   tile(j->w + n0 * row_bytes, row_bytes, j->scales + n0 * groups, j->biases + n0 * groups, panel,
        j->x + m0 * j->K, j->K, j->group, got);
   for (int r = 0; r < rows; r++)
@@ -221,12 +246,12 @@ static long panel_rows(int bits) { return bits == 8 ? 32 : 16; }
 
 /* Output columns [first, last) of every activation row: R x C tiles over a
  * block of weight rows at a time, the columns they leave by R x 1, the rows
- * they leave by 1 x 4 and 1 x 1. */
+ * they leave together by r x 4 and r x 1. */
 static void columns_of(void *arg, int part, int parts) {
   const job *j = arg;
   tiles t = tiles_for(j->bits);
   long first = j->N * part / parts, last = j->N * (part + 1) / parts, whole = first + (last - first) / C * C;
-  long tiled = j->M / R * R, groups = j->K / j->group, row_bytes = j->K * j->bits / 8;
+  long tiled = j->M <= SHORT ? 0 : j->M / R * R, groups = j->K / j->group, row_bytes = j->K * j->bits / 8;
   int many = j->M >= panel_rows(j->bits);
   long step = many ? (PANEL_FLOATS / j->K / C + 1) * C : COLUMNS;
   float *panel = many ? tierlm_kept_buffer(&panel_kept, &panel_capacity, sizeof(float) * step * j->K) : NULL;
@@ -241,10 +266,11 @@ static void columns_of(void *arg, int part, int parts) {
   }
   for (long m0 = 0; m0 < tiled; m0 += R)
     for (long n = whole; n < last; n++) tile_at(j, t.rx1, R, 1, m0, n, NULL);
-  for (long m = tiled; m < j->M; m++) {
+  int left = (int)(j->M - tiled), width = columns_of_few(left);
+  if (left) {
     long n = first;
-    for (; n + 4 <= last; n += 4) tile_at(j, t.one_by_4, 1, 4, m, n, NULL);
-    for (; n < last; n++) tile_at(j, t.one_by_1, 1, 1, m, n, NULL);
+    for (; n + width <= last; n += width) tile_at(j, t.few[left], left, width, tiled, n, NULL);
+    for (; n < last; n++) tile_at(j, t.few1[left], left, 1, tiled, n, NULL);
   }
 }
 
