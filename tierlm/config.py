@@ -46,6 +46,11 @@ def _at_least(low: float, high: float | None = None):
     return check
 
 
+def _one_of(value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"expected one of {', '.join(choices)}")
+
+
 def _size_check(value: str) -> None:
     if parse_size(value, total_memory()) <= 0:
         raise ValueError("expected more than 0 bytes")
@@ -94,6 +99,13 @@ class Settings:
                                            per_model=True)
     prefill_step_size: int | None = setting(None, "prompt tokens per prefill chunk (default 256 on MLX's "
                                                   "CPU backend, 2048 on a GPU)", per_model=True)
+    speculation: str = setting("prompt-lookup", "draft tokens verified several a step in the batch: "
+                                                "prompt-lookup (from the sequence's own prompt and output: "
+                                                "copies, edits, quoted context) or off",
+                               per_model=True, check=lambda v: _one_of(v, ("prompt-lookup", "off")))
+    speculative_tokens: int = setting(7, "draft tokens a sequence verifies a step at most (1-16; a request's "
+                                         "speculative_tokens wins, 0 turns it off for that request)",
+                                      per_model=True, check=_at_least(1, 16))
     memory_limit: str | None = setting(None, "admit requests only while they fit under this (bytes, 8GB, "
                                              "or 75%; default 90% of what the device allows)", per_model=True)
     decode_burst_ms: float = setting(100.0, "decode time per job handed to the engine's worker with one "

@@ -109,6 +109,7 @@ def _engine_counters(rec: EngineRecord) -> dict[str, float]:
         "prompt_tokens": c.prompt_tokens, "generation_tokens": c.generated_tokens,
         "requests|finished": c.finished_requests, "requests|aborted": c.aborted_requests,
         "requests|failed": c.failed_requests, "requests|refused": c.refused_requests,
+        "draft_tokens": c.proposed_tokens, "accepted_draft_tokens": c.accepted_tokens,
     }
     if rec.cache_stats is not None:
         s = rec.cache_stats
@@ -130,6 +131,9 @@ COUNTERS = {
     "generation_tokens": ("generation_tokens", "tokens generated", None),
     "requests": ("requests", "requests that left the engine, by outcome (finished, aborted, failed, refused)",
                  "outcome"),
+    "draft_tokens": ("spec_decode_draft_tokens", "draft tokens verified (speculative decoding)", None),
+    "accepted_draft_tokens": ("spec_decode_accepted_tokens", "draft tokens accepted (speculative decoding)",
+                              None),
     "cache_queries": ("prefix_cache_queries", "prompt tokens looked up in the prefix cache", None),
     "cache_hits": ("prefix_cache_hits", "prompt tokens found in the prefix cache, by the tier they came from",
                    "tier"),

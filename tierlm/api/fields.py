@@ -9,6 +9,7 @@ import logging
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tierlm.engine.request import MAX_DRAFT_TOKENS
 from tierlm.serving.errors import APIError
 from tierlm.serving.validation import SEED_MAX, SEED_MIN, find_lone_surrogate
 
@@ -61,6 +62,8 @@ class SamplingFields(RequestBody):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # tierlm's: draft tokens verified a step at most (speculative decoding; 0: none for this request)
+    speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS)
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None

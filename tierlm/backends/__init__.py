@@ -27,6 +27,9 @@ class Backend:
     name: str = "mlx"  # "mlx": nothing added; "cpu": tierlm.backends.cpu
     extra_bytes: int = 0  # memory held outside MLX's allocator while the model lives
     layout_tag: bytes = b""  # appended to the weights' layout in prefix-cache keys
+    # whether a sequence's products have the same bits alone, batched or fed several
+    # tokens at once (verifying drafts), so greedy answers never depend on the batch
+    batch_invariant: bool = False
     log: tuple[str, ...] = ()  # start-up log lines, info
     warnings: tuple[str, ...] = ()  # start-up log lines, warnings (a part that failed its check)
     summary: dict = field(default_factory=dict)  # for /stats: what is in use, and why not

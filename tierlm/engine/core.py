@@ -131,6 +131,7 @@ class EngineCore:
             max_running=self.config.max_concurrent_requests,
             prefill_step_size=prefill_step,
             stall_timeout_s=self.config.stall_timeout_s,
+            speculative_tokens=self.config.speculative_tokens if self.config.speculation != "off" else 0,
         )
         log.info(
             "engine %s ready: weights %.0f MiB, KV %.1f KiB/token, memory limit %.0f MiB",
@@ -578,6 +579,9 @@ class EngineCore:
             # the worker's time in those steps (model step and its tokens): per step,
             # compare a served run with `bench engine` to see where serving costs
             "step_seconds_total": c.step_seconds,
+            # speculative decoding: draft tokens verified, and kept
+            "speculation": {"proposed_tokens": c.proposed_tokens, "accepted_tokens": c.accepted_tokens,
+                            "steps": c.speculative_steps},
             "bursts": self.bursts,
             "warmup": {"shapes_left": len(self._warm_jobs), "seconds": round(self.warm_seconds, 3)},
             # MLX's allocator counters (no array is touched): what the memory guard holds to its limit

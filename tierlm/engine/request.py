@@ -11,6 +11,9 @@ if TYPE_CHECKING:
     from tierlm.engine.constraint import TokenConstraint
 
 
+MAX_DRAFT_TOKENS = 16  # draft tokens a sequence may verify a step at most (speculative decoding)
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
@@ -42,6 +45,9 @@ class SamplingParams:
     # log-probabilities of the generated tokens: None = off; n = the chosen token's
     # and the n most likely alternatives' (0 to 20), per token (RequestOutput.logprobs)
     logprobs: int | None = None
+    # draft tokens verified a step at most (speculative decoding): None = the
+    # model's setting, 0 = none for this request
+    speculative_tokens: int | None = None
 
     @property
     def is_greedy(self) -> bool:

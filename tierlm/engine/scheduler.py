@@ -24,6 +24,7 @@ from tierlm.engine.detokenizer import IncrementalText, byte_level_table
 from tierlm.engine.memory_guard import MemoryGuard
 from tierlm.engine.request import FinishReason, MemoryGuardError, Request, RequestOutput
 from tierlm.engine.sampling import make_request_processors, make_request_sampler, repair_random_state
+from tierlm.engine.speculative_batch import SpeculativeGenerator
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class SchedulerConfig:
     prefill_step_size: int = 2048
     prefill_batch_size: int = 8
     stall_timeout_s: float = 300.0  # a running request with no progress this long ends with an error
+    speculative_tokens: int = 0  # draft tokens a sequence verifies a step at most by default (0: no drafting)
 
 
 @dataclass
@@ -78,6 +80,10 @@ class SchedulerCounters:
     refused_requests: int = 0
     step_seconds: float = 0.0
     steps: int = 0
+    # speculative decoding (speculative_batch.SpeculativeBatch counts them here)
+    proposed_tokens: int = 0  # draft tokens verified
+    accepted_tokens: int = 0  # of them, kept
+    speculative_steps: int = 0  # steps that verified drafts
 
 
 class Scheduler:
@@ -130,13 +136,23 @@ class Scheduler:
         self._bytes_table = byte_level_table(tokenizer.detokenizer)
 
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
-            self.model,
+        options = dict(
             completion_batch_size=self.config.max_running,
             prefill_batch_size=min(self.config.prefill_batch_size, self.config.max_running),
             prefill_step_size=self.config.prefill_step_size,
             stream=self._stream,
         )
+        gen = SpeculativeGenerator(self.model, **options)
+        gen.speculation.counters = self.counters
+        return gen
+
+    def _draft_limit(self, params) -> int:
+        """Draft tokens the request's sequence may verify a step (0: none): its
+        own number if it sent one, where the model speculates at all."""
+        wanted = params.speculative_tokens
+        if not self.config.speculative_tokens or wanted is None:
+            return self.config.speculative_tokens
+        return wanted
 
     # ---- any thread -------------------------------------------------------
 
@@ -367,6 +383,8 @@ class Scheduler:
             raise
         state = _Running(request, text, cached_tokens=hit, progress=(0, 0, time.monotonic()),
                          deferrable=not text.watches_stops and params.logprobs is None)
+        if limit := self._draft_limit(params):
+            self._gen.speculation.limits[uid] = limit
         if lookup:
             state.keys, state.stored_blocks, state.hit_blocks = lookup.keys, len(lookup.blocks), lookup.blocks
             self.cache.acquire(lookup.blocks)
@@ -608,6 +626,7 @@ class Scheduler:
 
     def _finish(self, uid: int, completed: bool = True) -> _Running:
         state = self.running.pop(uid)
+        self._gen.speculation.limits.pop(uid, None)
         if state.new:  # it leaves without a last token (an abort, a fault): what it made goes out
             try:
                 self._emit(state)

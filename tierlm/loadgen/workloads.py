@@ -21,6 +21,7 @@ class BenchRequest:
     prompt: str | None = None  # /v1/completions
     messages: list[dict] | None = None  # /v1/chat/completions
     input_tokens: int = 0  # as built here, before any chat template
+    extra: dict = field(default_factory=dict)  # more body fields (tools, tierlm's own)
 
 
 @dataclass

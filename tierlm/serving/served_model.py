@@ -106,6 +106,7 @@ class ServedModel:
             stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or default.get("stop", [])),
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
+            speculative_tokens=getattr(body, "speculative_tokens", None),
             keep_leading_space=keep_leading_space,
             logprobs=logprobs,
         )

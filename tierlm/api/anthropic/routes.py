@@ -86,7 +86,8 @@ def _render(turns: ModelTurns, settings: Settings, body: CountTokensRequest, spe
 def _sampling(body: MessagesRequest) -> SamplingFields:
     """Anthropic's sampling fields as the engine's common ones."""
     return SamplingFields(model=body.model, temperature=body.temperature, top_p=body.top_p,
-                          top_k=body.top_k, stop=body.stop_sequences, seed=body.seed, keep_alive=body.keep_alive)
+                          top_k=body.top_k, stop=body.stop_sequences, seed=body.seed, keep_alive=body.keep_alive,
+                          speculative_tokens=body.speculative_tokens)
 
 
 # ---- streaming ----------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierlm.api.fields import RequestBody
+from tierlm.engine.request import MAX_DRAFT_TOKENS
 from tierlm.serving.validation import SEED_MAX, SEED_MIN
 
 
@@ -41,6 +42,8 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(default=None, ge=0)
     stop_sequences: list[str] | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # ours: the same tokens each time
+    # ours: draft tokens verified a step at most (speculative decoding; 0: none)
+    speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS)
     stream: bool = False
     metadata: dict[str, Any] | None = None
     # Ollama's: how long the model stays loaded after this request

@@ -22,9 +22,10 @@ from tierlm.structured.events import Gathered
 
 # Ollama's options that have an OpenAI-shaped field of another name; those of
 # the same name (temperature, top_p, top_k, min_p, seed, stop, presence_penalty,
-# frequency_penalty) pass as they are, the rest (num_ctx, num_gpu, ...) are ignored
+# frequency_penalty; tierlm's speculative_tokens) pass as they are, the rest (num_ctx, num_gpu, ...) are ignored
 _RENAMED = {"num_predict": "max_tokens", "repeat_penalty": "repetition_penalty"}
-_SAME = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty")
+_SAME = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+         "speculative_tokens")
 
 
 def now() -> str:

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import Field
 
 from tierlm.api.fields import RequestBody, SamplingFields
+from tierlm.engine.request import MAX_DRAFT_TOKENS
 from tierlm.serving.validation import SEED_MAX, SEED_MIN
 
 
@@ -28,6 +29,8 @@ class ResponsesRequest(RequestBody):
     temperature: float | None = Field(default=None, ge=0.0, le=100.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    # ours: draft tokens verified a step at most (speculative decoding; 0: none)
+    speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS)
     metadata: dict[str, Any] | None = None
     store: bool | None = None  # OpenAI's default: true
     previous_response_id: str | None = None
@@ -41,4 +44,5 @@ class ResponsesRequest(RequestBody):
 
     def sampling(self) -> SamplingFields:
         """The sampling fields as the engine side reads them (chat's names)."""
-        return SamplingFields(model=self.model, temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+        return SamplingFields(model=self.model, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                              speculative_tokens=self.speculative_tokens)

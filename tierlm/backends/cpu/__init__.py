@@ -94,5 +94,10 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
         return {"calls": {**state.counts(), **{f"kernel_{k}": v for k, v in python.items()},
                           "quantized_hook": quantized.taken(), "quantized_left_to_mlx": quantized.left_to_mlx()}}
 
+    # tierlm's AVX-512 float32 products of quantized weights and its attention
+    # products sum each output in one fixed order; a BLAS's gemv and gemm do not
+    invariant = dtype == "quantized" and quantized.float_products() and state.exact_attention.on
+    summary["batch_invariant"] = invariant
     return Backend(name="cpu", extra_bytes=packed_bytes, layout_tag=AMX_LAYOUT_TAG if packed else b"",
-                   log=tuple(log), warnings=warnings, summary=summary, counters=counters)
+                   batch_invariant=invariant, log=tuple(log), warnings=warnings, summary=summary,
+                   counters=counters)

@@ -1,0 +1,350 @@
+"""Speculative decoding inside the continuous batch: prompt-lookup drafts
+verified for every running sequence in one forward pass.
+
+- Drafts and the cost model alone (no model).
+- The batch on a tiny random model: a rejected draft leaves each row's KV as a
+  fresh prefill of the tokens it kept would (this also fails loudly if
+  mlx-lm's generation batch or BatchKVCache change the fields it reaches into).
+- Real models: greedy answers equal with speculation on and off, token for
+  token, over code edits, prose, stop strings, length limits, logprobs, tool
+  calls, schemas and a batch (SmolLM2 in process; Qwen2.5-Coder over HTTP),
+  where the backend's products are batch-invariant (elsewhere batching itself
+  moves float rounding, and the test says so); the prefix cache read back
+  after a request whose drafts were partly rejected holds exactly its tokens'
+  KV; bad draft lengths are a 400 in each API's shape; /metrics and /stats
+  count drafts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import colorsys
+import inspect
+
+import httpx
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from engine_testing import run, started
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+
+from tierlm import backends
+from tierlm.engine.drafts import Acceptance, PromptLookup
+from tierlm.engine.request import Request, SamplingParams
+from tierlm.engine.speculative_batch import SpeculativeGenerator, StepCosts, rollback_supported
+from tierlm.models.random_model import tiny_model
+from tierlm.structured.grammar import ModelGrammars, json_schema_grammar
+
+SOURCE = inspect.getsource(colorsys)  # a real module of 166 lines, on every Python
+EDIT = [{"role": "user", "content": f"Here is colorsys.py:\n\n```python\n{SOURCE}```\n\nRename the function "
+                                    "rgb_to_yiq to rgb_to_ntsc and return the whole file."}]
+PROSE = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+SHORT = SOURCE[: SOURCE.index("def rgb_to_hls")]  # its first 70 lines: a shorter prompt for the fast run
+SHORT_EDIT = [{"role": "user", "content": f"```python\n{SHORT}```\nRename rgb_to_yiq to rgb_to_ntsc and return "
+                                          "the whole file."}]
+
+
+# ---- drafts and costs ------------------------------------------------------
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
+    look = PromptLookup([5, 1, 2, 3, 4, 6, 1, 2, 3, 9, 1, 2], ngram_min=2, ngram_max=3)
+    assert look.propose(3, last=3) == [9, 1, 2]  # (1, 2, 3) last seen before 9, not before 4
+    assert look.propose(3, last=77) == []  # (2, 77) never occurred
+    assert PromptLookup([4, 5, 6], 2, 3).propose(2, last=5) == []  # one token alone is no match
+    # a draft running into the sequence's end continues with the sampled token
+    assert PromptLookup([1, 2, 3, 1, 2], 2, 3).propose(4, last=3) == [1, 2, 3]
+    look.extend([3, 9])  # appended tokens are indexed as they come
+    assert look.propose(2, last=1) == [2, 3]  # (9, 1) now last seen before 2, 3
+
+
+def test_acceptance_learns_from_drafts_and_forgets_slowly():
+    a = Acceptance()
+    assert a.expected(2) == pytest.approx(0.6 + 0.36)  # the prior
+    for _ in range(5):
+        a.record(proposed=6, accepted=6)
+    assert a.alpha > 0.9 and a.expected(6) > 4.5
+    for _ in range(10):
+        a.record(proposed=6, accepted=0)
+    assert a.alpha < 0.35
+
+
+def test_step_costs_estimate_unmeasured_widths_and_pick_the_best_rate():
+    costs = StepCosts(probe_every=10**6)
+    assert costs.best_width(1, [1.0, 1.9, 2.7]) == 1  # nothing measured: a plain step first
+    costs.record(1, 0.030)
+    assert costs.estimate(2) == pytest.approx(0.045)  # past the largest: half a token's average cost a token
+    costs.record(8, 0.100)
+    assert costs.estimate(4) == pytest.approx(0.030 + 0.070 * 3 / 7)  # between measured sizes
+    costs.record(4, 0.040)
+    assert costs.estimate(12) == pytest.approx(0.100 + 0.015 * 4)  # the slope of the last two
+    # widths pay while the tokens they are expected to make grow faster than their cost
+    assert costs.best_width(1, [1.0, 1.9, 2.7, 3.4]) == 4
+    assert costs.best_width(1, [1.0, 1.05, 1.1, 1.15]) == 1
+
+
+# ---- the batch, on a tiny random model --------------------------------------
+
+
+class _Widest(StepCosts):
+    """Every step as wide as its drafts: rejections are certain on random weights."""
+
+    def best_width(self, rows, made):
+        return len(made)
+
+
+def _quantized_tiny(name: str = "llama"):
+    model = tiny_model(name, vocab_size=512)
+    nn.quantize(model, group_size=32, bits=4)
+    return model
+
+
+def _fresh_keys(model, tokens: list[int]) -> list[mx.array]:
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([tokens]), cache=cache))
+    return [c.state[0][..., : c.offset, :] for c in cache]
+
+
+class _Spoiled(PromptLookup):
+    """Lookups whose every other draft is wrong from its middle on: random
+    weights loop, and their loops' drafts would all be accepted."""
+
+    calls = 0
+
+    def propose(self, k, last):
+        draft = super().propose(k, last) or [last] * k
+        _Spoiled.calls += 1
+        if _Spoiled.calls % 2:
+            draft[len(draft) // 2] = (draft[len(draft) // 2] + 1) % 512
+        return draft
+
+
+def test_rejected_drafts_leave_each_rows_kv_as_a_fresh_prefill_would(monkeypatch):
+    monkeypatch.setattr("tierlm.engine.speculative_batch.PromptLookup", _Spoiled)
+    model = tiny_model("llama", vocab_size=512)  # float32: the same on every CPU to float rounding
+    # repeated runs, so that lookups find drafts; three lengths, so rows are padded
+    prompts = [list(range(10, 40)) * 3, list(range(50, 70)) * 4 + [3], [7, 8, 9, 11] * 10]
+    gen = SpeculativeGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+    gen.speculation.costs = _Widest()
+    uids = gen.insert(prompts, max_tokens=[24, 31, 40])
+    for uid in uids:
+        gen.speculation.limits[uid] = 6
+    ended = {}
+    while len(ended) < len(uids):
+        for r in gen.next()[1]:
+            if r.finish_reason is not None:
+                ended[r.uid] = r
+    counters = gen.speculation.counters
+    assert counters.speculative_steps and 0 < counters.accepted_tokens < counters.proposed_tokens
+    for uid, prompt, limit in zip(uids, prompts, (24, 31, 40)):
+        r = ended[uid]
+        assert r.finish_reason == "length" and len(r.all_tokens) == len(prompt) + limit
+        assert r.all_tokens[: len(prompt)] == prompt
+        for kept, fresh in zip([c.state[0] for c in r.prompt_cache], _fresh_keys(model, r.all_tokens)):
+            assert kept.shape == fresh.shape
+            assert mx.allclose(kept, fresh, atol=1e-4).item()
+
+
+def test_greedy_tokens_equal_plain_batching_on_random_weights_where_products_are_batch_invariant():
+    """The same tokens as mlx-lm's own BatchGenerator, drafts or not, when the
+    arithmetic gives a row the same bits however many tokens it is fed."""
+    model = _quantized_tiny()
+    from tierlm.backends import prepare
+
+    if not prepare(model, memory_bytes=2**30).batch_invariant:
+        pytest.skip("this backend's products are not batch-invariant (rounding moves with the batch)")
+    prompts = [list(range(10, 40)) * 3, [7, 8, 9, 11] * 10]
+
+    def tokens(gen):
+        uids = gen.insert(prompts, max_tokens=[30, 30])
+        if isinstance(gen, SpeculativeGenerator):
+            gen.speculation.costs = _Widest()
+            for uid in uids:
+                gen.speculation.limits[uid] = 6
+        out = {uid: [] for uid in uids}
+        while any(len(v) < 30 for v in out.values()):
+            for r in gen.next()[1]:
+                out[r.uid].append(r.token)
+        return list(out.values())
+
+    assert tokens(SpeculativeGenerator(model)) == tokens(BatchGenerator(model))
+
+
+def test_a_sliding_window_or_recurrent_cache_turns_speculation_off():
+    assert rollback_supported(_quantized_tiny("llama")) is None
+    assert "RotatingKVCache" in rollback_supported(tiny_model("gemma3_text", vocab_size=512))
+    gen = SpeculativeGenerator(tiny_model("gemma3_text", vocab_size=512))
+    assert not gen.speculation.enabled
+
+
+# ---- the default model, in process ------------------------------------------
+
+
+def _request(loaded, engine, messages, **params):
+    tokens = loaded[1].apply_chat_template(messages, add_generation_prompt=True)
+    return Request(engine.new_request_id(), tokens, SamplingParams(temperature=0, **params))
+
+
+async def _answers(loaded, batches, **settings):
+    """Each batch of (messages, params) run together; the outputs, and the engine's counters."""
+    engine = await started(loaded, **settings)
+    outs = []
+    for batch in batches:
+        outs += await asyncio.gather(*[engine.generate(_request(loaded, engine, m, **p)) for m, p in batch])
+    counters = engine.scheduler.counters
+    await engine.close()
+    return outs, counters
+
+
+@pytest.mark.slow  # two engines, a dozen answers
+def test_greedy_answers_of_the_default_model_equal_with_and_without_speculation(loaded):
+    """Code edits, prose, a stop string, a length limit mid-draft, logprobs,
+    penalties and a JSON schema (a grammar: its drafts are verified a token at a
+    time against it), alone and batched."""
+    if not backends.describe(loaded[0]).batch_invariant:
+        pytest.skip("this backend's products are not batch-invariant: batching itself moves rounding")
+    grammars = ModelGrammars(loaded[1])
+    schema = {"type": "object", "properties": {"functions": {"type": "array", "items": {"type": "string"}}},
+              "required": ["functions"]}
+    listing = [{"role": "user", "content": f"```python\n{SOURCE}```\nList the functions of this module as JSON."}]
+
+    def batches():  # a grammar's state is a request's own: fresh ones for each engine
+        return [[(EDIT, {"max_tokens": 96})], [(PROSE, {"max_tokens": 48})],
+                [(listing, {"max_tokens": 60, "constraint": grammars.constraint(json_schema_grammar(schema))})],
+                [(EDIT, {"max_tokens": 37, "stop": ["def rgb_to_hls"]}), (EDIT, {"max_tokens": 40, "logprobs": 2}),
+                 (EDIT, {"max_tokens": 40, "presence_penalty": 0.5, "repetition_penalty": 1.1}),
+                 (PROSE, {"max_tokens": 30})]]
+
+    on, counters = run(_answers(loaded, batches()))
+    off, _ = run(_answers(loaded, batches(), speculation="off"))
+    assert counters.accepted_tokens > 0  # it did speculate
+    for a, b in zip(on, off):
+        assert (a.token_ids, a.text, a.finish_reason, a.logprobs) == (b.token_ids, b.text, b.finish_reason, b.logprobs)
+    assert on[2].text.startswith('{"functions"')
+
+
+def test_the_prefix_cache_holds_only_accepted_tokens(loaded):
+    """After a request whose drafts were partly rejected, every block in the
+    cache holds its own tokens' KV: a fresh prefill's, to float rounding."""
+
+    async def go():
+        engine = await started(loaded, cache_block_size=16)
+        request = _request(loaded, engine, SHORT_EDIT, max_tokens=80, ignore_eos=True)
+        out = await engine.generate(request)
+        tokens = request.prompt_tokens + out.token_ids
+        # the answer's blocks are stored as the next step starts: a request extending it finds them all
+        again = await engine.generate(Request(engine.new_request_id(), tokens + [28, 198],
+                                              SamplingParams(max_tokens=1, temperature=0)))
+        cache = engine.scheduler.cache
+        lookup = cache.lookup(tokens + [0])
+        stored = [c.state[0] for c in cache.rebuild(lookup.blocks)]
+        counters = engine.scheduler.counters
+        await engine.close()
+        return tokens, again.cached_tokens, lookup, stored, counters
+
+    tokens, cached, lookup, stored, counters = run(go())
+    assert 0 < counters.accepted_tokens < counters.proposed_tokens
+    n = len(tokens) // 16 * 16
+    assert cached == n and len(lookup.blocks) * 16 == n  # the answer's blocks too
+    for kept, fresh in zip(stored, _fresh_keys(loaded[0], tokens[:n])):
+        assert mx.allclose(kept[..., :n, :], fresh, atol=1e-3).item()
+
+
+def test_a_request_can_turn_speculation_off_or_limit_it(loaded):
+    batches = [[(SHORT_EDIT, {"max_tokens": 40, "speculative_tokens": 0})]]
+    _, counters = run(_answers(loaded, batches))
+    assert counters.proposed_tokens == 0
+    _, counters = run(_answers(loaded, [[(SHORT_EDIT, {"max_tokens": 40, "speculative_tokens": 2})]]))
+    assert 0 < counters.proposed_tokens <= 2 * counters.speculative_steps
+
+
+# ---- over HTTP ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body, shape", [
+    ("/v1/chat/completions", {"messages": PROSE, "speculative_tokens": 17}, "openai"),
+    ("/v1/chat/completions", {"messages": PROSE, "speculative_tokens": -1}, "openai"),
+    ("/v1/completions", {"prompt": "hi", "speculative_tokens": "many"}, "openai"),
+    ("/v1/messages", {"model": "m", "messages": PROSE, "max_tokens": 8, "speculative_tokens": 99}, "anthropic"),
+    ("/v1/responses", {"input": "hi", "speculative_tokens": 17}, "openai"),
+    ("/api/chat", {"messages": PROSE, "options": {"speculative_tokens": 40}}, "ollama"),
+])
+def test_an_out_of_range_draft_length_is_a_400_in_the_apis_shape(server, path, body, shape):
+    if shape == "ollama":
+        body = {"model": httpx.get(server.v1 + "/models", timeout=30).json()["data"][0]["id"], **body}
+    r = httpx.post(server.base_url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()
+    if shape == "openai":
+        assert error["error"]["param"] == "speculative_tokens"
+    elif shape == "anthropic":
+        assert error["type"] == "error" and "speculative_tokens" in error["error"]["message"]
+    else:
+        assert "speculative_tokens" in error["error"]
+    ok = httpx.post(server.v1 + "/chat/completions", timeout=60,
+                    json={"messages": PROSE, "max_tokens": 2})
+    assert ok.status_code == 200  # and the next request is served
+
+
+def test_metrics_and_stats_count_drafts(server):
+    body = {"messages": SHORT_EDIT, "max_tokens": 64, "temperature": 0}
+    assert httpx.post(server.v1 + "/chat/completions", json=body, timeout=300).status_code == 200
+    metrics = httpx.get(server.base_url + "/metrics", timeout=30).text
+    drafted = [line for line in metrics.splitlines() if line.startswith("tierlm:spec_decode_draft_tokens_total")]
+    accepted = [line for line in metrics.splitlines()
+                if line.startswith("tierlm:spec_decode_accepted_tokens_total")]
+    assert drafted and accepted and float(drafted[0].split()[-1]) >= float(accepted[0].split()[-1]) > 0
+    assert server.stats()["speculation"]["accepted_tokens"] > 0
+
+
+# ---- Qwen2.5-Coder over HTTP (slow: the agent model served) --------------------
+
+
+@pytest.mark.slow
+def test_qwen_coder_answers_equal_with_speculation_on_and_off(qwen_server):
+    """The agent model on its own template: a code edit, a tool call quoting the
+    file (a grammar holds its shape), a JSON schema, and three at once, each
+    with drafts and with `speculative_tokens: 0`, greedy."""
+    from conftest import AGENT_KEY
+
+    from tierlm.loadgen.edits import EDIT_TOOL
+
+    headers = {"Authorization": f"Bearer {AGENT_KEY}"}
+
+    def stats() -> dict:
+        return httpx.get(qwen_server.base_url + "/stats", headers=headers, timeout=30).json()["engines"][0]
+
+    bodies = [
+        {"messages": SHORT_EDIT, "max_tokens": 120},
+        {"messages": [{"role": "user", "content": f"```python\n{SHORT}```\nUse edit_file on colorsys.py to "
+                                                  "rename rgb_to_yiq to rgb_to_ntsc: old_string is the whole "
+                                                  "function, new_string the same renamed."}],
+         "tools": [EDIT_TOOL], "tool_choice": "required", "max_tokens": 160},
+        {"messages": [{"role": "user", "content": f"```python\n{SHORT}```\nList its functions."}],
+         "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": {
+             "type": "object", "properties": {"functions": {"type": "array", "items": {"type": "string"}}},
+             "required": ["functions"]}}}, "max_tokens": 60},
+    ]
+
+    def answer(body, **extra):
+        r = httpx.post(qwen_server.v1 + "/chat/completions", headers=headers, timeout=600,
+                       json={**body, **extra, "temperature": 0})
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+        return message.get("content"), calls
+
+    off = [answer(b, speculative_tokens=0) for b in bodies]
+    if not stats()["backend"].get("batch_invariant"):
+        pytest.skip("this backend's products are not batch-invariant: batching itself moves rounding")
+    before = stats()["speculation"]
+    on = [answer(b) for b in bodies]
+    assert on == off
+    assert off[1][1] and "rgb_to_ntsc" in off[1][1][0][1]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        assert list(pool.map(answer, bodies)) == off
+    after = stats()["speculation"]
+    assert after["accepted_tokens"] - before["accepted_tokens"] > 40

@@ -1,0 +1,121 @@
+"""A batch KV cache whose rows may end at different places, so that a row can
+give back its last tokens without moving a byte.
+
+mlx-lm's BatchKVCache keeps every row right-aligned: all rows end at one index
+and shorter ones are padded on the left. Verifying draft tokens (speculative
+decoding) feeds every row the same number of tokens and keeps a different
+number per row; realigning them moved each row's whole KV every step (at four
+2k-token sequences on a 2-core CPU, ~65 ms a step of ~90). Here each row
+keeps its own end: giving back n tokens only moves the row's end back, new
+tokens are written at each row's end, and the attention mask shows each query
+its own row's keys up to itself. A row's keys stay one contiguous run ending
+at its last token, as in a plain step, so the attention products (each summed
+in an order fixed by the row's end: tierlm.backends.cpu) keep their bits.
+
+This subclass reaches into BatchKVCache's fields; tests/test_speculation.py
+fails loudly if they change.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+
+class RaggedBatchKVCache(BatchKVCache):
+    """BatchKVCache with a per-row end (`ends`: the buffer index after each
+    row's last token); `_idx` is the furthest end."""
+
+    @classmethod
+    def of(cls, cache: BatchKVCache) -> RaggedBatchKVCache:
+        """The same rows and buffers, every row ending at the batch's end."""
+        ragged = cls.__new__(cls)
+        ragged.__dict__.update(cache.__dict__)
+        ragged.ends = [cache._idx] * cache.left_padding.shape[0]
+        return ragged
+
+    def _set_ends(self, ends: list[int]) -> None:
+        self.ends = ends
+        self._idx = max(ends, default=0)
+        self.offset = mx.array(ends) - self.left_padding  # each row's position (RoPE)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if len(set(self.ends)) <= 1:  # rows aligned: BatchKVCache's own write
+            out = super().update_and_fetch(keys, values)
+            self.ends = [self._idx] * len(self.ends)
+            return out
+        width = keys.shape[2]
+        self._grow(max(self.ends) + width, keys, values)
+        where = (mx.array(self.ends)[:, None] + mx.arange(width)[None])[:, None, :, None]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(where, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(where, values.shape), values, axis=2)
+        self._set_ends([e + width for e in self.ends])
+        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+
+    def _grow(self, end: int, keys: mx.array, values: mx.array) -> None:
+        """Room in the buffers up to `end`, in BatchKVCache's steps."""
+        if self.keys is not None and end <= self.keys.shape[2]:
+            return
+        batch, heads, _, k_dim = keys.shape
+        size = (end + self.step - 1) // self.step * self.step
+        have = 0 if self.keys is None else self.keys.shape[2]
+        more_k = mx.zeros((batch, heads, size - have, k_dim), keys.dtype)
+        more_v = mx.zeros((batch, heads, size - have, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = more_k, more_v
+        else:
+            self.keys = mx.concatenate([self.keys, more_k], axis=2)
+            self.values = mx.concatenate([self.values, more_v], axis=2)
+
+    def drop(self, counts: list[int]) -> None:
+        """Give back the last `counts[i]` tokens of row i."""
+        self._set_ends([e - n for e, n in zip(self.ends, counts)])
+
+    def trim(self, n: int) -> int:
+        self.drop([n] * len(self.ends))
+        return n
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs):
+        """Query q of row i (at its end + q) sees its row's keys from its start
+        to itself."""
+        keys = mx.arange(self._idx + N)[None, None, None, :]
+        last = (mx.array(self.ends)[:, None] + mx.arange(N)[None])[:, None, :, None]
+        mask = (keys <= last) & (keys >= self.left_padding[:, None, None, None])
+        if window_size is not None:
+            mask = mask & (keys > last - window_size)
+        return mask
+
+    def filter(self, batch_indices) -> None:
+        ends = [self.ends[i] for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array)
+                                       else batch_indices)]
+        if self.keys is not None:
+            self.keys, self.values = self.keys[batch_indices], self.values[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+        shift = min(self.left_padding.tolist(), default=0)
+        if shift > 0:  # the rows' common padding goes, as BatchKVCache.filter does
+            if self.keys is not None:
+                self.keys, self.values = self.keys[..., shift:, :], self.values[..., shift:, :]
+            self.left_padding = self.left_padding - shift
+            ends = [e - shift for e in ends]
+        self._set_ends(ends)
+
+    def extend(self, other: BatchKVCache) -> None:
+        """Rows of `other` (ragged or aligned) after these, both right-justified
+        to the later end as BatchKVCache.extend does."""
+        other = other if isinstance(other, RaggedBatchKVCache) else RaggedBatchKVCache.of(other)
+        top = max(self._idx, other._idx)
+        ends = [e + top - self._idx for e in self.ends] + [e + top - other._idx for e in other.ends]
+        super().extend(other)
+        self._set_ends(ends)
+
+    def extract(self, idx: int) -> KVCache:
+        """Row idx alone, from its start to its end."""
+        cache = KVCache()
+        start = int(self.left_padding[idx].item())
+        cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, start : self.ends[idx]])
+        cache.values = mx.contiguous(self.values[idx : idx + 1, :, start : self.ends[idx]])
+        cache.offset = cache.keys.shape[2]
+        return cache
+
+    def size(self) -> int:
+        return self._idx
