@@ -23,6 +23,7 @@ from pathlib import Path
 
 from bench_lab import constrained, lab_parser, models_bench, streaming
 from tierlm.bench.compare import compare_rows, long_prompt_rows, memory_rows
+from tierlm.bench import speculation_bench
 from tierlm.bench.engine_overhead import pair_ratios, step_ratios
 from tierlm.bench.report import markdown_table, ms, num, pairs_cell, ratio, serve_rows
 from tierlm.loadgen.metrics import geometric_mean_se
@@ -472,6 +473,26 @@ def render_models(doc: dict, path: Path) -> str:
     return "\n".join([f"### {models_bench.title(doc)}\n", _provenance(doc, path), models_bench.markdown(doc)])
 
 
+def speculation_title(doc: dict) -> str:
+    where = "over HTTP" if doc["kind"] == "speculation" else "in the batch, in process"
+    return f"Speculative decoding on / off, {Path(doc['model']).name}, {where}"
+
+
+def render_speculation(doc: dict, path: Path) -> str:
+    header, rows = speculation_bench.table(doc["results"])
+    return "\n".join([f"### {speculation_title(doc)}\n", _provenance(doc, path), markdown_table(header, rows), ""])
+
+
+def render_speculation_batch(doc: dict, path: Path) -> str:
+    header = ["workload", "batch", "round", "plain tok/s", "speculative tok/s", "ratio", "accepted / drafted",
+              "same tokens"]
+    rows = [[r["workload"], str(r["batch"]), str(r["round"] + 1), f"{r['plain']['decode_tok_s']:.1f}",
+             f"{r['speculative']['decode_tok_s']:.1f}", f"{r['ratio']:.2f}x",
+             f"{r['counters']['accepted_tokens']} / {r['counters']['proposed_tokens']}",
+             "yes" if r["same_tokens"] else "no"] for r in doc["rows"]]
+    return "\n".join([f"### {speculation_title(doc)}\n", _provenance(doc, path), markdown_table(header, rows), ""])
+
+
 def render_serve(doc: dict, path: Path) -> str:
     h, rows = serve_rows(doc["runs"], ("concurrency",))
     params = doc["runs"][0]["workload_params"] if doc["runs"] else {}
@@ -589,6 +610,8 @@ def benchmarks(results: list[Result]) -> tuple[list[Benchmark], list[Path]]:
             found.setdefault((5, models_bench.title(r.doc)), []).append({r.kind: r})
         elif r.kind == "streaming":
             found.setdefault((6, streaming.title(r.doc)), []).append({r.kind: r})
+        elif r.kind in ("speculation", "speculation-batch"):
+            found.setdefault((7, speculation_title(r.doc)), []).append({r.kind: r})
     shown = {r.path for files_list in found.values() for files in files_list for r in files.values()}
     others = [r.path for r in results if r.path not in shown]
     return [Benchmark(order, title, _newest_first(found[order, title])) for order, title in sorted(found)], others
@@ -602,7 +625,8 @@ def render_benchmark(bench: Benchmark) -> str:
         (r,) = files.values()
         render = {"compare": render_compare, "engine": render_engine, "serve": render_serve,
                   "constrained": render_constrained, "models": render_models,
-                  "streaming": render_streaming}[r.kind]
+                  "streaming": render_streaming, "speculation": render_speculation,
+                  "speculation-batch": render_speculation_batch}[r.kind]
         text = render(r.doc, r.path)
     if bench.older_files:
         names = ", ".join(f"`{p.name}`" for p in sorted(bench.older_files))

@@ -2,6 +2,7 @@
 
 tierlm bench serve     load generator against any OpenAI-compatible server
 tierlm bench compare   starts tierlm, mlx_lm.server and llama-server in turn, same workload
+tierlm bench speculation  speculative decoding on and off in one server (code edits, prose)
 tierlm bench engine    EngineCore vs a bare mlx-lm BatchGenerator loop, in process
 tierlm bench agents    a Claude Code session against tierlm: time per turn, prompt tokens read from cache
 tierlm bench cache     the prefix cache's tiers: TTFT cold / hot / SSD, restore and write rates vs the disk's
@@ -91,6 +92,20 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", default=None, help="write results here")
     p.set_defaults(func=cmd_agents)
 
+    p = bsub.add_parser("speculation", help="speculative decoding on and off in one server: code edits, an "
+                                            "agent's edit tool call, prose")
+    p.add_argument("--model", default="qwen2.5-coder-0.5b",
+                   help="a model folder, a folder's name in tierlm's model folder, or a name tierlm pull knows")
+    p.add_argument("--workloads", default="code-edit,agent-edit,prose", help="comma list of code-edit, "
+                                                                          "agent-edit, prose")
+    p.add_argument("--concurrency", default="1,4", help="comma list of streams")
+    p.add_argument("--rounds", type=int, default=1, help="runs of each; on/off order alternates each round")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--threads", type=int, default=None, help="tierlm's CPU compute threads")
+    p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
+    p.add_argument("--json", default=None, help="write results here")
+    p.set_defaults(func=cmd_speculation)
+
     p = bsub.add_parser("cache", help="prefix-cache tiers: TTFT cold / hot / SSD, restore and write rates "
                                       "beside the disk's")
     from tierlm.bench.cache_bench import add_arguments  # standard library only: cheap to import
@@ -163,6 +178,33 @@ def cmd_compare(args) -> int:
     from tierlm.bench.compare import run_compare
 
     return run_compare(args, runs.command_line())
+
+
+def cmd_speculation(args) -> int:
+    import shlex
+
+    import httpx
+
+    from tierlm.bench import runs, servers, speculation_bench
+    from tierlm.bench.report import print_table, write_json
+
+    concurrency = runs.concurrencies(args.concurrency)
+    spec = servers.tierlm_server(servers.model_folder(args.model), max(concurrency),
+                                 ["--no-prefix-cache", *shlex.split(args.tierlm_args)], args.threads)
+    with servers.RunningServer(spec) as server:
+        model = server.served_model_id()
+
+        def drafts() -> dict:
+            engines = httpx.get(server.base_url + "/stats", timeout=30).json()["engines"]
+            return next(e for e in engines if e["model"] == model)["speculation"]
+
+        results = speculation_bench.run(server.base_url, model, args.workloads.split(","), concurrency,
+                                        args.rounds, args.max_tokens, drafts)
+    header, rows = speculation_bench.table(results)
+    print_table(f"speculation on / off, {args.model}, greedy, medians of {args.rounds} round(s)", header, rows)
+    if args.json:
+        write_json(args.json, "speculation", {"model": model, "results": results}, runs.command_line())
+    return 0
 
 
 def cmd_engine(args) -> int:

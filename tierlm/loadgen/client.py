@@ -47,6 +47,7 @@ def request_body(req: BenchRequest, cfg: LoadConfig, model: str) -> tuple[str, d
         body["ignore_eos"] = True
     if cfg.ban_token_ids:
         body["logit_bias"] = {str(t): -100 for t in cfg.ban_token_ids}
+    body.update(req.extra)
     if req.messages is not None:
         return "/chat/completions", {**body, "messages": req.messages}
     return "/completions", {**body, "prompt": req.prompt}
@@ -59,7 +60,8 @@ def chunk_text(chunk: dict) -> str:
     c = choices[0]
     if "delta" in c:
         d = c["delta"] or {}
-        return (d.get("content") or "") + (d.get("reasoning_content") or d.get("reasoning") or "")
+        calls = "".join((t.get("function") or {}).get("arguments") or "" for t in d.get("tool_calls") or [])
+        return (d.get("content") or "") + (d.get("reasoning_content") or d.get("reasoning") or "") + calls
     return c.get("text") or ""
 
 
@@ -82,8 +84,9 @@ async def send(client: httpx.AsyncClient, cfg: LoadConfig, model: str, req: Benc
                 if "error" in chunk:
                     record.error = str(chunk["error"])[:200]
                     break
-                if chunk_text(chunk):
+                if piece := chunk_text(chunk):
                     record.chunk_times.append(time.perf_counter())
+                    record.text += piece
                 usage = chunk.get("usage")
                 if usage:
                     record.prompt_tokens = usage.get("prompt_tokens")

@@ -27,6 +27,7 @@ class RequestRecord:
     output_tokens: int | None = None  # from usage; else len(chunk_times)
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: prompt read from a cache
     error: str | None = None
+    text: str = ""  # what was streamed (answers compared between runs)
 
     @property
     def ok(self) -> bool:

@@ -1,0 +1,98 @@
+"""Speculative decoding in the batch, in process: mlx-lm's BatchGenerator
+against tierlm's SpeculativeGenerator on the same model and prompts, decode
+tokens a second once every sequence is decoding, and whether both wrote the
+same tokens. `python -m bench_lab.speculation_batch --model FOLDER`.
+
+The HTTP benchmark users run is `tierlm bench speculation`; this one needs
+nothing but MLX and mlx-lm (a GPU machine with neither a server's packages
+nor a network), and shows the batch alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from tierlm.engine.speculative_batch import SpeculativeGenerator
+from tierlm.loadgen.edits import WORKLOADS
+
+
+def load(folder: Path):
+    if mx.default_device() == mx.cpu:
+        from tierlm.models.loader import load_model  # tierlm's CPU backend: its kernels
+
+        return load_model(folder)
+    from mlx_lm import load as mlx_load
+
+    return mlx_load(str(folder))
+
+
+def decode(generator, prompts: list[list[int]], max_tokens: int, eos: list[int], drafts: int) -> tuple:
+    """Tokens of each sequence, and decode tokens a second while all decode."""
+    uids = generator.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+    if isinstance(generator, SpeculativeGenerator):
+        for uid in uids:
+            generator.speculation.limits[uid] = drafts
+    out, counted, start = {uid: [] for uid in uids}, 0, None
+    while generator._unprocessed_sequences or len(generator._prompt_batch) or len(generator._generation_batch):
+        responses = generator.next()[1]
+        if start is None and len(generator._generation_batch) == len(prompts):
+            start, counted = time.perf_counter(), 0
+        for r in responses:
+            out[r.uid].append(r.token)
+        counted += len(responses)
+    seconds = time.perf_counter() - start if start else float("nan")
+    return [out[u] for u in uids], counted / seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="a model folder")
+    p.add_argument("--workloads", default="code-edit,prose")
+    p.add_argument("--batch", default="1,4,8")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--drafts", type=int, default=7, help="draft tokens a step at most")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    model, tokenizer = load(Path(args.model))
+    eos = sorted(tokenizer.eos_token_ids)
+    rows = []
+    for name in args.workloads.split(","):
+        for batch in map(int, args.batch.split(",")):
+            workload = WORKLOADS[name](batch, args.max_tokens)
+            prompts = [tokenizer.apply_chat_template(s[0].messages, tools=s[0].extra.get("tools"),
+                                                     add_generation_prompt=True) for s in workload.sessions]
+            for rnd in range(args.rounds):
+                row = {"workload": name, "batch": batch, "round": rnd}
+                for kind in (("plain", "speculative") if rnd % 2 == 0 else ("speculative", "plain")):
+                    cls = SpeculativeGenerator if kind == "speculative" else BatchGenerator
+                    gen = cls(model, stop_tokens=[[t] for t in eos], completion_batch_size=batch,
+                              prefill_batch_size=batch)
+                    tokens, rate = decode(gen, prompts, args.max_tokens, eos, args.drafts)
+                    row[kind] = {"decode_tok_s": rate, "tokens": tokens}
+                    if kind == "speculative":
+                        row["counters"] = vars(gen.speculation.counters)
+                row["ratio"] = row["speculative"]["decode_tok_s"] / row["plain"]["decode_tok_s"]
+                row["same_tokens"] = row["speculative"]["tokens"] == row["plain"]["tokens"]
+                rows.append(row)
+                print(f"{name} batch {batch}: plain {row['plain']['decode_tok_s']:.1f}, speculative "
+                      f"{row['speculative']['decode_tok_s']:.1f} tok/s ({row['ratio']:.2f}x), same tokens "
+                      f"{row['same_tokens']}, {row['counters']}", flush=True)
+    if args.json:
+        for row in rows:  # the tokens were for the comparison
+            row["plain"].pop("tokens"), row["speculative"].pop("tokens")
+        doc = {"kind": "speculation-batch", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+               "command": " ".join(["python -m bench_lab.speculation_batch", *sys.argv[1:]]),
+               "device": str(mx.default_device()), "model": args.model, "rows": rows}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
