@@ -14,6 +14,7 @@ from conftest import start_server, stop_server, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from tierlm.admin.metrics import ServerMetrics
+from tierlm.engine.scheduler import SchedulerCounters
 
 pytestmark = pytest.mark.slow  # a server of its own
 
@@ -146,8 +147,7 @@ def test_evictions_and_counts_outlive_an_unload():
     and what an unloaded engine counted stays in its model's totals."""
     class Engine:  # what /metrics reads of one
         def __init__(self):
-            counters = SimpleNamespace(prompt_tokens=7, generated_tokens=3, finished_requests=1,
-                                       aborted_requests=0, failed_requests=0, refused_requests=0)
+            counters = SchedulerCounters(prompt_tokens=7, generated_tokens=3, finished_requests=1)
             self.scheduler = SimpleNamespace(counters=counters, cache=None)
 
     class Pool:

@@ -28,7 +28,7 @@ SAMPLES = {
     "api_key": (("alice:k1",), ("k2", "bob:k3"), ("k4",)),
     "admin_key": (("ops:a1",), ("a2",), ("ops:a3", "ci:a4")),
     "warmup": (True, False, True),  # default None: on where the device is a GPU
-    "speculation": ("off", "prompt-lookup", "off"),
+    "speculation": ("off", "prompt-lookup", "auto"),
 }
 
 

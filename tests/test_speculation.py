@@ -74,7 +74,9 @@ def test_step_costs_estimate_unmeasured_widths_and_pick_the_best_rate():
     costs = StepCosts(probe_every=10**6)
     assert costs.best_width(1, [1.0, 1.9, 2.7]) == 1  # nothing measured: a plain step first
     costs.record(1, 0.030)
-    assert costs.estimate(2) == pytest.approx(0.045)  # past the largest: half a token's average cost a token
+    assert costs.estimate(2) == pytest.approx(0.0375)  # past the largest: a quarter of a token's average cost
+    costs.record(2, 0.5)  # a first step at three times its estimate compiled kernels (a GPU): not counted
+    assert 2 not in costs.seconds
     costs.record(8, 0.100)
     assert costs.estimate(4) == pytest.approx(0.030 + 0.070 * 3 / 7)  # between measured sizes
     costs.record(4, 0.040)

@@ -99,10 +99,11 @@ class Settings:
                                            per_model=True)
     prefill_step_size: int | None = setting(None, "prompt tokens per prefill chunk (default 256 on MLX's "
                                                   "CPU backend, 2048 on a GPU)", per_model=True)
-    speculation: str = setting("prompt-lookup", "draft tokens verified several a step in the batch: "
-                                                "prompt-lookup (from the sequence's own prompt and output: "
-                                                "copies, edits, quoted context) or off",
-                               per_model=True, check=lambda v: _one_of(v, ("prompt-lookup", "off")))
+    speculation: str = setting("auto", "draft tokens verified several a step in the batch: prompt-lookup "
+                                       "(from the sequence's own prompt and output: copies, edits, quoted "
+                                       "context), off, or auto (prompt-lookup on MLX's CPU backend; off on "
+                                       "a GPU, where it does not pay yet)",
+                               per_model=True, check=lambda v: _one_of(v, ("auto", "prompt-lookup", "off")))
     speculative_tokens: int = setting(7, "draft tokens a sequence verifies a step at most (1-16; a request's "
                                          "speculative_tokens wins, 0 turns it off for that request)",
                                       per_model=True, check=_at_least(1, 16))

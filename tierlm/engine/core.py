@@ -131,7 +131,7 @@ class EngineCore:
             max_running=self.config.max_concurrent_requests,
             prefill_step_size=prefill_step,
             stall_timeout_s=self.config.stall_timeout_s,
-            speculative_tokens=self.config.speculative_tokens if self.config.speculation != "off" else 0,
+            speculative_tokens=self.config.speculative_tokens if self._speculates(mx.default_device()) else 0,
         )
         log.info(
             "engine %s ready: weights %.0f MiB, KV %.1f KiB/token, memory limit %.0f MiB",
@@ -146,6 +146,13 @@ class EngineCore:
             self._warm_before_ready(prefill_step)
         return Scheduler(self.model, self.tokenizer, sched_config, guard, stream, cache, self._elsewhere,
                          self._relieve)
+
+    def _speculates(self, device) -> bool:
+        """Whether requests draft tokens (`speculation`): by default on MLX's CPU
+        backend only; on a GPU the verification step does not pay yet
+        (docs/speculation.md)."""
+        setting = self.config.speculation
+        return setting == "prompt-lookup" or (setting == "auto" and device == mx.cpu)
 
     def _warms(self, device) -> bool:
         """Whether batch shapes are warmed (before ready, then while idle): `warmup`,

@@ -71,6 +71,13 @@ class Acceptance:
         a = self.alpha
         return a * (1 - a**k) / (1 - a) if a < 1 else float(k)
 
+    def fade(self, keep: float = 0.97) -> None:
+        """A step without a draft: the record counts a little less (after ~50
+        such steps alpha is most of the way back to its prior), so a sequence
+        that stopped drafting tries again."""
+        self.accepted *= keep
+        self.rejected *= keep
+
     def record(self, proposed: int, accepted: int) -> None:
         self.accepted = self.memory * self.accepted + accepted
         self.rejected = self.memory * self.rejected + (accepted < proposed)

@@ -144,6 +144,8 @@ class Scheduler:
         )
         gen = SpeculativeGenerator(self.model, **options)
         gen.speculation.counters = self.counters
+        if not self.config.speculative_tokens:  # off for this model: plain steps, mlx-lm's own KV layout
+            gen.speculation.enabled = False
         return gen
 
     def _draft_limit(self, params) -> int:

@@ -52,19 +52,24 @@ class StepCosts:
     """Seconds a step takes by the tokens it feeds (sequences times width),
     averaged over recent steps of that size, and the width that makes the most
     tokens a second. A size not measured yet is estimated from its measured
-    neighbours, beyond the largest at the slope of the last two (at first, half
-    the average cost of a token): widths are tried a step wider at a time while
-    they pay, so trying costs little where they do not (a CPU's extra tokens cost
-    nearly as much as the first; a GPU's, little). Now and then (`probe_every`)
-    the runner-up is tried again, as costs move with the context's length and
-    the machine's load."""
+    neighbours, beyond the largest at the slope of the last two (at first, a
+    quarter of the average cost of a token): widths are tried a step wider at a
+    time while they pay, so trying costs little where they do not. A size's
+    first step is not counted when it took over three times its estimate (on a
+    GPU it compiles that shape's kernels, tens of milliseconds). Now and then (`probe_every`) the runner-up is tried again,
+    as costs move with the context's length and the machine's load."""
 
     def __init__(self, weight: float = 0.3, probe_every: int = 50):
         self.seconds: dict[int, float] = {}
         self.weight, self.probe_every = weight, probe_every
         self._choices = 0
+        self._seen: set[int] = set()
 
     def record(self, tokens: int, seconds: float) -> None:
+        if tokens not in self._seen:
+            self._seen.add(tokens)
+            if self.seconds and seconds > 3 * self.estimate(tokens):
+                return  # its first step compiled kernels (a GPU): not what the size costs
         old = self.seconds.get(tokens)
         self.seconds[tokens] = seconds if old is None else old + self.weight * (seconds - old)
 
@@ -80,7 +85,7 @@ class StepCosts:
         if above:
             hi = min(above)
             return known[lo] + (known[hi] - known[lo]) * (tokens - lo) / (hi - lo)
-        slope = (known[lo] - known[below[-2]]) / (lo - below[-2]) if len(below) > 1 else known[lo] / lo / 2
+        slope = (known[lo] - known[below[-2]]) / (lo - below[-2]) if len(below) > 1 else known[lo] / lo / 4
         return known[lo] + max(0.0, slope) * (tokens - lo)
 
     def best_width(self, rows: int, made: list[float]) -> int:
@@ -111,21 +116,37 @@ class SpeculativeBatch(GenerationBatch):
         self._acceptance: dict[int, Acceptance] = {}
         self.costs = StepCosts()
         self.enabled = True
+        self._plain: tuple[int, float] | None = None  # (rows, seconds) of a plain step not yet recorded
+        self._waited = 0.0
 
     def next(self) -> list:
         if not self.uids:
             return []
         rows = len(self.uids)
         drafts = self._drafts() if self.enabled else None
+        self._record_plain()
         tic = time.perf_counter()
         if drafts is None:
+            for uid in self.uids:  # no new evidence: what a sequence writes changes, its record fades
+                if uid in self._acceptance:
+                    self._acceptance[uid].fade()
             responses = super().next()
-            self.costs.record(rows, time.perf_counter() - tic)
+            self._plain = (rows, time.perf_counter() - tic)
             return responses
         width = 1 + max(len(d) for d in drafts)
         responses = self._verify(drafts)
         self.costs.record(rows * width, time.perf_counter() - tic)
         return responses
+
+    def _record_plain(self) -> None:
+        """The last plain step's cost, once known: a plain step starts the next
+        one's forward pass and returns before it ends (mlx-lm's pipeline), so
+        what a draft's wait for its sampled tokens took (`_waited`) was still
+        that step's."""
+        if self._plain is not None:
+            rows, seconds = self._plain
+            self.costs.record(rows, seconds + self._waited)
+        self._plain, self._waited = None, 0.0
 
     # ---- drafting ---------------------------------------------------------
 
@@ -137,7 +158,9 @@ class SpeculativeBatch(GenerationBatch):
         limits = [self._limit(i) for i in range(len(self.uids))]
         if not any(limits) or self._width(limits) == 1:
             return None
+        tic = time.perf_counter()
         mx.eval(self._next_tokens)
+        self._waited = time.perf_counter() - tic
         last = self._next_tokens.tolist()
         drafts = [self._lookup(i).propose(k, last[i]) if k else [] for i, k in enumerate(limits)]
         width = self._width([len(d) for d in drafts])
