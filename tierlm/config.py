@@ -101,8 +101,10 @@ class Settings:
                                                   "CPU backend, 2048 on a GPU)", per_model=True)
     speculation: str = setting("auto", "draft tokens verified several a step in the batch: prompt-lookup "
                                        "(from the sequence's own prompt and output: copies, edits, quoted "
-                                       "context), off, or auto (prompt-lookup on MLX's CPU backend; off on "
-                                       "a GPU, where it does not pay yet)",
+                                       "context), off, or auto (prompt-lookup where the backend's products "
+                                       "are batch-invariant, so greedy answers stay the same: MLX's CPU "
+                                       "backend with AVX-512; off elsewhere, and on a GPU, where it does "
+                                       "not pay yet)",
                                per_model=True, check=lambda v: _one_of(v, ("auto", "prompt-lookup", "off")))
     speculative_tokens: int = setting(7, "draft tokens a sequence verifies a step at most (1-16; a request's "
                                          "speculative_tokens wins, 0 turns it off for that request)",

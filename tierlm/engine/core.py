@@ -131,7 +131,7 @@ class EngineCore:
             max_running=self.config.max_concurrent_requests,
             prefill_step_size=prefill_step,
             stall_timeout_s=self.config.stall_timeout_s,
-            speculative_tokens=self.config.speculative_tokens if self._speculates(mx.default_device()) else 0,
+            speculative_tokens=self.config.speculative_tokens if self._speculates() else 0,
         )
         log.info(
             "engine %s ready: weights %.0f MiB, KV %.1f KiB/token, memory limit %.0f MiB",
@@ -147,12 +147,14 @@ class EngineCore:
         return Scheduler(self.model, self.tokenizer, sched_config, guard, stream, cache, self._elsewhere,
                          self._relieve)
 
-    def _speculates(self, device) -> bool:
-        """Whether requests draft tokens (`speculation`): by default on MLX's CPU
-        backend only; on a GPU the verification step does not pay yet
-        (docs/speculation.md)."""
+    def _speculates(self) -> bool:
+        """Whether requests draft tokens (`speculation`). `auto`: where the
+        backend's products are batch-invariant (MLX's CPU backend with tierlm's
+        AVX-512 kernels), so greedy answers are the same with drafts or
+        without; elsewhere verifying several tokens at once moves rounding, and
+        on a GPU it does not pay yet (docs/speculation.md)."""
         setting = self.config.speculation
-        return setting == "prompt-lookup" or (setting == "auto" and device == mx.cpu)
+        return setting == "prompt-lookup" or (setting == "auto" and backends.describe(self.model).batch_invariant)
 
     def _warms(self, device) -> bool:
         """Whether batch shapes are warmed (before ready, then while idle): `warmup`,

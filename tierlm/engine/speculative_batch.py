@@ -118,6 +118,7 @@ class SpeculativeBatch(GenerationBatch):
         self.enabled = True
         self._plain: tuple[int, float] | None = None  # (rows, seconds) of a plain step not yet recorded
         self._waited = 0.0
+        self._dry_run = self._dry_steps = 0  # steps not to look for drafts after finding none
 
     def next(self) -> list:
         if not self.uids:
@@ -155,6 +156,9 @@ class SpeculativeBatch(GenerationBatch):
         None for a plain step. Whether any width could pay is asked first, from
         the drafts' longest lengths: a plain step then keeps the pipelined step
         (the last sampled tokens are not waited for)."""
+        if self._dry_steps:
+            self._dry_steps -= 1
+            return None
         limits = [self._limit(i) for i in range(len(self.uids))]
         if not any(limits) or self._width(limits) == 1:
             return None
@@ -163,8 +167,16 @@ class SpeculativeBatch(GenerationBatch):
         self._waited = time.perf_counter() - tic
         last = self._next_tokens.tolist()
         drafts = [self._lookup(i).propose(k, last[i]) if k else [] for i, k in enumerate(limits)]
+        self._note_dry(not any(drafts))
         width = self._width([len(d) for d in drafts])
         return None if width == 1 else [d[: width - 1] for d in drafts]
+
+    def _note_dry(self, dry: bool) -> None:
+        """After looking for drafts and finding none, skip looking (and the wait
+        for the sampled tokens it needs) for 1, 2, 4, then 8 steps: prose keeps
+        its pipelined steps."""
+        self._dry_run = min(8, 2 * self._dry_run or 1) if dry else 0
+        self._dry_steps = self._dry_run
 
     def _limit(self, i: int) -> int:
         """Draft tokens row i may verify this step (0: it does not draft)."""
