@@ -269,6 +269,8 @@ def test_a_request_can_turn_speculation_off_or_limit_it(loaded):
     ("/v1/chat/completions", {"messages": PROSE, "speculative_tokens": 17}, "openai"),
     ("/v1/chat/completions", {"messages": PROSE, "speculative_tokens": -1}, "openai"),
     ("/v1/completions", {"prompt": "hi", "speculative_tokens": "many"}, "openai"),
+    ("/v1/chat/completions", {"messages": PROSE, "speculative_tokens": 2**70}, "openai"),
+    ("/v1/chat/completions", {"messages": PROSE, "speculative_tokens": 2.5}, "openai"),
     ("/v1/messages", {"model": "m", "messages": PROSE, "max_tokens": 8, "speculative_tokens": 99}, "anthropic"),
     ("/v1/responses", {"input": "hi", "speculative_tokens": 17}, "openai"),
     ("/api/chat", {"messages": PROSE, "options": {"speculative_tokens": 40}}, "ollama"),

@@ -56,8 +56,9 @@ class StepCosts:
     quarter of the average cost of a token): widths are tried a step wider at a
     time while they pay, so trying costs little where they do not. A size's
     first step is not counted when it took over three times its estimate (on a
-    GPU it compiles that shape's kernels, tens of milliseconds). Now and then (`probe_every`) the runner-up is tried again,
-    as costs move with the context's length and the machine's load."""
+    GPU it compiles that shape's kernels, tens of milliseconds). Now and then
+    (`probe_every`) the runner-up is tried again, as costs move with the
+    context's length and the machine's load."""
 
     def __init__(self, weight: float = 0.3, probe_every: int = 50):
         self.seconds: dict[int, float] = {}
@@ -121,10 +122,12 @@ class SpeculativeBatch(GenerationBatch):
         self._dry_run = self._dry_steps = 0  # steps not to look for drafts after finding none
 
     def next(self) -> list:
+        if not self.enabled:  # off for this model: mlx-lm's own step, nothing measured or faded
+            return super().next()
         if not self.uids:
             return []
         rows = len(self.uids)
-        drafts = self._drafts() if self.enabled else None
+        drafts = self._drafts()
         self._record_plain()
         tic = time.perf_counter()
         if drafts is None:
