@@ -32,6 +32,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tierlm import backends
 from tierlm.engine.drafts import Acceptance, PromptLookup
 from tierlm.engine.request import Request, SamplingParams
+from tierlm.engine.sampling import RandomSampler
 from tierlm.engine.speculative_batch import SpeculativeGenerator, StepCosts, rollback_supported
 from tierlm.models.random_model import tiny_model
 from tierlm.structured.grammar import ModelGrammars, json_schema_grammar
@@ -84,6 +85,24 @@ def test_step_costs_estimate_unmeasured_widths_and_pick_the_best_rate():
     # widths pay while the tokens they are expected to make grow faster than their cost
     assert costs.best_width(1, [1.0, 1.9, 2.7, 3.4]) == 4
     assert costs.best_width(1, [1.0, 1.05, 1.1, 1.15]) == 1
+
+
+def test_a_random_sampler_draws_ahead_with_the_keys_its_later_calls_use():
+    """The k-th token from now draws with the k-th key ahead whichever call
+    draws it: what speculation samples ahead of its turn is what plain steps
+    would sample there."""
+    logprobs = [mx.log(mx.softmax(mx.random.normal((1, 64), key=mx.random.key(i)), axis=-1)) for i in range(6)]
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    stepwise = RandomSampler(params, print)
+    plain = [stepwise(lp).item() for lp in logprobs]
+    ahead = RandomSampler(params, print)
+    got = [ahead(logprobs[0]).item()] + [ahead.ahead(lp, k).item() for k, lp in enumerate(logprobs[1:4])]
+    ahead.advance(2)  # two of the tokens drawn ahead were kept; the third is drawn again
+    got += [ahead(lp).item() for lp in logprobs[3:]]
+    assert got[:4] == plain[:4] and got[4:] == plain[3:]
+    assert len(set(plain)) > 1  # it does sample
+    unseeded = [RandomSampler(SamplingParams(temperature=5.0), print) for _ in range(4)]
+    assert len({tuple(s(lp).item() for lp in logprobs) for s in unseeded}) > 1  # fresh entropy each
 
 
 # ---- the batch, on a tiny random model --------------------------------------
@@ -156,10 +175,11 @@ def test_greedy_tokens_equal_plain_batching_on_random_weights_where_products_are
 
     if not prepare(model, memory_bytes=2**30).batch_invariant:
         pytest.skip("this backend's products are not batch-invariant (rounding moves with the batch)")
-    prompts = [list(range(10, 40)) * 3, [7, 8, 9, 11] * 10]
+    prompts = [list(range(10, 40)) * 3, [7, 8, 9, 11] * 10, list(range(60, 90)) * 3]
 
-    def tokens(gen):
-        uids = gen.insert(prompts, max_tokens=[30, 30])
+    def tokens(gen):  # two greedy rows and one sampled with a seed (its draws ahead use its own keys)
+        sampled = RandomSampler(SamplingParams(temperature=0.8, top_k=20, seed=3), print)
+        uids = gen.insert(prompts, max_tokens=[30, 30, 30], samplers=[None, None, sampled])
         if isinstance(gen, SpeculativeGenerator):
             gen.speculation.costs = _Widest()
             for uid in uids:
@@ -185,7 +205,7 @@ def test_a_sliding_window_or_recurrent_cache_turns_speculation_off():
 
 def _request(loaded, engine, messages, **params):
     tokens = loaded[1].apply_chat_template(messages, add_generation_prompt=True)
-    return Request(engine.new_request_id(), tokens, SamplingParams(temperature=0, **params))
+    return Request(engine.new_request_id(), tokens, SamplingParams(**{"temperature": 0, **params}))
 
 
 async def _answers(loaded, batches, **settings):
@@ -225,6 +245,23 @@ def test_greedy_answers_of_the_default_model_equal_with_and_without_speculation(
     for a, b in zip(on, off):
         assert (a.token_ids, a.text, a.finish_reason, a.logprobs) == (b.token_ids, b.text, b.finish_reason, b.logprobs)
     assert on[2].text.startswith('{"functions"')
+
+
+def test_seeded_sampled_answers_equal_with_and_without_speculation(loaded):
+    """At temperature > 0 a draft token is kept when it is the token the
+    request's own key draws at its place: the answer of a seed is the same
+    with drafts or without (and so is its distribution)."""
+    if not backends.describe(loaded[0]).batch_invariant:
+        pytest.skip("this backend's products are not batch-invariant: batching itself moves rounding")
+    sampled = {"max_tokens": 64, "temperature": 0.3, "top_p": 0.95}
+    batches = [[(SHORT_EDIT, {**sampled, "seed": 1})],
+               [(SHORT_EDIT, {**sampled, "seed": 2}), (SHORT_EDIT, {**sampled, "seed": 3, "top_k": 40}),
+                (SHORT_EDIT, {"max_tokens": 64})]]
+    on, counters = run(_answers(loaded, batches))
+    off, _ = run(_answers(loaded, batches, speculation="off"))
+    assert counters.accepted_tokens > 0
+    assert [(a.token_ids, a.logprobs) for a in on] == [(b.token_ids, b.logprobs) for b in off]
+    assert len({tuple(a.token_ids) for a in on[:3]}) > 1  # the seeds do sample
 
 
 def test_the_prefix_cache_holds_only_accepted_tokens(loaded):

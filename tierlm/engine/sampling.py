@@ -7,6 +7,7 @@ request can never fail, or poison, the others.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 
@@ -27,42 +28,78 @@ OnFault = Callable[[str], None]
 
 def make_request_sampler(params: SamplingParams, on_fault: OnFault):
     """Greedy requests share mlx-lm's one greedy sampler, so BatchGenerator can
-    sample the whole batch in one call. Random sampling gets its own function with
-    its own PRNG key, so a `seed` makes a request reproducible even when batched."""
+    sample the whole batch in one call. Random sampling gets a RandomSampler of
+    its own, so a `seed` makes a request reproducible even when batched."""
     if params.is_greedy:
         return greedy_sampler  # argmax: nothing a request sends can make it raise
-    key = mx.random.key(params.seed) if params.seed is not None else None
-    state = {"key": key}
+    return RandomSampler(params, on_fault)
 
-    def sample(logprobs: mx.array) -> mx.array:
+
+class RandomSampler:
+    """A request's random sampling (temperature, top-p, min-p, top-k), drawing
+    with a PRNG key of its own: from its `seed`, else from fresh entropy. Every
+    token splits the key once, so the k-th token from now always draws with the
+    k-th key ahead, whichever call draws it: a token sampled ahead of its turn
+    (`ahead`, speculation verifying a draft) is the token a plain step would
+    sample there from the same log-probabilities. A seeded request's answer is
+    then the same with drafts or without, and every token keeps the model's
+    distribution (accepting a draft token exactly when it is the token drawn
+    accepts it with its probability, as the standard rejection rule does)."""
+
+    def __init__(self, params: SamplingParams, on_fault: OnFault):
+        self.params, self.on_fault = params, on_fault
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        self._key = mx.random.key(seed)
+        self._subkeys: list[mx.array] = []  # the next tokens' keys, split ahead of use
+        self._keys_after: list[mx.array] = []  # the key after each of them
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        """The next token (a plain step's call), its key used up."""
+        try:
+            token = self._draw(logprobs, 0)
+        except Exception as e:
+            return self._fault(e, logprobs)
+        self.advance(1)
+        return token
+
+    def ahead(self, logprobs: mx.array, k: int) -> mx.array:
+        """The token k places after the next one, drawn from its `logprobs` (one
+        row), no key used up."""
+        try:
+            return self._draw(logprobs, k)
+        except Exception as e:
+            return self._fault(e, logprobs)
+
+    def advance(self, n: int) -> None:
+        """n tokens were taken: their keys are used up."""
+        if n:
+            self._split(n)
+            self._key = self._keys_after[n - 1]
+            del self._subkeys[:n], self._keys_after[:n]
+
+    def _split(self, n: int) -> None:
+        while len(self._subkeys) < n:
+            key = self._keys_after[-1] if self._keys_after else self._key
+            after, sub = mx.random.split(key)
+            self._keys_after.append(after)
+            self._subkeys.append(sub)
+
+    def _draw(self, logprobs: mx.array, k: int) -> mx.array:
+        params = self.params
         if 0 < params.top_p < 1.0:
             logprobs = apply_top_p(logprobs, params.top_p)
         if params.min_p > 0:
             logprobs = apply_min_p(logprobs, params.min_p)
         if params.top_k > 0:
             logprobs = apply_top_k(logprobs, params.top_k)
-        scaled = logprobs * (1.0 / params.temperature)
-        if state["key"] is None:
-            return mx.random.categorical(scaled)
-        state["key"], sub = mx.random.split(state["key"])
-        return mx.random.categorical(scaled, key=sub)
+        self._split(k + 1)
+        return mx.random.categorical(logprobs * (1.0 / params.temperature), key=self._subkeys[k])
 
-    return guard_sampler(sample, on_fault)
-
-
-def guard_sampler(sample, on_fault: OnFault):
-    """`sample`, reporting what it raises instead of raising it; the faulty row
-    gets the argmax as a placeholder until the scheduler takes the request out."""
-
-    def guarded(logprobs: mx.array) -> mx.array:
-        try:
-            return sample(logprobs)
-        except Exception as e:
-            on_fault(f"sampling failed: {e}")
-            repair_random_state()
-            return mx.argmax(logprobs, axis=-1)
-
-    return guarded
+    def _fault(self, error: Exception, logprobs: mx.array) -> mx.array:
+        """Report it; the row gets the argmax as a placeholder until the
+        scheduler takes the request out."""
+        self.on_fault(f"sampling failed: {error}")
+        return mx.argmax(logprobs, axis=-1)
 
 
 def make_request_processors(params: SamplingParams, on_fault: OnFault) -> list:

@@ -27,6 +27,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from tierlm.engine.drafts import Acceptance, PromptLookup
 from tierlm.engine.ragged_kv import RaggedBatchKVCache
+from tierlm.engine.sampling import RandomSampler
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,10 @@ class StepCosts:
 
 class SpeculativeBatch(GenerationBatch):
     """A GenerationBatch whose steps verify prompt-lookup drafts. Sequences draft
-    only when `limits[uid]` (their request's draft length) is set, and for now
-    only greedy ones, grammars and penalties included (others join each step
-    with their one token, exactly as in a plain step)."""
+    only when `limits[uid]` (their request's draft length) is set, greedy or
+    sampled (a RandomSampler draws each position with the key a plain step would
+    use there), grammars and penalties included; others join each step with
+    their one token, exactly as in a plain step."""
 
     def configure(self, ngram_min: int, ngram_max: int) -> None:
         self.limits: dict[int, int] = {}  # uid -> draft tokens at most per step (the scheduler's)
@@ -184,8 +186,9 @@ class SpeculativeBatch(GenerationBatch):
     def _limit(self, i: int) -> int:
         """Draft tokens row i may verify this step (0: it does not draft)."""
         limit = self.limits.get(self.uids[i], 0)
-        if not limit or self.samplers[i] not in (None, greedy_sampler):
-            return 0
+        sampler = self.samplers[i] if self.samplers else None
+        if not limit or not (sampler in (None, greedy_sampler) or isinstance(sampler, RandomSampler)):
+            return 0  # a sampler that cannot draw ahead of its turn
         return limit
 
     def _width(self, lengths: list[int]) -> int:
@@ -236,6 +239,8 @@ class SpeculativeBatch(GenerationBatch):
                 accepted += 1
             if draft:
                 self._record(i, len(draft), accepted)
+            if accepted and isinstance(self.samplers[i], RandomSampler):
+                self.samplers[i].advance(accepted)  # the keys of the tokens it kept
             if accepted and self.logits_processors[i]:  # their context: every token fed
                 self._token_context[i].update_and_fetch(mx.array(draft[:accepted], dtype=mx.uint32))
             tokens, reason = self._until_finished(i, [last[i], *draft[:accepted]])
@@ -280,8 +285,13 @@ class SpeculativeBatch(GenerationBatch):
         first_logprobs, first = self._sample_first(logits[:, 0, :], last)
         logprobs = [_normalized(logits[:, j, :]) for j in range(1, width)]
         greedy = [mx.argmax(lp, axis=-1) for lp in logprobs]
-        mx.eval(first, *greedy)
+        drawn = {i: [self.samplers[i].ahead(lp[i : i + 1], j) for j, lp in enumerate(logprobs[: len(draft)])]
+                 for i, draft in enumerate(drafts)
+                 if draft and not self.logits_processors[i] and isinstance(self.samplers[i], RandomSampler)}
+        mx.eval(first, *greedy, *(t for row in drawn.values() for t in row))
         rest = mx.stack(greedy, axis=1).tolist() if greedy else [[] for _ in last]
+        for i, row in drawn.items():  # a random row: the tokens its own keys draw there
+            rest[i][: len(row)] = [t.item() for t in row]
         chosen = [[f, *g] for f, g in zip(first.tolist(), rest)]
         dists = [[first_logprobs[i], *(lp[i] for lp in logprobs)] for i in range(len(last))]
         for i, draft in enumerate(drafts):
@@ -303,7 +313,9 @@ class SpeculativeBatch(GenerationBatch):
             for processor in self.logits_processors[i]:
                 row = processor(seen, row)
             logprobs = _normalized(row)
-            chosen.append(mx.argmax(logprobs, axis=-1).item())
+            sampler = self.samplers[i]
+            drawn = sampler.ahead(logprobs, j - 1) if isinstance(sampler, RandomSampler) else None
+            chosen.append((mx.argmax(logprobs, axis=-1) if drawn is None else drawn).item())
             dists.append(logprobs[0])
         return chosen, dists
 
