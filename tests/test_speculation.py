@@ -27,10 +27,11 @@ import mlx.nn as nn
 import pytest
 from engine_testing import run, started
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from tierlm import backends
 from tierlm.engine.drafts import Acceptance, PromptLookup
+from tierlm.engine.ragged_kv import RaggedWindowKVCache
 from tierlm.engine.request import Request, SamplingParams
 from tierlm.engine.sampling import RandomSampler
 from tierlm.engine.speculative_batch import SpeculativeGenerator, StepCosts, rollback_supported
@@ -141,14 +142,38 @@ class _Spoiled(PromptLookup):
         return draft
 
 
-def test_rejected_drafts_leave_each_rows_kv_as_a_fresh_prefill_would(monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_rejected_drafts_leave_each_rows_kv_as_a_fresh_prefill_would(monkeypatch, arch):
+    """Llama's attention KV, and Gemma 3's sliding-window layers (a window of
+    32 tokens, passed many times over, their oldest keys dropped 8 at a time);
+    then each answer continued from its extracted cache, as a prefix-cache hit
+    restores it (a window then holds only its last keys)."""
     monkeypatch.setattr("tierlm.engine.speculative_batch.PromptLookup", _Spoiled)
-    model = tiny_model("llama", vocab_size=512)  # float32: the same on every CPU to float rounding
+    monkeypatch.setattr(RaggedWindowKVCache, "drop_chunk", 8)
+    model = tiny_model(arch, vocab_size=512)  # float32: the same on every CPU to float rounding
     # repeated runs, so that lookups find drafts; three lengths, so rows are padded
     prompts = [list(range(10, 40)) * 3, list(range(50, 70)) * 4 + [3], [7, 8, 9, 11] * 10]
     gen = SpeculativeGenerator(model, completion_batch_size=4, prefill_batch_size=4)
     gen.speculation.costs = _Widest()
-    uids = gen.insert(prompts, max_tokens=[24, 31, 40])
+    ended = _run_drafting(gen, prompts, [24, 31, 40])
+    counters = gen.speculation.counters
+    assert counters.speculative_steps and 0 < counters.accepted_tokens < counters.proposed_tokens
+    for r, prompt, limit in zip(ended, prompts, (24, 31, 40)):
+        assert r.finish_reason == "length" and len(r.all_tokens) == len(prompt) + limit
+        assert r.all_tokens[: len(prompt)] == prompt
+        _assert_fresh(model, r)
+    more = [[5, 6, 7], [9] * 6, [1, 2]]
+    again = _run_drafting(gen, more, [20, 9, 33], caches=[r.prompt_cache for r in ended],
+                          all_tokens=[list(r.all_tokens) for r in ended])  # (the batch extends the list it gets)
+    for r, before, extra, limit in zip(again, ended, more, (20, 9, 33)):
+        assert r.all_tokens[: len(before.all_tokens) + len(extra)] == before.all_tokens + extra
+        assert len(r.all_tokens) == len(before.all_tokens) + len(extra) + limit
+        _assert_fresh(model, r)
+
+
+def _run_drafting(gen, prompts, limits, **insert) -> list:
+    """The finished responses of these prompts, each drafting 6 tokens a step."""
+    uids = gen.insert(prompts, max_tokens=limits, **insert)
     for uid in uids:
         gen.speculation.limits[uid] = 6
     ended = {}
@@ -156,21 +181,38 @@ def test_rejected_drafts_leave_each_rows_kv_as_a_fresh_prefill_would(monkeypatch
         for r in gen.next()[1]:
             if r.finish_reason is not None:
                 ended[r.uid] = r
-    counters = gen.speculation.counters
-    assert counters.speculative_steps and 0 < counters.accepted_tokens < counters.proposed_tokens
-    for uid, prompt, limit in zip(uids, prompts, (24, 31, 40)):
-        r = ended[uid]
-        assert r.finish_reason == "length" and len(r.all_tokens) == len(prompt) + limit
-        assert r.all_tokens[: len(prompt)] == prompt
-        for kept, fresh in zip([c.state[0] for c in r.prompt_cache], _fresh_keys(model, r.all_tokens)):
-            assert kept.shape == fresh.shape
-            assert mx.allclose(kept, fresh, atol=1e-4).item()
+    return [ended[uid] for uid in uids]
 
 
-def test_greedy_tokens_equal_plain_batching_on_random_weights_where_products_are_batch_invariant():
+def _assert_fresh(model, response) -> None:
+    """The response's extracted cache holds what a fresh prefill of its tokens would."""
+    for kept, fresh in zip(response.prompt_cache, _fresh_caches(model, response.all_tokens)):
+        assert type(kept) is type(fresh) and kept.offset == fresh.offset
+        kept_keys, fresh_keys = (_keys_in_order(c) for c in (kept, fresh))
+        assert kept_keys.shape == fresh_keys.shape
+        assert mx.allclose(kept_keys, fresh_keys, atol=1e-4).item()
+
+
+def _fresh_caches(model, tokens: list[int]) -> list:
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([tokens]), cache=cache))
+    return cache
+
+
+def _keys_in_order(cache) -> mx.array:
+    """A layer's keys in the order of their positions (a sliding window's last
+    `max_size` of them, as mlx-lm keeps them after one step)."""
+    if isinstance(cache, RotatingKVCache):
+        return cache._temporal_order(cache.keys)[..., -cache.max_size :, :]
+    return cache.keys[..., : cache.offset, :]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_greedy_tokens_equal_plain_batching_on_random_weights_where_products_are_batch_invariant(arch):
     """The same tokens as mlx-lm's own BatchGenerator, drafts or not, when the
-    arithmetic gives a row the same bits however many tokens it is fed."""
-    model = _quantized_tiny()
+    arithmetic gives a row the same bits however many tokens it is fed (Gemma
+    3: its sliding windows of 32 tokens passed several times over)."""
+    model = _quantized_tiny(arch)
     from tierlm.backends import prepare
 
     if not prepare(model, memory_bytes=2**30).batch_invariant:
@@ -193,10 +235,11 @@ def test_greedy_tokens_equal_plain_batching_on_random_weights_where_products_are
     assert tokens(SpeculativeGenerator(model)) == tokens(BatchGenerator(model))
 
 
-def test_a_sliding_window_or_recurrent_cache_turns_speculation_off():
+def test_a_recurrent_cache_turns_speculation_off():
     assert rollback_supported(_quantized_tiny("llama")) is None
-    assert "RotatingKVCache" in rollback_supported(tiny_model("gemma3_text", vocab_size=512))
-    gen = SpeculativeGenerator(tiny_model("gemma3_text", vocab_size=512))
+    assert rollback_supported(tiny_model("gemma3_text", vocab_size=512)) is None  # sliding windows: ragged_kv
+    assert "ArraysCache" in rollback_supported(tiny_model("qwen3_next", vocab_size=512))
+    gen = SpeculativeGenerator(tiny_model("qwen3_next", vocab_size=512))
     assert not gen.speculation.enabled
 
 
@@ -262,6 +305,41 @@ def test_seeded_sampled_answers_equal_with_and_without_speculation(loaded):
     assert counters.accepted_tokens > 0
     assert [(a.token_ids, a.logprobs) for a in on] == [(b.token_ids, b.logprobs) for b in off]
     assert len({tuple(a.token_ids) for a in on[:3]}) > 1  # the seeds do sample
+
+
+@pytest.mark.slow  # Gemma 3 270M loaded, two engines
+def test_gemma_answers_equal_with_and_without_speculation_past_its_sliding_window(gemma_path):
+    """Gemma 3's local layers see 512 tokens; these prompts are ~2.5k tokens
+    and the answers run past them, with drafts the windows' ragged rows give
+    back, greedy and seeded, alone and batched."""
+    from tierlm.models.loader import load_model
+
+    gemma = load_model(str(gemma_path))
+    if not backends.describe(gemma[0]).batch_invariant:
+        pytest.skip("this backend's products are not batch-invariant: batching itself moves rounding")
+    copy = gemma[1].encode(f"{SOURCE}\n\n# colorsys.py, once more:\n{SOURCE[:300]}")
+    story = gemma[1].encode(f"{SOURCE}\n\nOnce upon a time, a lighthouse keeper")
+
+    def batches():
+        return [[(copy, {"max_tokens": 160})],
+                [(copy, {"max_tokens": 90, "temperature": 0.5, "seed": 4}), (story, {"max_tokens": 60}),
+                 (copy, {"max_tokens": 70, "stop": ["def rgb_to_hsv"]})]]
+
+    async def answers(**settings):
+        engine = await started(gemma, **{"speculation": "prompt-lookup", **settings})
+        outs = []
+        for batch in batches():
+            outs += await asyncio.gather(*[engine.generate(Request(
+                engine.new_request_id(), tokens, SamplingParams(**{"temperature": 0, **p}))) for tokens, p in batch])
+        counters = engine.scheduler.counters
+        await engine.close()
+        return outs, counters
+
+    on, counters = run(answers())
+    off, _ = run(answers(speculation="off"))
+    assert counters.accepted_tokens > 100
+    for a, b in zip(on, off):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
 
 
 def test_the_prefix_cache_holds_only_accepted_tokens(loaded):

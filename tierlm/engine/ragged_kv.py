@@ -12,14 +12,23 @@ its own row's keys up to itself. A row's keys stay one contiguous run ending
 at its last token, as in a plain step, so the attention products (each summed
 in an order fixed by the row's end: tierlm.backends.cpu) keep their bits.
 
-This subclass reaches into BatchKVCache's fields; tests/test_speculation.py
-fails loudly if they change.
+A sliding-window layer (RaggedWindowKVCache) keeps its keys the same way, in
+the order of their positions, rather than in mlx-lm's rotating buffer: a
+rotating buffer overwrites the oldest key as it writes a new one, and a token
+given back would have taken a key its row still needs. It keeps a few more
+keys than its window (the most a draft can give back), and drops the oldest
+ones, a chunk at a time, once no row can see them.
+
+These subclasses reach into BatchKVCache's and BatchRotatingKVCache's fields;
+tests/test_speculation.py fails loudly if they change.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+
+from tierlm.engine.request import MAX_DRAFT_TOKENS
 
 
 class RaggedBatchKVCache(BatchKVCache):
@@ -111,7 +120,7 @@ class RaggedBatchKVCache(BatchKVCache):
     def extract(self, idx: int) -> KVCache:
         """Row idx alone, from its start to its end."""
         cache = KVCache()
-        start = int(self.left_padding[idx].item())
+        start = max(0, int(self.left_padding[idx].item()))  # below 0: its oldest keys were dropped
         cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, start : self.ends[idx]])
         cache.values = mx.contiguous(self.values[idx : idx + 1, :, start : self.ends[idx]])
         cache.offset = cache.keys.shape[2]
@@ -119,3 +128,73 @@ class RaggedBatchKVCache(BatchKVCache):
 
     def size(self) -> int:
         return self._idx
+
+
+class RaggedWindowKVCache(RaggedBatchKVCache):
+    """A sliding-window layer's batch cache as ragged rows in the order of their
+    positions. A row's `left_padding` is the buffer index of its first key
+    (negative once keys before the buffer's start are dropped), and `hidden`
+    counts its tokens that were never in the buffer (a window restored from
+    the prefix cache holds only its last keys): its position is its end, less
+    its padding, plus those."""
+
+    keep_extra = MAX_DRAFT_TOKENS + 1  # keys beyond the window: what one step can give back
+    drop_chunk = 256  # the oldest keys go this many at a time (each time copies the buffer)
+
+    @classmethod
+    def of(cls, cache: BatchRotatingKVCache) -> RaggedWindowKVCache:
+        """The same rows, their keys put in the order of their positions."""
+        cache._temporal_order()
+        ragged = cls.__new__(cls)
+        ragged.window = cache.max_size
+        ragged._right_padding = None
+        ragged.left_padding = cache.left_padding
+        ragged.keys = None if cache.keys is None else cache.keys[..., : cache._idx, :]
+        ragged.values = None if cache.values is None else cache.values[..., : cache._idx, :]
+        ragged.hidden = (cache.offset - cache._idx + cache.left_padding).tolist()
+        ragged._set_ends([cache._idx] * cache.left_padding.shape[0])
+        return ragged
+
+    def _set_ends(self, ends: list[int]) -> None:
+        super()._set_ends(ends)
+        self.offset = self.offset + mx.array(self.hidden, dtype=self.offset.dtype)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        out = super().update_and_fetch(keys, values)
+        self._drop_unseen()  # after the write: this step's mask was made for the buffer as it was
+        return out
+
+    def _drop_unseen(self) -> None:
+        """Drop the oldest keys once every row is past them by its window and
+        what a step can give back, a chunk at a time."""
+        unseen = min(self.ends, default=0) - self.window - self.keep_extra
+        if unseen < self.drop_chunk or self.keys is None:
+            return
+        self.keys, self.values = self.keys[..., unseen:, :], self.values[..., unseen:, :]
+        self.left_padding = self.left_padding - unseen
+        self._set_ends([e - unseen for e in self.ends])
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs):
+        return super().make_mask(N, return_array, window_size=window_size or self.window)
+
+    def filter(self, batch_indices) -> None:
+        rows = batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices
+        self.hidden = [self.hidden[i] for i in rows]
+        super().filter(batch_indices)
+
+    def extend(self, other) -> None:
+        if isinstance(other, BatchRotatingKVCache):
+            other = RaggedWindowKVCache.of(other)
+        self.hidden = self.hidden + other.hidden
+        super().extend(other)
+
+    def extract(self, idx: int) -> RotatingKVCache:
+        """Row idx alone as mlx-lm's single-sequence cache holds it: its last
+        `window` keys, in order."""
+        row = super().extract(idx)
+        cache = RotatingKVCache(self.window)
+        cache.keys = mx.contiguous(row.keys[..., -self.window :, :])
+        cache.values = mx.contiguous(row.values[..., -self.window :, :])
+        cache.offset = int(self.offset[idx].item())
+        cache._idx = cache.keys.shape[2]
+        return cache

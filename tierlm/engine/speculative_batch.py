@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from tierlm.engine.drafts import Acceptance, PromptLookup
-from tierlm.engine.ragged_kv import RaggedBatchKVCache
+from tierlm.engine.ragged_kv import RaggedBatchKVCache, RaggedWindowKVCache
 from tierlm.engine.sampling import RandomSampler
 
 log = logging.getLogger(__name__)
@@ -40,11 +40,11 @@ class SpeculationCounters:
 
 
 def rollback_supported(model) -> str | None:
-    """Why the model's KV cannot take back rejected tokens (None: it can). Plain
-    attention KV can; a sliding window that rotated, or a recurrent state, cannot
-    without keeping a copy of it per token."""
+    """Why the model's KV cannot take back rejected tokens (None: it can).
+    Attention KV can, sliding windows included (ragged_kv); a recurrent state
+    cannot without keeping a copy of it per token."""
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-    if kinds <= {KVCache.__name__}:
+    if kinds <= {KVCache.__name__, RotatingKVCache.__name__}:
         return None
     return f"its cache ({', '.join(sorted(kinds))}) cannot drop rejected tokens"
 
@@ -360,8 +360,7 @@ class SpeculativeBatch(GenerationBatch):
         each can give back its rejected tokens alone."""
         super().extend(batch)
         if self.enabled:
-            self.prompt_cache = [RaggedBatchKVCache.of(c) if type(c) is BatchKVCache else c
-                                 for c in self.prompt_cache]
+            self.prompt_cache = [_ragged(c) for c in self.prompt_cache]
 
     def filter(self, keep: list[int]) -> None:
         super().filter(keep)
@@ -369,6 +368,15 @@ class SpeculativeBatch(GenerationBatch):
         for table in (self._lookups, self._acceptance):  # `limits` is the scheduler's to clear
             for uid in [u for u in table if u not in live]:
                 del table[uid]
+
+
+def _ragged(cache):
+    """A layer's batch cache as ragged rows (the same if it is already)."""
+    if type(cache) is BatchKVCache:
+        return RaggedBatchKVCache.of(cache)
+    if type(cache) is BatchRotatingKVCache:
+        return RaggedWindowKVCache.of(cache)
+    return cache
 
 
 def _normalized(logits: mx.array) -> mx.array:
