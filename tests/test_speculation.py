@@ -30,6 +30,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from tierlm import backends
+from tierlm.engine.draft_model import check_draft_model
 from tierlm.engine.drafts import Acceptance, PromptLookup
 from tierlm.engine.ragged_kv import RaggedWindowKVCache
 from tierlm.engine.request import Request, SamplingParams
@@ -243,6 +244,78 @@ def test_a_recurrent_cache_turns_speculation_off():
     assert not gen.speculation.enabled
 
 
+# ---- a draft model, on tiny random models --------------------------------------
+
+
+class _NoLookup(PromptLookup):
+    """Lookups that find nothing: every draft comes from the draft model."""
+
+    def propose(self, k, last):
+        return []
+
+
+def _drafting_tokens(gen, prompts, limit=40) -> list[list[int]]:
+    uids = gen.insert(prompts, max_tokens=[limit] * len(prompts))
+    if isinstance(gen, SpeculativeGenerator):
+        gen.speculation.costs = _Widest()
+        for uid in uids:
+            gen.speculation.limits[uid] = 5
+    out = {uid: [] for uid in uids}
+    while any(len(v) < limit for v in out.values()):
+        for r in gen.next()[1]:
+            out[r.uid].append(r.token)
+    return list(out.values())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_a_draft_models_drafts_leave_the_tokens_as_plain_batching_gives_them(monkeypatch, arch):
+    """The model drafting for itself has every draft accepted (its rows stay in
+    step with the sequences); another model's drafts are mostly rejected; the
+    tokens are mlx-lm's BatchGenerator's either way."""
+    model = _quantized_tiny(arch)
+    if not backends.prepare(model, memory_bytes=2**30).batch_invariant:
+        pytest.skip("this backend's products are not batch-invariant (rounding moves with the batch)")
+    other = tiny_model(arch, seed=5, vocab_size=512)
+    nn.quantize(other, group_size=32, bits=4)
+    monkeypatch.setattr("tierlm.engine.speculative_batch.PromptLookup", _NoLookup)
+    prompts = [[3, 17, 250, 9, 44], list(range(60, 90)), [7, 8, 9, 11, 400, 2]]
+    plain = _drafting_tokens(BatchGenerator(model), prompts)
+    itself = SpeculativeGenerator(model, draft_model=model, vocab_size=512)
+    assert _drafting_tokens(itself, prompts) == plain
+    counters = itself.speculation.counters
+    assert counters.proposed_tokens > 60 and counters.accepted_tokens == counters.proposed_tokens
+    another = SpeculativeGenerator(model, draft_model=other, vocab_size=512)
+    assert _drafting_tokens(another, prompts) == plain
+    assert another.speculation.counters.accepted_tokens < another.speculation.counters.proposed_tokens / 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_a_draft_models_rows_hold_what_a_fresh_prefill_would_after_rejections(monkeypatch, arch):
+    monkeypatch.setattr("tierlm.engine.speculative_batch.PromptLookup", _NoLookup)
+    monkeypatch.setattr(RaggedWindowKVCache, "drop_chunk", 8)
+    model, draft = tiny_model(arch, vocab_size=512), tiny_model(arch, seed=5, vocab_size=512)
+    gen = SpeculativeGenerator(model, draft_model=draft, vocab_size=512)
+    gen.speculation.costs = _Widest()
+    for uid in gen.insert([list(range(10, 80)), [5, 6, 7], list(range(100, 140))], max_tokens=[60] * 3):
+        gen.speculation.limits[uid] = 6
+    for _ in range(12):
+        gen.next()
+    batch, source = gen.speculation, gen.speculation.draft_source
+    assert batch.counters.accepted_tokens < batch.counters.proposed_tokens
+    assert sorted(source.uids) == sorted(batch.uids)
+    for row, uid in enumerate(source.uids):
+        tokens = batch.tokens[batch.uids.index(uid)][: source.fed[uid]]
+        for layer, fresh in zip(source.cache, _fresh_caches(draft, tokens)):
+            kept = layer.extract(row)
+            assert kept.offset == fresh.offset
+            assert mx.allclose(_keys_in_order(kept), _keys_in_order(fresh), atol=1e-4).item()
+
+
+def test_a_draft_model_that_cannot_give_tokens_back_is_refused(tokenizer):
+    with pytest.raises(ValueError, match="cannot give back"):
+        check_draft_model(tiny_model("qwen3_next", vocab_size=512), tokenizer, tokenizer, "recurrent")
+
+
 # ---- the default model, in process ------------------------------------------
 
 
@@ -290,6 +363,7 @@ def test_greedy_answers_of_the_default_model_equal_with_and_without_speculation(
     assert on[2].text.startswith('{"functions"')
 
 
+@pytest.mark.slow  # two engines; the random-weight test above covers a seeded row in the fast run
 def test_seeded_sampled_answers_equal_with_and_without_speculation(loaded):
     """At temperature > 0 a draft token is kept when it is the token the
     request's own key draws at its place: the answer of a seed is the same
@@ -342,6 +416,33 @@ def test_gemma_answers_equal_with_and_without_speculation_past_its_sliding_windo
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
 
 
+def test_a_missing_draft_model_fails_the_start(loaded):
+    with pytest.raises(ValueError, match="no model folder"):
+        run(started(loaded, draft_model="no-such-draft-model"))
+
+
+@pytest.mark.slow  # two engines, the draft model loaded beside the model
+def test_the_default_model_drafting_for_itself_answers_as_without_drafts(loaded, model_path):
+    """Prose, where a sequence's own context offers no drafts: the draft
+    model's are verified, greedy and seeded answers equal with drafts and
+    without."""
+    if not backends.describe(loaded[0]).batch_invariant:
+        pytest.skip("this backend's products are not batch-invariant: batching itself moves rounding")
+    batches = [[(PROSE, {"max_tokens": 60})],
+               [(PROSE, {"max_tokens": 50, "temperature": 0.6, "seed": 2}), (SHORT_EDIT, {"max_tokens": 60})]]
+    on, counters = run(_answers(loaded, batches, draft_model=str(model_path)))
+    off, _ = run(_answers(loaded, batches, speculation="off"))
+    # a draft model as large as the model never pays: drafting is tried, then mostly left (adaptive)
+    assert counters.accepted_tokens > 0
+    assert [a.token_ids for a in on] == [b.token_ids for b in off]
+
+
+@pytest.mark.slow  # loads Qwen2.5-Coder beside the default model
+def test_a_draft_model_of_another_tokenizer_fails_the_start_saying_why(loaded, qwen_path):
+    with pytest.raises(ValueError, match="tokenizer is not the model's"):
+        run(started(loaded, draft_model=str(qwen_path)))
+
+
 def test_the_prefix_cache_holds_only_accepted_tokens(loaded):
     """After a request whose drafts were partly rejected, every block in the
     cache holds its own tokens' KV: a fresh prefill's, to float rounding."""
@@ -369,6 +470,7 @@ def test_the_prefix_cache_holds_only_accepted_tokens(loaded):
         assert mx.allclose(kept[..., :n, :], fresh, atol=1e-3).item()
 
 
+@pytest.mark.slow  # two engines; the request field's parsing is in the fast run (the 400s below)
 def test_a_request_can_turn_speculation_off_or_limit_it(loaded):
     batches = [[(SHORT_EDIT, {"max_tokens": 40, "speculative_tokens": 0})]]
     _, counters = run(_answers(loaded, batches))

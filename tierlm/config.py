@@ -106,6 +106,10 @@ class Settings:
                                        "backend with AVX-512; off elsewhere, and on a GPU, where it does "
                                        "not pay yet)",
                                per_model=True, check=lambda v: _one_of(v, ("auto", "prompt-lookup", "off")))
+    draft_model: str | None = setting(None, "a smaller model of the same tokenizer that drafts tokens where "
+                                            "a sequence's own context offers none (a model folder, or the "
+                                            "name of one in the model folders); setting one turns "
+                                            "speculation on with `auto`", per_model=True)
     speculative_tokens: int = setting(7, "draft tokens a sequence verifies a step at most (1-16; a request's "
                                          "speculative_tokens wins, 0 turns it off for that request)",
                                       per_model=True, check=_at_least(1, 16))

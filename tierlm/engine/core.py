@@ -29,6 +29,7 @@ from tierlm.cache.prefix_cache import PrefixCache
 from tierlm.config import Settings
 from tierlm.engine import allocator, ownership, warmup, workers
 from tierlm.engine.collector import OutputCollector
+from tierlm.engine.draft_model import load_draft_model
 from tierlm.engine.memory_guard import MemoryGuard, ModelProfile, default_memory_limit, profile_model
 from tierlm.engine.request import FinishReason, Request, RequestOutput
 from tierlm.engine.scheduler import Scheduler, SchedulerConfig
@@ -124,6 +125,7 @@ class EngineCore:
         ownership.claim(self.model, self.name)
         with mx.stream(stream):
             self.profile = profile_model(self.model)
+        draft = self._load_draft()
         limit = self.config.memory_limit_bytes() or default_memory_limit()
         prefill_step = self.config.prefill_step_size or prefill_step_for(mx.default_device())
         guard = MemoryGuard(self.profile, limit, prefill_step, stores_blocks=self.config.prefix_cache)
@@ -132,6 +134,7 @@ class EngineCore:
             prefill_step_size=prefill_step,
             stall_timeout_s=self.config.stall_timeout_s,
             speculative_tokens=self.config.speculative_tokens if self._speculates() else 0,
+            draft_model=draft,
         )
         log.info(
             "engine %s ready: weights %.0f MiB, KV %.1f KiB/token, memory limit %.0f MiB",
@@ -152,9 +155,29 @@ class EngineCore:
         backend's products are batch-invariant (MLX's CPU backend with tierlm's
         AVX-512 kernels), so greedy answers are the same with drafts or
         without; elsewhere verifying several tokens at once moves rounding, and
-        on a GPU it does not pay yet (docs/speculation.md)."""
+        on a GPU prompt lookup alone does not pay yet (docs/speculation.md);
+        and wherever a draft model is named."""
         setting = self.config.speculation
+        if setting == "auto" and self.config.draft_model:
+            return True
         return setting == "prompt-lookup" or (setting == "auto" and backends.describe(self.model).batch_invariant)
+
+    def _load_draft(self):
+        """The draft model (`draft_model`), where one is named and requests
+        draft: loaded beside the model, its weights and KV counted in the
+        model's profile. A missing one, or one of another tokenizer, fails the
+        start with ValueError."""
+        if not self.config.draft_model or not self._speculates():
+            return None
+        draft = load_draft_model(self.config, self.tokenizer)
+        with mx.stream(self._stream):
+            extra = profile_model(draft)
+        self.profile = dataclasses.replace(
+            self.profile, weight_bytes=self.profile.weight_bytes + extra.weight_bytes,
+            kv_bytes_per_token=self.profile.kv_bytes_per_token + extra.kv_bytes_per_token)
+        log.info("engine %s: draft model %s (%.0f MiB)", self.name, self.config.draft_model,
+                 extra.weight_bytes / 2**20)
+        return draft
 
     def _warms(self, device) -> bool:
         """Whether batch shapes are warmed (before ready, then while idle): `warmup`,
@@ -590,7 +613,7 @@ class EngineCore:
             "step_seconds_total": c.step_seconds,
             # speculative decoding: draft tokens verified, and kept
             "speculation": {"proposed_tokens": c.proposed_tokens, "accepted_tokens": c.accepted_tokens,
-                            "steps": c.speculative_steps},
+                            "steps": c.speculative_steps, "draft_model": self.config.draft_model},
             "bursts": self.bursts,
             "warmup": {"shapes_left": len(self._warm_jobs), "seconds": round(self.warm_seconds, 3)},
             # MLX's allocator counters (no array is touched): what the memory guard holds to its limit

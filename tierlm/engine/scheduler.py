@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 import time
+from typing import Any
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ class SchedulerConfig:
     prefill_batch_size: int = 8
     stall_timeout_s: float = 300.0  # a running request with no progress this long ends with an error
     speculative_tokens: int = 0  # draft tokens a sequence verifies a step at most by default (0: no drafting)
+    draft_model: Any = None  # a smaller model of the same tokenizer drafting too (engine.draft_model)
 
 
 @dataclass
@@ -142,7 +144,9 @@ class Scheduler:
             prefill_step_size=self.config.prefill_step_size,
             stream=self._stream,
         )
-        gen = SpeculativeGenerator(self.model, **options)
+        draft = self.config.draft_model
+        gen = SpeculativeGenerator(self.model, draft_model=draft,
+                                   vocab_size=len(self.tokenizer.vocab) if draft is not None else None, **options)
         gen.speculation.counters = self.counters
         if not self.config.speculative_tokens:  # off for this model: plain steps, mlx-lm's own KV layout
             gen.speculation.enabled = False

@@ -25,6 +25,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from tierlm.engine.draft_model import DraftModelSource
 from tierlm.engine.drafts import Acceptance, PromptLookup
 from tierlm.engine.ragged_kv import RaggedBatchKVCache, RaggedWindowKVCache
 from tierlm.engine.sampling import RandomSampler
@@ -122,6 +123,8 @@ class SpeculativeBatch(GenerationBatch):
         self._plain: tuple[int, float] | None = None  # (rows, seconds) of a plain step not yet recorded
         self._waited = 0.0
         self._dry_run = self._dry_steps = 0  # steps not to look for drafts after finding none
+        self.draft_source: DraftModelSource | None = None  # a draft model, where one is set
+        self._draft_seconds = 0.0  # what the draft model took this step
 
     def next(self) -> list:
         if not self.enabled:  # off for this model: mlx-lm's own step, nothing measured or faded
@@ -141,7 +144,7 @@ class SpeculativeBatch(GenerationBatch):
             return responses
         width = 1 + max(len(d) for d in drafts)
         responses = self._verify(drafts)
-        self.costs.record(rows * width, time.perf_counter() - tic)
+        self.costs.record(rows * width, time.perf_counter() - tic + self._draft_seconds)
         return responses
 
     def _record_plain(self) -> None:
@@ -165,16 +168,32 @@ class SpeculativeBatch(GenerationBatch):
             self._dry_steps -= 1
             return None
         limits = [self._limit(i) for i in range(len(self.uids))]
-        if not any(limits) or self._width(limits) == 1:
+        width = self._width(limits) if any(limits) else 1
+        if width == 1:
             return None
         tic = time.perf_counter()
         mx.eval(self._next_tokens)
         self._waited = time.perf_counter() - tic
         last = self._next_tokens.tolist()
         drafts = [self._lookup(i).propose(k, last[i]) if k else [] for i, k in enumerate(limits)]
+        self._draft_seconds = 0.0
+        if self.draft_source is not None and any(k and not d for k, d in zip(limits, drafts)):
+            self._model_drafts(limits, drafts, last, width - 1)
         self._note_dry(not any(drafts))
         width = self._width([len(d) for d in drafts])
         return None if width == 1 else [d[: width - 1] for d in drafts]
+
+    def _model_drafts(self, limits: list[int], drafts: list[list[int]], last: list[int], k: int) -> None:
+        """The draft model's k tokens for the rows that found no draft in their
+        own context (every drafting row's draft-model row is kept in step)."""
+        tic = time.perf_counter()
+        rows = [i for i, limit in enumerate(limits) if limit]
+        proposed = self.draft_source.propose({self.uids[i]: self.tokens[i] for i in rows},
+                                             {self.uids[i]: last[i] for i in rows}, k)
+        for i in rows:
+            if not drafts[i]:
+                drafts[i] = proposed[self.uids[i]][: limits[i]]
+        self._draft_seconds = time.perf_counter() - tic
 
     def _note_dry(self, dry: bool) -> None:
         """After looking for drafts and finding none, skip looking (and the wait
@@ -241,6 +260,8 @@ class SpeculativeBatch(GenerationBatch):
                 self._record(i, len(draft), accepted)
             if accepted and isinstance(self.samplers[i], RandomSampler):
                 self.samplers[i].advance(accepted)  # the keys of the tokens it kept
+            if self.draft_source is not None:
+                self.draft_source.settle(self.uids[i], [last[i], *draft[:accepted]])
             if accepted and self.logits_processors[i]:  # their context: every token fed
                 self._token_context[i].update_and_fetch(mx.array(draft[:accepted], dtype=mx.uint32))
             tokens, reason = self._until_finished(i, [last[i], *draft[:accepted]])
@@ -390,10 +411,13 @@ class SpeculativeGenerator(BatchGenerator):
     """mlx-lm's BatchGenerator whose generation batch verifies drafts
     (SpeculativeBatch): sequences enter it as they finish their prompts."""
 
-    def __init__(self, model, *, ngram_min: int = 2, ngram_max: int = 3, **kwargs):
+    def __init__(self, model, *, ngram_min: int = 2, ngram_max: int = 3, draft_model=None,
+                 vocab_size: int | None = None, **kwargs):
         super().__init__(model, **kwargs)
         self._generation_batch = SpeculativeBatch.empty(self.model, self.sampler)
         self._generation_batch.configure(ngram_min, ngram_max)
+        if draft_model is not None:
+            self._generation_batch.draft_source = DraftModelSource(draft_model, vocab_size)
         if (why := rollback_supported(model)) is not None:
             self._generation_batch.enabled = False
             log.info("speculation off for this model: %s", why)
