@@ -19,18 +19,17 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from tierlm.engine import warmup
 from tierlm.engine.speculative_batch import SpeculativeGenerator
 from tierlm.loadgen.edits import WORKLOADS
 
 
 def load(folder: Path):
-    if mx.default_device() == mx.cpu:
-        from tierlm.models.loader import load_model  # tierlm's CPU backend: its kernels
+    """The model as the server loads it, with what tierlm's backend adds (its CPU
+    kernels; on a CUDA GPU, attention of a few queries as products)."""
+    from tierlm.models.loader import load_model
 
-        return load_model(folder)
-    from mlx_lm import load as mlx_load
-
-    return mlx_load(str(folder))
+    return load_model(folder)
 
 
 def decode(generator, prompts: list[list[int]], max_tokens: int, eos: list[int], drafts: int) -> tuple:
@@ -60,9 +59,14 @@ def main() -> None:
     p.add_argument("--drafts", type=int, default=7, help="draft tokens a step at most")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--json", default=None)
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="time the first steps too (a GPU compiles kernels in them)")
     args = p.parse_args()
     model, tokenizer = load(Path(args.model))
     eos = sorted(tokenizer.eos_token_ids)
+    if args.warmup:  # as the server warms a GPU: kernels compiled before anything is timed
+        for batch in map(int, args.batch.split(",")):
+            warmup.run_shape(model, mx.default_stream(mx.default_device()), batch, 16, 2048, args.drafts)
     rows = []
     for name in args.workloads.split(","):
         for batch in map(int, args.batch.split(",")):

@@ -1,8 +1,9 @@
 """What a backend adds to a loaded model, and what the rest of tierlm reads of it.
 
-MLX runs a model on Metal, CUDA or its CPU backend. Only the CPU backend gets
-more from tierlm (`tierlm.backends.cpu`: a real BLAS behind a route, native
-kernels, the weights' dtype, AMX tiles). The loader calls `prepare` once per
+MLX runs a model on Metal, CUDA or its CPU backend. The CPU backend gets most
+from tierlm (`tierlm.backends.cpu`: a real BLAS behind a route, native kernels,
+the weights' dtype, AMX tiles); on a GPU, attention of a few queries runs as
+two products (`tierlm.backends.gpu`). The loader calls `prepare` once per
 model; the engine reads the `Backend` that `describe` gives back for it: the
 memory it holds outside MLX's allocator (the memory guard counts it), a tag for
 the prefix cache's keys (other arithmetic, other KV), what to log and what to
@@ -68,7 +69,12 @@ def prepare(model, *, cpu_weights_dtype: str = "auto", memory_bytes: int, cpu_ke
         backend = cpu.prepare(model, weights_dtype=cpu_weights_dtype, memory_bytes=memory_bytes,
                               kernels=cpu_kernels, amx=cpu_amx)
     else:
-        backend = NONE
+        from tierlm.backends import gpu
+
+        replaced = gpu.install(model)
+        backend = Backend(log=(f"GPU: attention of 2-{gpu.MAX_QUERIES} queries as products (no cuDNN graph "
+                               f"per shape): {', '.join(replaced) or 'no module'}",),
+                          summary={"few_query_attention": replaced}) if replaced else NONE
     key = id(model)
     _by_model[key] = backend
     weakref.finalize(model, _by_model.pop, key, None)

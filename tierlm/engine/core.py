@@ -207,7 +207,8 @@ class EngineCore:
         """Worker thread: the next warm job; a failing one ends warming (logged)."""
         batch, prompt_len = self._warm_jobs.pop(0)
         try:
-            seconds = warmup.run_shape(self.model, self._stream, batch, prompt_len, prefill_step)
+            seconds = warmup.run_shape(self.model, self._stream, batch, prompt_len, prefill_step,
+                                       self.config.speculative_tokens if self._speculates() else 0)
         except Exception:
             log.exception("engine %s: warming batch %d failed; warming stops", self.name, batch)
             self._warm_jobs.clear()

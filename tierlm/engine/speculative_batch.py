@@ -57,8 +57,9 @@ class StepCosts:
     neighbours, beyond the largest at the slope of the last two (at first, a
     quarter of the average cost of a token): widths are tried a step wider at a
     time while they pay, so trying costs little where they do not. A size's
-    first step is not counted when it took over three times its estimate (on a
-    GPU it compiles that shape's kernels, tens of milliseconds). Now and then
+    first few steps are not counted when one took over three times its
+    estimate (on a GPU they compile kernels: tens of milliseconds, and seconds
+    for a process's first verification). Now and then
     (`probe_every`) the runner-up is tried again, as costs move with the
     context's length and the machine's load."""
 
@@ -66,13 +67,12 @@ class StepCosts:
         self.seconds: dict[int, float] = {}
         self.weight, self.probe_every = weight, probe_every
         self._choices = 0
-        self._seen: set[int] = set()
+        self._seen: dict[int, int] = {}  # tokens -> steps of that size so far
 
     def record(self, tokens: int, seconds: float) -> None:
-        if tokens not in self._seen:
-            self._seen.add(tokens)
-            if self.seconds and seconds > 3 * self.estimate(tokens):
-                return  # its first step compiled kernels (a GPU): not what the size costs
+        seen = self._seen[tokens] = self._seen.get(tokens, 0) + 1
+        if seen <= 3 and self.seconds and seconds > 3 * self.estimate(tokens):
+            return  # one of its first steps compiled kernels (a GPU): not what the size costs
         old = self.seconds.get(tokens)
         self.seconds[tokens] = seconds if old is None else old + self.weight * (seconds - old)
 
@@ -111,11 +111,12 @@ class SpeculativeBatch(GenerationBatch):
     use there), grammars and penalties included; others join each step with
     their one token, exactly as in a plain step."""
 
-    def configure(self, ngram_min: int, ngram_max: int) -> None:
+    def configure(self, ngram_min: int, ngram_max: int, lookup=None) -> None:
         self.limits: dict[int, int] = {}  # uid -> draft tokens at most per step (the scheduler's)
         # anything with these fields (the scheduler puts its own counters here)
         self.counters = SpeculationCounters()
         self._ngrams = (ngram_min, ngram_max)
+        self._lookup_class = lookup or PromptLookup
         self._lookups: dict[int, PromptLookup] = {}
         self._acceptance: dict[int, Acceptance] = {}
         self.costs = StepCosts()
@@ -231,7 +232,7 @@ class SpeculativeBatch(GenerationBatch):
         uid = self.uids[i]
         lookup = self._lookups.get(uid)
         if lookup is None:
-            lookup = self._lookups[uid] = PromptLookup(self.tokens[i], *self._ngrams)
+            lookup = self._lookups[uid] = self._lookup_class(self.tokens[i], *self._ngrams)
         elif len(lookup.tokens) < len(self.tokens[i]):  # plain steps since its last draft
             lookup.extend(self.tokens[i][len(lookup.tokens) :])
         return lookup
@@ -412,10 +413,11 @@ class SpeculativeGenerator(BatchGenerator):
     (SpeculativeBatch): sequences enter it as they finish their prompts."""
 
     def __init__(self, model, *, ngram_min: int = 2, ngram_max: int = 3, draft_model=None,
-                 vocab_size: int | None = None, **kwargs):
+                 vocab_size: int | None = None, lookup=None, **kwargs):
+        """`lookup`: the class of each sequence's lookup (drafts.PromptLookup)."""
         super().__init__(model, **kwargs)
         self._generation_batch = SpeculativeBatch.empty(self.model, self.sampler)
-        self._generation_batch.configure(ngram_min, ngram_max)
+        self._generation_batch.configure(ngram_min, ngram_max, lookup)
         if draft_model is not None:
             self._generation_batch.draft_source = DraftModelSource(draft_model, vocab_size)
         if (why := rollback_supported(model)) is not None:

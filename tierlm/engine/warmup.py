@@ -6,6 +6,9 @@ second each, measured on an H200: the first request of a fresh machine took 13 s
 the first batch of nine 3.9 s) and keeps it on disk (`kernel_cache_dir`). A warm
 shape is a few tiny requests through a BatchGenerator of its own: prefill and a
 few decode steps, greedy and sampled, and nothing of it reaches the prefix cache.
+Where the engine speculates, the decode steps verify drafts at full width: the
+first verification of a process compiled for ~33 s on the H200 (the kernels of a
+step feeding several tokens a sequence; any width or length shares them after).
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import time
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from tierlm.engine.drafts import PromptLookup
 from tierlm.engine.request import SamplingParams
 from tierlm.engine.sampling import make_request_sampler
+from tierlm.engine.speculative_batch import SpeculativeGenerator, StepCosts
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +47,39 @@ def warm_shapes(max_running: int) -> list[tuple[int, int]]:
     return [(1, LONG_PROMPT)] + [(b, SHORT_PROMPT) for b in batch_sizes(max_running)]
 
 
-def run_shape(model, stream, batch: int, prompt_len: int, prefill_step: int) -> float:
+class WidestSteps(StepCosts):
+    """Every step as wide as its drafts."""
+
+    def best_width(self, rows: int, made: list[float]) -> int:
+        return len(made)
+
+
+class RepeatDrafts(PromptLookup):
+    """Drafts of the last token repeated: a warm job verifies drafts whatever
+    its model writes."""
+
+    def propose(self, k: int, last: int) -> list[int]:
+        return [last] * k
+
+
+def run_shape(model, stream, batch: int, prompt_len: int, prefill_step: int, drafts: int = 0) -> float:
     """Worker thread: `batch` requests of `prompt_len` tokens, a few tokens each,
-    every other one sampled at a temperature; the seconds it took."""
+    every other one sampled at a temperature, verifying `drafts` draft tokens a
+    step; the seconds it took."""
     tic = time.perf_counter()
-    gen = BatchGenerator(model, completion_batch_size=batch, prefill_batch_size=min(8, batch),
-                         prefill_step_size=prefill_step, stream=stream)
+    options = dict(completion_batch_size=batch, prefill_batch_size=min(8, batch),
+                   prefill_step_size=prefill_step, stream=stream)
+    gen = SpeculativeGenerator(model, lookup=RepeatDrafts, **options) if drafts else BatchGenerator(model, **options)
     try:
         sampled = make_request_sampler(SamplingParams(temperature=0.7, seed=0), lambda message: None)
         greedy = make_request_sampler(SamplingParams(temperature=0), lambda message: None)
         prompts = [[(7 * i + j) % 97 + 3 for j in range(prompt_len)] for i in range(batch)]
-        gen.insert(prompts, max_tokens=[DECODE_STEPS] * batch,
-                   samplers=[sampled if i % 2 else greedy for i in range(batch)])
+        uids = gen.insert(prompts, max_tokens=[DECODE_STEPS] * batch,
+                          samplers=[sampled if i % 2 else greedy for i in range(batch)])
+        if drafts:
+            gen.speculation.costs = WidestSteps()
+            for uid in uids:
+                gen.speculation.limits[uid] = drafts
         pending = batch
         while pending:
             _, responses = gen.next()

@@ -1,0 +1,73 @@
+"""What tierlm adds to a model on a CUDA GPU: attention of a few queries as two products.
+
+MLX's CUDA backend hands attention with more than one query to cuDNN, whose
+graphs are built once per shape (of the queries, the keys and the mask) and then
+kept in a small cache. Decoding feeds one query a sequence and never gets
+there; verifying drafts (speculative decoding) feeds each sequence 2 to 17
+against keys one step longer than the step before: a shape cuDNN has not seen,
+every step, so every step waited for a graph to be built. Attention for up to
+`MAX_QUERIES` queries runs here instead as softmax(q kᵀ · scale + mask) v, two
+matmuls around a softmax, which MLX runs without building anything per shape.
+Prefill chunks (more queries) keep cuDNN.
+
+`install(model)` puts the wrapper into the mlx-lm modules `model` is built from,
+only where MLX's default device is a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import mlx.core as mx
+from mlx import nn
+
+MAX_QUERIES = 32  # queries a sequence feeds at most for attention to run as products here
+
+
+def install(model: nn.Module) -> list[str]:
+    """Use `attention_products` for few queries in `model`'s mlx-lm modules;
+    the names replaced (module.function)."""
+    if mx.default_device() == mx.cpu or not mx.cuda.is_available():
+        return []  # Metal's attention kernels take few queries without per-shape builds
+    if os.environ.get("TIERLM_FEW_QUERY_ATTENTION") == "off":  # MLX's own, for comparisons
+        return []
+    replaced = []
+    names = sorted({type(m).__module__ for m in model.modules()})
+    for module in (sys.modules[n] for n in names if n.startswith("mlx_lm.models.")):
+        current = getattr(module, "scaled_dot_product_attention", None)
+        if current is None:
+            continue
+        if not hasattr(current, "original"):
+            module.scaled_dot_product_attention = _wrap(current)
+        replaced.append(f"{module.__name__.rsplit('.', 1)[-1]}.scaled_dot_product_attention")
+    return replaced
+
+
+def _wrap(original):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        few = 1 < queries.shape[2] <= MAX_QUERIES
+        if not few or sinks is not None or hasattr(cache, "bits") or (isinstance(mask, str) and mask != "causal"):
+            return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        return attention_products(queries, keys, values, scale, mask)
+
+    scaled_dot_product_attention.original = original
+    return scaled_dot_product_attention
+
+
+def attention_products(queries, keys, values, scale: float, mask) -> mx.array:
+    """softmax(q kᵀ · scale + mask) v for (B, heads, L, D) queries and
+    (B, kv_heads, S, D) keys and values, the softmax in float32. `mask`: None,
+    "causal" (query i at position S - L + i), or a boolean or additive array."""
+    batch, heads, length, _ = queries.shape
+    kv_heads, span = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads  # query heads h*group .. h*group+group-1 read KV head h
+    grouped = (queries * scale).reshape(batch, kv_heads, group * length, -1)
+    scores = (grouped @ keys.swapaxes(-1, -2)).reshape(batch, heads, length, span).astype(mx.float32)
+    if isinstance(mask, str):
+        mask = mx.arange(span)[None] <= mx.arange(span - length, span)[:, None]
+    if mask is not None:
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    weights = mx.softmax(scores, axis=-1).astype(values.dtype)
+    out = weights.reshape(batch, kv_heads, group * length, span) @ values
+    return out.reshape(batch, heads, length, -1)
