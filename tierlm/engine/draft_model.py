@@ -106,11 +106,12 @@ class DraftModelSource:
 
     def _keep(self, uids: list[int]) -> None:
         """Rows only for these sequences (the others finished, or stopped drafting)."""
-        keep = [i for i, uid in enumerate(self.uids) if uid in set(uids)]
+        wanted = set(uids)
+        keep = [i for i, uid in enumerate(self.uids) if uid in wanted]
         if len(keep) == len(self.uids):
             return
         for uid in self.uids:
-            if uid not in uids:
+            if uid not in wanted:
                 self.fed.pop(uid, None)
                 self._proposed.pop(uid, None)
         self.uids = [self.uids[i] for i in keep]
