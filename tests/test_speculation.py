@@ -36,6 +36,7 @@ from tierlm.engine.ragged_kv import RaggedWindowKVCache
 from tierlm.engine.request import Request, SamplingParams
 from tierlm.engine.sampling import RandomSampler
 from tierlm.engine.speculative_batch import SpeculativeGenerator, StepCosts, rollback_supported
+from tierlm.engine.warmup import WidestSteps
 from tierlm.models.random_model import tiny_model
 from tierlm.structured.grammar import ModelGrammars, json_schema_grammar
 
@@ -110,13 +111,6 @@ def test_a_random_sampler_draws_ahead_with_the_keys_its_later_calls_use():
 # ---- the batch, on a tiny random model --------------------------------------
 
 
-class _Widest(StepCosts):
-    """Every step as wide as its drafts: rejections are certain on random weights."""
-
-    def best_width(self, rows, made):
-        return len(made)
-
-
 def _quantized_tiny(name: str = "llama"):
     model = tiny_model(name, vocab_size=512)
     nn.quantize(model, group_size=32, bits=4)
@@ -155,7 +149,7 @@ def test_rejected_drafts_leave_each_rows_kv_as_a_fresh_prefill_would(monkeypatch
     # repeated runs, so that lookups find drafts; three lengths, so rows are padded
     prompts = [list(range(10, 40)) * 3, list(range(50, 70)) * 4 + [3], [7, 8, 9, 11] * 10]
     gen = SpeculativeGenerator(model, completion_batch_size=4, prefill_batch_size=4)
-    gen.speculation.costs = _Widest()
+    gen.speculation.costs = WidestSteps()
     ended = _run_drafting(gen, prompts, [24, 31, 40])
     counters = gen.speculation.counters
     assert counters.speculative_steps and 0 < counters.accepted_tokens < counters.proposed_tokens
@@ -224,7 +218,7 @@ def test_greedy_tokens_equal_plain_batching_on_random_weights_where_products_are
         sampled = RandomSampler(SamplingParams(temperature=0.8, top_k=20, seed=3), print)
         uids = gen.insert(prompts, max_tokens=[30, 30, 30], samplers=[None, None, sampled])
         if isinstance(gen, SpeculativeGenerator):
-            gen.speculation.costs = _Widest()
+            gen.speculation.costs = WidestSteps()
             for uid in uids:
                 gen.speculation.limits[uid] = 6
         out = {uid: [] for uid in uids}
@@ -257,7 +251,7 @@ class _NoLookup(PromptLookup):
 def _drafting_tokens(gen, prompts, limit=40) -> list[list[int]]:
     uids = gen.insert(prompts, max_tokens=[limit] * len(prompts))
     if isinstance(gen, SpeculativeGenerator):
-        gen.speculation.costs = _Widest()
+        gen.speculation.costs = WidestSteps()
         for uid in uids:
             gen.speculation.limits[uid] = 5
     out = {uid: [] for uid in uids}
@@ -295,7 +289,7 @@ def test_a_draft_models_rows_hold_what_a_fresh_prefill_would_after_rejections(mo
     monkeypatch.setattr(RaggedWindowKVCache, "drop_chunk", 8)
     model, draft = tiny_model(arch, vocab_size=512), tiny_model(arch, seed=5, vocab_size=512)
     gen = SpeculativeGenerator(model, draft_model=draft, vocab_size=512)
-    gen.speculation.costs = _Widest()
+    gen.speculation.costs = WidestSteps()
     for uid in gen.insert([list(range(10, 80)), [5, 6, 7], list(range(100, 140))], max_tokens=[60] * 3):
         gen.speculation.limits[uid] = 6
     for _ in range(12):

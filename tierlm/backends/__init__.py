@@ -43,6 +43,15 @@ class Backend:
 
 
 NONE = Backend()
+
+
+def mlx_lm_modules(model) -> list:
+    """The mlx-lm model modules whose classes `model` is built from (where the
+    backends put their functions in place of mlx-lm's)."""
+    import sys
+
+    names = {type(m).__module__ for m in model.modules()}
+    return [sys.modules[n] for n in sorted(names) if n.startswith("mlx_lm.models.")]
 _by_model: dict[int, Backend] = {}  # id(model) -> its description, while the model lives
 
 

@@ -17,10 +17,11 @@ only where MLX's default device is a CUDA GPU.
 from __future__ import annotations
 
 import os
-import sys
 
 import mlx.core as mx
 from mlx import nn
+
+from tierlm.backends import mlx_lm_modules
 
 MAX_QUERIES = 32  # queries a sequence feeds at most for attention to run as products here
 
@@ -33,8 +34,7 @@ def install(model: nn.Module) -> list[str]:
     if os.environ.get("TIERLM_FEW_QUERY_ATTENTION") == "off":  # MLX's own, for comparisons
         return []
     replaced = []
-    names = sorted({type(m).__module__ for m in model.modules()})
-    for module in (sys.modules[n] for n in names if n.startswith("mlx_lm.models.")):
+    for module in mlx_lm_modules(model):
         current = getattr(module, "scaled_dot_product_attention", None)
         if current is None:
             continue

@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
+from tierlm.backends import mlx_lm_modules
 from tierlm.backends.cpu import route
 
 # times each replacement ran in this process: "attention", "swiglu" (either way),
@@ -338,12 +339,6 @@ class ModelNn(types.ModuleType):
         return nn.gelu_approx(x)
 
 
-def _mlx_lm_modules(model: nn.Module) -> list:
-    """The mlx-lm model modules whose classes `model` is built from."""
-    names = {type(m).__module__ for m in model.modules()}
-    return [sys.modules[n] for n in sorted(names) if n.startswith("mlx_lm.models.")]
-
-
 def _generate_module():
     """mlx_lm.generate the module (the package's `generate` attribute is the function)."""
     import mlx_lm.generate  # noqa: F401
@@ -357,7 +352,7 @@ def install(model: nn.Module) -> list[str]:
     if mx.default_device() != mx.cpu:
         return []
     replaced = []
-    for module in _mlx_lm_modules(model):
+    for module in mlx_lm_modules(model):
         for name, wrap in _WRAPPERS.items():
             current = getattr(module, name, None)
             if current is None:
@@ -385,7 +380,7 @@ def _calls_gelu(module) -> bool:
 def uninstall(model: nn.Module) -> None:
     """Put mlx-lm's own functions back (for comparisons)."""
     _generate_module().mx = mx
-    for module in _mlx_lm_modules(model):
+    for module in mlx_lm_modules(model):
         if isinstance(getattr(module, "nn", None), ModelNn):
             module.nn = nn
         for name in _WRAPPERS:
