@@ -521,9 +521,10 @@ def test_metrics_and_stats_count_drafts(server):
 
 @pytest.mark.slow
 def test_qwen_coder_answers_equal_with_speculation_on_and_off(qwen_server):
-    """The agent model on its own template: a code edit, a tool call quoting the
-    file (a grammar holds its shape), a JSON schema, and three at once, each
-    with drafts and with `speculative_tokens: 0`, greedy."""
+    """The agent model on its own template: a code edit (greedy, and sampled
+    with a seed), a tool call quoting the file (a grammar holds its shape), a
+    JSON schema, and all at once, each with drafts and with
+    `speculative_tokens: 0`."""
     from conftest import AGENT_KEY
 
     from tierlm.loadgen.edits import EDIT_TOOL
@@ -535,6 +536,7 @@ def test_qwen_coder_answers_equal_with_speculation_on_and_off(qwen_server):
 
     bodies = [
         {"messages": SHORT_EDIT, "max_tokens": 120},
+        {"messages": SHORT_EDIT, "max_tokens": 100, "temperature": 0.4, "top_p": 0.9, "seed": 11},
         {"messages": [{"role": "user", "content": f"```python\n{SHORT}```\nUse edit_file on colorsys.py to "
                                                   "rename rgb_to_yiq to rgb_to_ntsc: old_string is the whole "
                                                   "function, new_string the same renamed."}],
@@ -547,7 +549,7 @@ def test_qwen_coder_answers_equal_with_speculation_on_and_off(qwen_server):
 
     def answer(body, **extra):
         r = httpx.post(qwen_server.v1 + "/chat/completions", headers=headers, timeout=600,
-                       json={**body, **extra, "temperature": 0})
+                       json={"temperature": 0, **body, **extra})
         assert r.status_code == 200, r.text
         message = r.json()["choices"][0]["message"]
         calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
@@ -559,10 +561,10 @@ def test_qwen_coder_answers_equal_with_speculation_on_and_off(qwen_server):
     before = stats()["speculation"]
     on = [answer(b) for b in bodies]
     assert on == off
-    assert off[1][1] and "rgb_to_ntsc" in off[1][1][0][1]
+    assert off[2][1] and "rgb_to_ntsc" in off[2][1][0][1]
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(len(bodies)) as pool:
         assert list(pool.map(answer, bodies)) == off
     after = stats()["speculation"]
     assert after["accepted_tokens"] - before["accepted_tokens"] > 40
