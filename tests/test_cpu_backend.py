@@ -20,6 +20,7 @@ from mlx import nn
 
 from tierlm import backends
 from tierlm.backends.cpu import amx as cpu_amx
+from tierlm.backends.cpu import dequantize as cpu_dequantize
 from tierlm.backends.cpu import got, native, route
 from tierlm.backends.cpu import kernels as cpu_kernels
 from tierlm.backends.cpu import weights as cpu_weights
@@ -552,6 +553,19 @@ def test_weights_go_float32_only_when_they_fit():
     with_copies = "stored" if cpu_amx.available() else "float32"  # AMX adds bfloat16 copies, half again
     assert cpu_weights.choose_dtype("auto", model, memory_bytes=5 * model_bytes // 2) == with_copies
     assert cpu_weights.choose_dtype("bfloat16", model, memory_bytes=model_bytes) == "bfloat16"
+
+
+@pytest.mark.parametrize("bits", cpu_dequantize.BITS)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_dequantizing_to_float32_reads_mlxs_packing_of_every_width(bits, group_size):
+    """Against `mx.dequantize` given the scales and biases in float32 (as the
+    quantized kernels read them), so both compute in float32."""
+    weight = mx.random.normal((200, 3 * 128), key=mx.random.key(bits)).astype(mx.float16)
+    packed, scales, biases = mx.quantize(weight, group_size=group_size, bits=bits)
+    reference = mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32),
+                              group_size=group_size, bits=bits)
+    got = cpu_dequantize.float32(packed, scales, biases, group_size, bits)
+    assert got.dtype == mx.float32 and mx.array_equal(got, reference).item()
 
 
 @pytest.fixture(scope="module")

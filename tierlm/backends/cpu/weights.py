@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from tierlm.backends.cpu import amx, quantized, route
+from tierlm.backends.cpu import amx, dequantize, quantized, route
 
 CHOICES = ("auto", "quantized", "float32", "bfloat16", "float16", "stored")
 
@@ -111,8 +111,12 @@ def _swap_quantized(module: nn.Module, dtype, keep) -> None:
 def _dequantized(module: nn.Module, dtype, keep) -> nn.Module | None:
     if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or keep(module):
         return None
-    weight = mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size,
-                           module.bits, mode=module.mode).astype(dtype)
+    if dequantize.takes(module):
+        weight = dequantize.float32(module.weight, module.scales, module.biases, module.group_size, module.bits)
+    else:
+        weight = mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size,
+                               module.bits, mode=module.mode)
+    weight = weight.astype(dtype)
     if isinstance(module, nn.QuantizedEmbedding):
         new = nn.Embedding(*weight.shape)
     else:
