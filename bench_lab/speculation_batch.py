@@ -65,8 +65,10 @@ def main() -> None:
     model, tokenizer = load(Path(args.model))
     eos = sorted(tokenizer.eos_token_ids)
     if args.warmup:  # as the server warms a GPU: kernels compiled before anything is timed
-        for batch in map(int, args.batch.split(",")):
-            warmup.run_shape(model, mx.default_stream(mx.default_device()), batch, 16, 2048, args.drafts)
+        sizes = {len(WORKLOADS[name](batch, 1).sessions)  # a workload has so many prompts
+                 for name in args.workloads.split(",") for batch in map(int, args.batch.split(","))}
+        for size in sorted(sizes):
+            warmup.run_shape(model, mx.default_stream(mx.default_device()), size, 16, 2048, args.drafts)
     rows = []
     for name in args.workloads.split(","):
         for batch in map(int, args.batch.split(",")):
@@ -83,12 +85,16 @@ def main() -> None:
                     row[kind] = {"decode_tok_s": rate, "tokens": tokens}
                     if kind == "speculative":
                         row["counters"] = vars(gen.speculation.counters)
+                        switch = gen.speculation.switch
+                        row["switch"] = {"rates": {f"{'drafting' if d else 'plain'}@{r}": v
+                                                   for (d, r), v in switch.rates.items()},
+                                         "windows": [list(w) for w in switch.recent]}
                 row["ratio"] = row["speculative"]["decode_tok_s"] / row["plain"]["decode_tok_s"]
                 row["same_tokens"] = row["speculative"]["tokens"] == row["plain"]["tokens"]
                 rows.append(row)
                 print(f"{name} batch {batch}: plain {row['plain']['decode_tok_s']:.1f}, speculative "
                       f"{row['speculative']['decode_tok_s']:.1f} tok/s ({row['ratio']:.2f}x), same tokens "
-                      f"{row['same_tokens']}, {row['counters']}", flush=True)
+                      f"{row['same_tokens']}, {row['counters']}, switch {row['switch']['rates']}", flush=True)
     if args.json:
         for row in rows:  # the tokens were for the comparison
             row["plain"].pop("tokens"), row["speculative"].pop("tokens")

@@ -35,6 +35,7 @@ from tierlm.engine.drafts import Acceptance, PromptLookup
 from tierlm.engine.ragged_kv import RaggedWindowKVCache
 from tierlm.engine.request import Request, SamplingParams
 from tierlm.engine.sampling import RandomSampler
+from tierlm.engine.speculation_switch import SpeculationSwitch
 from tierlm.engine.speculative_batch import SpeculativeGenerator, StepCosts, rollback_supported
 from tierlm.engine.warmup import WidestSteps
 from tierlm.models.random_model import tiny_model
@@ -88,6 +89,46 @@ def test_step_costs_estimate_unmeasured_widths_and_pick_the_best_rate():
     # widths pay while the tokens they are expected to make grow faster than their cost
     assert costs.best_width(1, [1.0, 1.9, 2.7, 3.4]) == 4
     assert costs.best_width(1, [1.0, 1.05, 1.1, 1.15]) == 1
+
+
+def _run_switch(switch, seconds_per_token, windows, rows=4):
+    """Steps of `rows` sequences on a clock where a drafting step and a plain
+    step each take 10 ms and hand out what `seconds_per_token` allows; the
+    share of steps that drafted."""
+    now, drafted = 0.0, 0
+    for _ in range(windows * switch.window):
+        drafting = switch.step(now, rows)
+        drafted += drafting
+        switch.made(round(0.010 / seconds_per_token[drafting]))
+        now += 0.010
+    return drafted / (windows * switch.window)
+
+
+def test_the_switch_keeps_the_faster_way_and_tries_the_other_now_and_then():
+    # drafting makes 9 tokens a step where plain steps make 10 (a GPU's lost pipeline)
+    losing = SpeculationSwitch()
+    share = _run_switch(losing, {True: 0.010 / 9, False: 0.010 / 10}, windows=200)
+    assert losing.rates[(True, 4)] == pytest.approx(900) and losing.rates[(False, 4)] == pytest.approx(1000)
+    assert 0.1 < share < 0.2  # tried again every few windows: it lost by < 1.25x
+    assert _run_switch(SpeculationSwitch(), {True: 0.010 / 5, False: 0.010 / 10}, windows=200) < 0.08
+    # drafting makes 12 tokens a step (a file sent back): plain steps only now and then, and rarer
+    winning = SpeculationSwitch()
+    assert _run_switch(winning, {True: 0.010 / 12, False: 0.010 / 4}, windows=200) > 0.9
+
+
+def test_the_switch_drops_a_window_that_changed_size_or_waited_on_a_prefill():
+    switch = SpeculationSwitch(window=2)
+    now = 0.0
+    for rows, interrupted in [(2, False), (3, False), (3, True), (3, False), (3, False), (3, False), (3, False)]:
+        assert switch.step(now, rows)  # drafting is measured first
+        switch.made(3)
+        if interrupted:
+            switch.interrupted()  # a prefill ran after the step
+        now += 0.1
+    # the window of 2 rows was cut short, the next held a prefill, the next was its way's first
+    assert [w[1:] for w in switch.recent] == [(3, 6, pytest.approx(0.2))] and not switch.rates
+    switch.step(now, rows=3)  # a second whole window: 6 tokens in 0.2 s
+    assert switch.rates == {(True, 3): pytest.approx(30)} and not switch.drafting  # now plain steps
 
 
 def test_a_random_sampler_draws_ahead_with_the_keys_its_later_calls_use():
@@ -340,7 +381,7 @@ def test_greedy_answers_of_the_default_model_equal_with_and_without_speculation(
     grammars = ModelGrammars(loaded[1])
     schema = {"type": "object", "properties": {"functions": {"type": "array", "items": {"type": "string"}}},
               "required": ["functions"]}
-    listing = [{"role": "user", "content": f"```python\n{SOURCE}```\nList the functions of this module as JSON."}]
+    listing = [{"role": "user", "content": f"```python\n{SHORT}```\nList the functions of this module as JSON."}]
 
     def batches():  # a grammar's state is a request's own: fresh ones for each engine
         return [[(EDIT, {"max_tokens": 96})], [(PROSE, {"max_tokens": 48})],
@@ -535,8 +576,8 @@ def test_qwen_coder_answers_equal_with_speculation_on_and_off(qwen_server):
         return httpx.get(qwen_server.base_url + "/stats", headers=headers, timeout=30).json()["engines"][0]
 
     bodies = [
-        {"messages": SHORT_EDIT, "max_tokens": 120},
-        {"messages": SHORT_EDIT, "max_tokens": 100, "temperature": 0.4, "top_p": 0.9, "seed": 11},
+        {"messages": SHORT_EDIT, "max_tokens": 64},
+        {"messages": SHORT_EDIT, "max_tokens": 64, "temperature": 0.4, "top_p": 0.9, "seed": 11},
         {"messages": [{"role": "user", "content": f"```python\n{SHORT}```\nUse edit_file on colorsys.py to "
                                                   "rename rgb_to_yiq to rgb_to_ntsc: old_string is the whole "
                                                   "function, new_string the same renamed."}],

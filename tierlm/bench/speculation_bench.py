@@ -70,7 +70,7 @@ def run(base_url: str, model: str, workloads: list[str], concurrencies: list[int
                 row = {"workload": name, "concurrency": c, "round": rnd, **pair,
                        "same_text": pair["on"]["texts"] == pair["off"]["texts"]}
                 if before and after:
-                    row["drafts"] = {k: after[k] - before[k] for k in after}
+                    row["drafts"] = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
                 results.append(row)
                 on, off = pair["on"]["summary"], pair["off"]["summary"]
                 console.print(f"{name} c={c} round {rnd + 1}: decode {on['decode_tok_s']:.1f} vs "

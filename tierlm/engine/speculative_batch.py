@@ -29,6 +29,7 @@ from tierlm.engine.draft_model import DraftModelSource
 from tierlm.engine.drafts import Acceptance, PromptLookup
 from tierlm.engine.ragged_kv import RaggedBatchKVCache, RaggedWindowKVCache
 from tierlm.engine.sampling import RandomSampler
+from tierlm.engine.speculation_switch import SpeculationSwitch
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,10 @@ class SpeculativeBatch(GenerationBatch):
         self._lookups: dict[int, PromptLookup] = {}
         self._acceptance: dict[int, Acceptance] = {}
         self.costs = StepCosts()
+        self.switch = SpeculationSwitch()  # whether drafting pays at all, window by window
         self.enabled = True
+        self.pad_widths = False  # verify at widths of 2, 4, 8...: the few shapes a GPU compiled
+        self._fed = 1  # tokens a row this step feeds
         self._plain: tuple[int, float] | None = None  # (rows, seconds) of a plain step not yet recorded
         self._waited = 0.0
         self._dry_run = self._dry_steps = 0  # steps not to look for drafts after finding none
@@ -133,7 +137,7 @@ class SpeculativeBatch(GenerationBatch):
         if not self.uids:
             return []
         rows = len(self.uids)
-        drafts = self._drafts()
+        drafts = self._drafts() if self.switch.step(time.perf_counter(), rows) else None
         self._record_plain()
         tic = time.perf_counter()
         if drafts is None:
@@ -142,10 +146,10 @@ class SpeculativeBatch(GenerationBatch):
                     self._acceptance[uid].fade()
             responses = super().next()
             self._plain = (rows, time.perf_counter() - tic)
-            return responses
-        width = 1 + max(len(d) for d in drafts)
-        responses = self._verify(drafts)
-        self.costs.record(rows * width, time.perf_counter() - tic + self._draft_seconds)
+        else:
+            responses = self._verify(drafts, self._fed)
+            self.costs.record(rows * self._fed, time.perf_counter() - tic + self._draft_seconds)
+        self.switch.made(len(responses))
         return responses
 
     def _record_plain(self) -> None:
@@ -182,7 +186,10 @@ class SpeculativeBatch(GenerationBatch):
             self._model_drafts(limits, drafts, last, width - 1)
         self._note_dry(not any(drafts))
         width = self._width([len(d) for d in drafts])
-        return None if width == 1 else [d[: width - 1] for d in drafts]
+        if width == 1:
+            return None
+        self._fed = padded_width(width, 1 + max(limits)) if self.pad_widths else width
+        return [d[: width - 1] for d in drafts]
 
     def _model_drafts(self, limits: list[int], drafts: list[list[int]], last: list[int], k: int) -> None:
         """The draft model's k tokens for the rows that found no draft in their
@@ -239,11 +246,10 @@ class SpeculativeBatch(GenerationBatch):
 
     # ---- verifying --------------------------------------------------------
 
-    def _verify(self, drafts: list[list[int]]) -> list:
+    def _verify(self, drafts: list[list[int]], width: int) -> list:
         """One step that feeds each row its last sampled token and its draft (rows
-        padded to the longest draft), keeps what its sampling agrees with, and
+        padded to `width` tokens), keeps what its sampling agrees with, and
         takes the rest back out of the KV."""
-        width = 1 + max(len(d) for d in drafts)
         self.counters.speculative_steps += 1
         last = self._next_tokens.tolist()
         last_logprobs = self._next_logprobs
@@ -392,6 +398,11 @@ class SpeculativeBatch(GenerationBatch):
                 del table[uid]
 
 
+def padded_width(width: int, most: int) -> int:
+    """The power of two at or above `width`, `most` at most."""
+    return min(1 << (width - 1).bit_length(), max(most, width))
+
+
 def _ragged(cache):
     """A layer's batch cache as ragged rows (the same if it is already)."""
     if type(cache) is BatchKVCache:
@@ -420,6 +431,8 @@ class SpeculativeGenerator(BatchGenerator):
         self._generation_batch.configure(ngram_min, ngram_max, lookup)
         if draft_model is not None:
             self._generation_batch.draft_source = DraftModelSource(draft_model, vocab_size)
+        # a GPU compiles kernels for each new width (seconds, the first time): few widths
+        self._generation_batch.pad_widths = mx.default_device().type == mx.DeviceType.gpu
         if (why := rollback_supported(model)) is not None:
             self._generation_batch.enabled = False
             log.info("speculation off for this model: %s", why)
@@ -427,3 +440,10 @@ class SpeculativeGenerator(BatchGenerator):
     @property
     def speculation(self) -> SpeculativeBatch:
         return self._generation_batch
+
+    def _next(self):
+        prefilled = self._counters.prompt_tokens
+        responses = super()._next()
+        if self._counters.prompt_tokens != prefilled:  # this step's time holds a prefill chunk too
+            self._generation_batch.switch.interrupted()
+        return responses

@@ -6,9 +6,10 @@ second each, measured on an H200: the first request of a fresh machine took 13 s
 the first batch of nine 3.9 s) and keeps it on disk (`kernel_cache_dir`). A warm
 shape is a few tiny requests through a BatchGenerator of its own: prefill and a
 few decode steps, greedy and sampled, and nothing of it reaches the prefix cache.
-Where the engine speculates, the decode steps verify drafts at full width: the
-first verification of a process compiled for ~33 s on the H200 (the kernels of a
-step feeding several tokens a sequence; any width or length shares them after).
+Where the engine speculates, the decode steps are run again verifying drafts at
+each width a step may take (a GPU pads widths to powers of two): the first
+verification of a process compiled for ~33 s on the H200, and each new width a
+second or more after that.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mlx_lm.generate import BatchGenerator
 from tierlm.engine.drafts import PromptLookup
 from tierlm.engine.request import SamplingParams
 from tierlm.engine.sampling import make_request_sampler
-from tierlm.engine.speculative_batch import SpeculativeGenerator, StepCosts
+from tierlm.engine.speculative_batch import SpeculativeGenerator, StepCosts, padded_width
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +65,21 @@ class RepeatDrafts(PromptLookup):
 
 def run_shape(model, stream, batch: int, prompt_len: int, prefill_step: int, drafts: int = 0) -> float:
     """Worker thread: `batch` requests of `prompt_len` tokens, a few tokens each,
-    every other one sampled at a temperature, verifying `drafts` draft tokens a
-    step; the seconds it took."""
+    every other one sampled at a temperature, then again verifying drafts at each
+    width a step may take with up to `drafts` draft tokens; the seconds it took."""
     tic = time.perf_counter()
+    for width in [1, *draft_widths(drafts)]:
+        _decode_a_few(model, stream, batch, prompt_len, prefill_step, width - 1)
+    return time.perf_counter() - tic
+
+
+def draft_widths(drafts: int) -> list[int]:
+    """The widths of a verification with up to `drafts` draft tokens (a GPU pads
+    them to a power of two: speculative_batch.padded_width)."""
+    return sorted({padded_width(w, drafts + 1) for w in range(2, drafts + 2)})
+
+
+def _decode_a_few(model, stream, batch: int, prompt_len: int, prefill_step: int, drafts: int) -> None:
     options = dict(completion_batch_size=batch, prefill_batch_size=min(8, batch),
                    prefill_step_size=prefill_step, stream=stream)
     gen = SpeculativeGenerator(model, lookup=RepeatDrafts, **options) if drafts else BatchGenerator(model, **options)
@@ -87,4 +100,3 @@ def run_shape(model, stream, batch: int, prompt_len: int, prefill_step: int, dra
     finally:
         gen.close()
         mx.synchronize(stream)
-    return time.perf_counter() - tic
