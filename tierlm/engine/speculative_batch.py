@@ -398,6 +398,12 @@ class SpeculativeBatch(GenerationBatch):
                 del table[uid]
 
 
+def pads_widths() -> bool:
+    """Whether verifications take a few widths only: a GPU compiles kernels for
+    each new width (seconds, the first time)."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 def padded_width(width: int, most: int) -> int:
     """The power of two at or above `width`, `most` at most."""
     return min(1 << (width - 1).bit_length(), max(most, width))
@@ -431,8 +437,7 @@ class SpeculativeGenerator(BatchGenerator):
         self._generation_batch.configure(ngram_min, ngram_max, lookup)
         if draft_model is not None:
             self._generation_batch.draft_source = DraftModelSource(draft_model, vocab_size)
-        # a GPU compiles kernels for each new width (seconds, the first time): few widths
-        self._generation_batch.pad_widths = mx.default_device().type == mx.DeviceType.gpu
+        self._generation_batch.pad_widths = pads_widths()
         if (why := rollback_supported(model)) is not None:
             self._generation_batch.enabled = False
             log.info("speculation off for this model: %s", why)

@@ -6,10 +6,11 @@ second each, measured on an H200: the first request of a fresh machine took 13 s
 the first batch of nine 3.9 s) and keeps it on disk (`kernel_cache_dir`). A warm
 shape is a few tiny requests through a BatchGenerator of its own: prefill and a
 few decode steps, greedy and sampled, and nothing of it reaches the prefix cache.
-Where the engine speculates, the decode steps are run again verifying drafts at
-each width a step may take (a GPU pads widths to powers of two): the first
+Where the engine speculates, on a GPU the decode steps are run again verifying
+drafts at each width a step may take (padded to powers of two): the first
 verification of a process compiled for ~33 s on the H200, and each new width a
-second or more after that.
+second or more after that. On a CPU (nothing to compile) they verify at full
+width only.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from mlx_lm.generate import BatchGenerator
 from tierlm.engine.drafts import PromptLookup
 from tierlm.engine.request import SamplingParams
 from tierlm.engine.sampling import make_request_sampler
-from tierlm.engine.speculative_batch import SpeculativeGenerator, StepCosts, padded_width
+from tierlm.engine.speculative_batch import SpeculativeGenerator, StepCosts, padded_width, pads_widths
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ def run_shape(model, stream, batch: int, prompt_len: int, prefill_step: int, dra
     every other one sampled at a temperature, then again verifying drafts at each
     width a step may take with up to `drafts` draft tokens; the seconds it took."""
     tic = time.perf_counter()
-    for width in [1, *draft_widths(drafts)]:
+    widths = [1, *draft_widths(drafts)] if pads_widths() else [drafts + 1]  # a CPU compiles nothing
+    for width in widths:
         _decode_a_few(model, stream, batch, prompt_len, prefill_step, width - 1)
     return time.perf_counter() - tic
 
