@@ -568,7 +568,11 @@ def test_metrics_and_stats_count_drafts(server):
     accepted = [line for line in metrics.splitlines()
                 if line.startswith("tierlm:spec_decode_accepted_tokens_total")]
     assert drafted and accepted and float(drafted[0].split()[-1]) >= float(accepted[0].split()[-1]) > 0
-    assert server.stats()["speculation"]["accepted_tokens"] > 0
+    speculation = server.stats()["speculation"]
+    assert speculation["accepted_tokens"] > 0
+    # what the switch measured, by batch size: {"1": {"drafting": tok/s, "plain": tok/s}}
+    for size, ways in speculation["tok_s_by_batch_size"].items():
+        assert int(size) >= 1 and set(ways) <= {"drafting", "plain"} and all(v > 0 for v in ways.values())
 
 
 # ---- Qwen2.5-Coder over HTTP (slow: the agent model served) --------------------

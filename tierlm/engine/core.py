@@ -614,7 +614,8 @@ class EngineCore:
             "step_seconds_total": c.step_seconds,
             # speculative decoding: draft tokens verified, and kept
             "speculation": {"proposed_tokens": c.proposed_tokens, "accepted_tokens": c.accepted_tokens,
-                            "steps": c.speculative_steps, "draft_model": self.config.draft_model},
+                            "steps": c.speculative_steps, "draft_model": self.config.draft_model,
+                            "tok_s_by_batch_size": self.scheduler.speculation_rates()},
             "bursts": self.bursts,
             "warmup": {"shapes_left": len(self._warm_jobs), "seconds": round(self.warm_seconds, 3)},
             # MLX's allocator counters (no array is touched): what the memory guard holds to its limit

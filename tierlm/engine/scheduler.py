@@ -170,6 +170,15 @@ class Scheduler:
         with self._aborts_lock:
             self._aborts.add(request_id)
 
+    def speculation_rates(self) -> dict[str, dict[str, float]]:
+        """Tokens a second the batch measured drafting and plain, by its number
+        of sequences (speculation_switch): which way each size runs."""
+        rates = dict(self._gen.speculation.switch.rates)  # a copy: the worker writes it
+        out: dict[str, dict[str, float]] = {}
+        for (drafting, rows), rate in sorted(rates.items(), key=lambda item: item[0][1]):
+            out.setdefault(str(rows), {})["drafting" if drafting else "plain"] = round(rate, 1)
+        return out
+
     def has_work(self) -> bool:
         return bool(not self._incoming.empty() or self.waiting or self.running or self._aborts or self._to_store)
 
