@@ -43,6 +43,7 @@ class Backend:
 
 
 NONE = Backend()
+_by_model: dict[int, Backend] = {}  # id(model) -> its description, while the model lives
 
 
 def mlx_lm_modules(model) -> list:
@@ -52,7 +53,6 @@ def mlx_lm_modules(model) -> list:
 
     names = {type(m).__module__ for m in model.modules()}
     return [sys.modules[n] for n in sorted(names) if n.startswith("mlx_lm.models.")]
-_by_model: dict[int, Backend] = {}  # id(model) -> its description, while the model lives
 
 
 def keep_compiled_kernels(folder: str) -> None:

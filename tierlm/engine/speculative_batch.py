@@ -124,7 +124,6 @@ class SpeculativeBatch(GenerationBatch):
         self.switch = SpeculationSwitch()  # whether drafting pays at all, window by window
         self.enabled = True
         self.pad_widths = False  # verify at widths of 2, 4, 8...: the few shapes a GPU compiled
-        self._fed = 1  # tokens a row this step feeds
         self._plain: tuple[int, float] | None = None  # (rows, seconds) of a plain step not yet recorded
         self._waited = 0.0
         self._dry_run = self._dry_steps = 0  # steps not to look for drafts after finding none
@@ -137,18 +136,19 @@ class SpeculativeBatch(GenerationBatch):
         if not self.uids:
             return []
         rows = len(self.uids)
-        drafts = self._drafts() if self.switch.step(time.perf_counter(), rows) else None
+        step = self._drafts() if self.switch.step(time.perf_counter(), rows) else None
         self._record_plain()
         tic = time.perf_counter()
-        if drafts is None:
+        if step is None:
             for uid in self.uids:  # no new evidence: what a sequence writes changes, its record fades
                 if uid in self._acceptance:
                     self._acceptance[uid].fade()
             responses = super().next()
             self._plain = (rows, time.perf_counter() - tic)
         else:
-            responses = self._verify(drafts, self._fed)
-            self.costs.record(rows * self._fed, time.perf_counter() - tic + self._draft_seconds)
+            drafts, width = step
+            responses = self._verify(drafts, width)
+            self.costs.record(rows * width, time.perf_counter() - tic + self._draft_seconds)
         self.switch.made(len(responses))
         return responses
 
@@ -164,9 +164,10 @@ class SpeculativeBatch(GenerationBatch):
 
     # ---- drafting ---------------------------------------------------------
 
-    def _drafts(self) -> list[list[int]] | None:
-        """Each row's draft for this step, cut to the width that pays most, or
-        None for a plain step. Whether any width could pay is asked first, from
+    def _drafts(self) -> tuple[list[list[int]], int] | None:
+        """Each row's draft for this step, cut to the width that pays most, and
+        the tokens a row feeds (that width, padded where `pad_widths`), or None
+        for a plain step. Whether any width could pay is asked first, from
         the drafts' longest lengths: a plain step then keeps the pipelined step
         (the last sampled tokens are not waited for)."""
         if self._dry_steps:
@@ -188,8 +189,8 @@ class SpeculativeBatch(GenerationBatch):
         width = self._width([len(d) for d in drafts])
         if width == 1:
             return None
-        self._fed = padded_width(width, 1 + max(limits)) if self.pad_widths else width
-        return [d[: width - 1] for d in drafts]
+        fed = padded_width(width, 1 + max(limits)) if self.pad_widths else width  # tokens a row feeds
+        return [d[: width - 1] for d in drafts], fed
 
     def _model_drafts(self, limits: list[int], drafts: list[list[int]], last: list[int], k: int) -> None:
         """The draft model's k tokens for the rows that found no draft in their
