@@ -296,3 +296,24 @@ def test_clearing_one_models_ssd_files_leaves_the_other_models_files(model_path,
         assert set(block_files(tmp_path / "ssd")) == files_of_a
     finally:
         stop_server(b)
+
+
+@pytest.mark.slow  # two servers at once
+def test_a_replica_serves_from_ssd_what_another_replica_computed(model_path, tmp_path, reference):
+    """Two servers over one --ssd-cache-dir, both started on an empty folder: what A
+    computed and wrote is a hit for B, found on disk though B's start-up scan saw none
+    of it (tests/test_ssd_shared_folder.py stresses the folder itself)."""
+    a = serve(model_path, tmp_path, "--ssd-write-through")
+    b = serve(model_path, tmp_path)
+    try:
+        assert ask(a, prompt(3)).choices[0].message.content == reference[3]
+        wait_until(lambda: (s := stats(a))["ssd"]["pending_bytes"] == 0
+                   and s["ssd"]["writes"] == s["stored_blocks"] > 0)
+        answer = ask(b, prompt(3))
+        assert answer.choices[0].message.content == reference[3]
+        assert answer.usage.prompt_tokens_details.cached_tokens == stats(a)["stored_blocks"] * int(BLOCK) > 0
+        s = stats(b)
+        assert s["ssd"]["reads"] == stats(a)["stored_blocks"] and s["ssd"]["errors"] == 0
+    finally:
+        stop_server(a)
+        stop_server(b)

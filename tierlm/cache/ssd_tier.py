@@ -24,9 +24,22 @@ an optimization, and a dropped block is only recomputed later. The bound
 640 MiB) enqueued at once, which write-through does when the turn ends; the
 writer drains it at the disk's speed (`write_seconds`, `pending_peak_bytes`).
 
-Durability: a block file's bytes are fsynced before it is renamed into place,
+Durability: a block file's bytes are fsynced before it is linked into place,
 and its folder after, so after a crash or power loss a name is either absent or
 names a whole file.
+
+Sharing a folder (several models of one server, or replicas on one host or on a
+shared file system): a block file never changes once it has its name (it is
+hard-linked into place, which fails if the name exists, rather than renamed over
+it), so a reader sees a whole file, the same file, or none. A block another
+process wrote is found on disk by `contains` the first time it is asked for.
+The cap is for the folder as a whole: the writer re-reads the folder (every
+block file, whoever wrote it, by last use) at most RESCAN_SECONDS apart, and
+before every write once the folder is near the cap (while the walk costs at
+most a tenth of the writer's time), then evicts the least recently used files,
+whoever wrote them. Between two walks the folder can pass the cap by what the
+others wrote meanwhile. A file another process evicted while this one reads it
+is a miss, not an error.
 """
 
 from __future__ import annotations
@@ -60,6 +73,8 @@ PAUSE_POINTS = ("partial", "written", "renamed")  # half the temp file; whole an
 READ_THREADS = min(16, max(4, 2 * (os.cpu_count() or 1)))  # header reads wait on the disk
 READ_AHEAD_BYTES = 256 * 2**20  # a chain's files loaded ahead of the worker, at most
 CHECKS_AHEAD = 4  # blocks loaded and being checked on the reader threads while the worker goes on
+RESCAN_SECONDS = 10.0  # a writer re-reads the shared folder at least this often
+NEAR_CAP = 0.9  # from this share of the cap on, re-read before every write (time permitting)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -76,6 +91,20 @@ def _write_all(f, parts: list[memoryview]) -> None:
     for part in parts:
         while part.nbytes:
             part = part[f.write(part) :]
+
+
+def _link_into_place(tmp: Path, path: Path) -> bool:
+    """Give the whole file `tmp` the block's name unless a file already has it (another
+    process sharing the folder wrote the block first): whether `tmp` got it. A hard
+    link fails on an existing name, so a named file never changes under a reader;
+    a file system without hard links gets an atomic rename instead."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    except OSError:
+        os.replace(tmp, path)
+    return True
 
 
 def _first_bytes(parts: list[memoryview], n: int) -> list[memoryview]:
@@ -98,6 +127,7 @@ class SSDStats:
     pending_peak_bytes: int = 0
     errors: int = 0
     evictions: int = 0
+    walks: int = 0  # the folder re-read for what other processes wrote and evicted
 
 
 @dataclass
@@ -111,6 +141,7 @@ class _Ahead:
     arrays: dict | None = None  # loading, then loaded
     check: Future | None = None  # the checksum and token ids over the loaded arrays
     error: str | None = None  # why loading or checking it failed
+    gone: bool = False  # its file went away before MLX could load it
 
 
 class SSDTier:
@@ -127,6 +158,7 @@ class SSDTier:
         self._pending_bytes = 0
         self._queue: queue.Queue = queue.Queue()
         self._epoch = 0  # bumped by clear(): blocks queued before it must not land
+        self._walked_at, self._walk_seconds = 0.0, 0.0  # the folder's last walk: when, how long
         self.scanned = threading.Event()
         self._pause_at, _, nth = os.environ.get("TIERLM_TEST_SSD_PAUSE", "").partition(":")
         if self._pause_at and self._pause_at not in PAUSE_POINTS:
@@ -143,20 +175,37 @@ class SSDTier:
         return self.dir / hex_key[:2] / hex_key[2:4] / f"{hex_key}{SUFFIX}"
 
     def contains(self, key: bytes) -> bool:
+        """Whether the block is on disk: in the index, or a file that another process
+        (or a model sharing the folder) wrote since the last walk, indexed from now."""
         hex_key = key.hex()
         with self._lock:
             if hex_key in self._index:
                 return True
-        return not self.scanned.is_set() and self.path_for(hex_key).is_file()
+        path = self.path_for(hex_key)
+        if not path.is_file():
+            return False
+        if self.scanned.is_set():  # else the scan will index it
+            self._index_file(hex_key, path)
+        return True
+
+    def _index_file(self, hex_key: str, path: Path) -> None:
+        """Index a block file another process wrote, if it is still there."""
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return
+        with self._lock:
+            self._bytes += size - self._index.pop(hex_key, 0)
+            self._index[hex_key] = size
 
     def _index_drop(self, hex_key: str) -> None:
         with self._lock:
             self._bytes -= self._index.pop(hex_key, 0)
 
-    def _scan(self) -> None:
-        """Index what earlier processes left: every block file, this model's or not,
-        counts against the cap; leftovers of interrupted writes are removed."""
-        tic, found, entries = time.monotonic(), 0, []
+    def _walk(self) -> list[tuple[float, str, int]]:
+        """(last use, hex key, bytes) of every block file in the folder, whoever wrote
+        it; leftovers of interrupted writes (a minute old: not a live writer's) removed."""
+        entries = []
         for folder, _, files in os.walk(self.dir):
             for name in files:
                 path = Path(folder) / name
@@ -165,23 +214,48 @@ class SSDTier:
                 except FileNotFoundError:
                     continue
                 if name.endswith(".tmp"):
-                    if time.time() - stat.st_mtime > 60:  # not another live writer's
+                    if time.time() - stat.st_mtime > 60:
                         path.unlink(missing_ok=True)
                 elif name.endswith(SUFFIX):
                     entries.append((stat.st_mtime, name[: -len(SUFFIX)], stat.st_size))
-                    found += 1
-                    if found % 10000 == 0:
-                        log.info("SSD cache scan: %d files so far", found)
-        for _, hex_key, size in sorted(entries):
-            with self._lock:
+                    if len(entries) % 10000 == 0 and not self.scanned.is_set():
+                        log.info("SSD cache scan: %d files so far", len(entries))
+        return sorted(entries)
+
+    def _scan(self) -> None:
+        """Index what earlier processes left: every block file, this model's or not,
+        counts against the cap."""
+        tic = time.monotonic()
+        entries = self._walk()
+        with self._lock:
+            for _, hex_key, size in reversed(entries):  # the oldest ends up first
                 if hex_key not in self._index:  # a write of this process may have come first
                     self._index[hex_key] = size
                     self._index.move_to_end(hex_key, last=False)
                     self._bytes += size
-        self.scanned.set()
-        log.info("SSD cache %s: %d blocks, %.0f MiB (cap %.0f MiB), scanned in %.1fs", self.dir, found,
+            self._walked_at, self._walk_seconds = time.monotonic(), time.monotonic() - tic
+        log.info("SSD cache %s: %d blocks, %.0f MiB (cap %.0f MiB), scanned in %.1fs", self.dir, len(entries),
                  self._bytes / 2**20, self.capacity / 2**20, time.monotonic() - tic)
         self._enforce_cap()
+        self.scanned.set()
+
+    def _rewalk_if_due(self) -> None:
+        """Writer thread: the index rebuilt from the folder, if the last walk is old, or
+        the folder is near the cap and walking costs little beside writing (see the
+        module docstring). Files of other processes join it, files they evicted leave."""
+        since = time.monotonic() - self._walked_at
+        near = self._bytes >= NEAR_CAP * self.capacity and since >= 10 * self._walk_seconds
+        if self.scanned.is_set() and (since >= RESCAN_SECONDS or near):
+            self._rewalk()
+
+    def _rewalk(self) -> None:
+        tic = time.monotonic()
+        entries = self._walk()
+        with self._lock:
+            self._index = OrderedDict((hex_key, size) for _, hex_key, size in entries)
+            self._bytes = sum(self._index.values())
+            self._walked_at, self._walk_seconds = time.monotonic(), time.monotonic() - tic
+        self.stats.walks += 1
 
     # ---- reading (worker thread) -----------------------------------------
 
@@ -245,7 +319,7 @@ class SSDTier:
         """Worker thread: wait for the block's arrays, then check them on a reader
         thread; False if the block cannot get that far (gone, or failed)."""
         header, _ = block.header.result()
-        if header is None or block.error is not None:
+        if header is None or block.error is not None or block.gone:
             return False
         if block.arrays is None and not self._start_load(block):
             return False
@@ -268,16 +342,18 @@ class SSDTier:
                 return header, block_file.payload_of(header, block.arrays)
             except block_file.BlockFileError as e:
                 error = str(e)
-        self._reject(block.key, error if header is None else block.error or error)
+        self._reject(block.key, None if block.gone else error if header is None else block.error or error)
         return header, None
 
     def _start_load(self, block: _Ahead) -> bool:
         """Worker thread: MLX reads the file's tensors on its I/O threads, from now;
         False if it cannot (the file went away or changed since its header was read)."""
+        path = self.path_for(block.key.hex())
         try:
-            block.arrays = mx.load(str(self.path_for(block.key.hex())), stream=mx.cpu)
+            block.arrays = mx.load(str(path), stream=mx.cpu)
         except (RuntimeError, ValueError) as e:
-            block.error = f"unreadable: {e}"
+            block.gone = not path.exists()  # evicted by another process since its header was read
+            block.error = None if block.gone else f"unreadable: {e}"
             return False
         mx.async_eval(list(block.arrays.values()))
         return True
@@ -357,6 +433,9 @@ class SSDTier:
         flushed = self.flush(timeout)
         self._queue.put(_STOP)
         self._writer.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self.scanned.is_set() and not self._writer.is_alive():
+            self._rewalk()  # the last to close sees every process's writes: the folder ends under its cap
+            self._enforce_cap()
         return flushed and not self._writer.is_alive()
 
     def _write_loop(self) -> None:
@@ -377,6 +456,10 @@ class SSDTier:
         parts = block_file.to_bytes(tensors, meta)
         size = sum(p.nbytes for p in parts)
         path = self.path_for(hex_key)
+        self._rewalk_if_due()
+        if path.exists():  # another process sharing the folder wrote it meanwhile
+            self._index_file(hex_key, path)
+            return
         new_dirs = [d for d in (path.parent.parent, path.parent) if not d.is_dir()]
         path.parent.mkdir(parents=True, exist_ok=True)
         for d in new_dirs:  # the new folders' own entries must survive too
@@ -395,17 +478,18 @@ class SSDTier:
         if self._pausing("written"):
             self._hold("written", tmp, path)
         with self._lock:  # a clear() either sees this file in the index or has made it stale
-            landed = epoch == self._epoch
+            landed = epoch == self._epoch and _link_into_place(tmp, path)
             if landed:
-                os.replace(tmp, path)  # readers see the whole file or none of it
                 self._bytes += size - self._index.pop(hex_key, 0)
                 self._index[hex_key] = size
+        tmp.unlink(missing_ok=True)
         if not landed:
-            tmp.unlink(missing_ok=True)
+            if epoch == self._epoch:
+                self._index_file(hex_key, path)
             return
         if self._pausing("renamed"):
             self._hold("renamed", tmp, path)
-        _fsync_dir(path.parent)  # the rename itself survives power loss
+        _fsync_dir(path.parent)  # the new name itself survives power loss
         self.stats.writes += 1
         self.stats.write_bytes += size
         self.stats.write_seconds += time.perf_counter() - tic
@@ -459,4 +543,5 @@ class SSDTier:
             "writes": s.writes, "write_bytes": s.write_bytes, "write_seconds": round(s.write_seconds, 6),
             "write_drops": s.write_drops, "pending_peak_bytes": s.pending_peak_bytes,
             "max_pending_bytes": self.max_pending_bytes, "errors": s.errors, "evictions": s.evictions,
+            "walks": s.walks,
         }
