@@ -15,6 +15,7 @@ ADAPTERS = ("openai", "anthropic", "responses", "ollama", "rerank")
 LAYERS = [
     ("tierlm",),  # the package's __init__: the Python API's names, from llm
     ("cli", "llm"),
+    ("distributed",),
     ("bench",),
     ("api.app",),
     tuple(f"api.{a}" for a in ADAPTERS),

@@ -64,6 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tierlm.api.app import create_app
     from tierlm.backends import keep_compiled_kernels
+    from tierlm.distributed import ranks
     from tierlm.engine.allocator import configure_allocator
     from tierlm.serving.assembly import resolve_model
     from tierlm.settings_watch import SettingsWatcher
@@ -72,9 +73,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     keep_compiled_kernels(settings.kernel_cache_dir)
 
     model_path = resolve_model(settings)
+    lockstep = ranks.join()  # started by mlx.launch: this rank's place
+    if lockstep is not None and not lockstep.leader:
+        from tierlm.distributed import follower
+
+        return follower.run(settings, model_path, lockstep)
     # the settings file's changes apply while the server runs (the command line still wins)
     watch = SettingsWatcher(args.config or settings_file_path(), lambda new: None, cli=_cli_values(args))
-    app = create_app(settings, model_path, watch)
+    app = create_app(settings, model_path, watch, lockstep)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 timeout_graceful_shutdown=5)
     return 0

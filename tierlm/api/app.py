@@ -74,9 +74,11 @@ class QuietHealthProbes(logging.Filter):
         return True
 
 
-def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatcher | None = None) -> FastAPI:
+def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatcher | None = None,
+               lockstep=None) -> FastAPI:
     """The app serving `model_path` by default and every model the pool finds;
-    `watch`: the settings file, whose changes apply while it runs."""
+    `watch`: the settings file, whose changes apply while it runs; `lockstep`:
+    rank 0's place when `model_path` runs over several ranks (tierlm.distributed)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # here, not at import: uvicorn configures its loggers before it starts the app
@@ -105,7 +107,7 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
 
     app = FastAPI(title="tierlm", lifespan=lifespan)
     app.state.settings = settings
-    app.state.pool = make_pool(settings, model_path)
+    app.state.pool = make_pool(settings, model_path, lockstep)
     app.state.load_error = None
     app.state.metrics = ServerMetrics(app.state.pool)
     app.state.metrics.watch()

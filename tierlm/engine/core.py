@@ -29,6 +29,7 @@ from tierlm.cache.prefix_cache import PrefixCache
 from tierlm.config import Settings
 from tierlm.engine import allocator, ownership, warmup, workers
 from tierlm.engine.collector import OutputCollector
+from tierlm.engine.lockstep import Lockstep
 from tierlm.engine.draft_model import load_draft_model
 from tierlm.engine.memory_guard import MemoryGuard, ModelProfile, default_memory_limit, profile_model
 from tierlm.engine.request import FinishReason, Request, RequestOutput
@@ -59,11 +60,15 @@ class EngineCore:
     ORPHAN_GRACE_S = 60.0  # a request's reader gone this long: its mailbox is dropped
 
     def __init__(self, name: str, load: Callable[[], tuple], settings: Settings | None = None,
-                 fingerprint: bytes = b""):
+                 fingerprint: bytes = b"", lockstep: Lockstep | None = None):
         """`load` returns (model, tokenizer); it runs on the engine's worker thread.
         `settings`: resolved for this model (Settings.for_model); `fingerprint`: of
-        the weights on disk, for the prefix cache's keys (cache.block_hash)."""
+        the weights on disk, for the prefix cache's keys (cache.block_hash).
+        `lockstep`: this rank's place when the model runs over several ranks
+        (engine/lockstep.py): no warm-up and no speculation there yet."""
         self.name, self._load, self.fingerprint = name, load, fingerprint
+        self.lockstep = lockstep
+        self.out_of_step: str | None = None  # why the ranks' lockstep broke (then the engine stops)
         self.model = self.tokenizer = None
         self.config = settings or Settings()
         self.profile: ModelProfile | None = None
@@ -133,7 +138,7 @@ class EngineCore:
             max_running=self.config.max_concurrent_requests,
             prefill_step_size=prefill_step,
             stall_timeout_s=self.config.stall_timeout_s,
-            speculative_tokens=self.config.speculative_tokens if self._speculates() else 0,
+            speculative_tokens=self.config.speculative_tokens if self._speculates() and not self.lockstep else 0,
             draft_model=draft,
         )
         log.info(
@@ -148,7 +153,7 @@ class EngineCore:
             self._warm_jobs = warmup.warm_shapes(self.config.max_concurrent_requests)
             self._warm_before_ready(prefill_step)
         return Scheduler(self.model, self.tokenizer, sched_config, guard, stream, cache, self._elsewhere,
-                         self._relieve)
+                         self._relieve, lockstep=self.lockstep)
 
     def _speculates(self) -> bool:
         """Whether requests draft tokens (`speculation`). `auto`: where the
@@ -167,7 +172,7 @@ class EngineCore:
         draft: loaded beside the model, its weights and KV counted in the
         model's profile. A missing one, or one of another tokenizer, fails the
         start with ValueError."""
-        if not self.config.draft_model or not self._speculates():
+        if not self.config.draft_model or not self._speculates() or self.lockstep:
             return None
         draft = load_draft_model(self.config, self.tokenizer)
         with mx.stream(self._stream):
@@ -182,6 +187,8 @@ class EngineCore:
     def _warms(self, device) -> bool:
         """Whether batch shapes are warmed (before ready, then while idle): `warmup`,
         by default on a GPU (MLX's CPU backend compiles nothing per shape)."""
+        if self.lockstep is not None:  # a warm-up step would have to run on every rank
+            return False
         return self.config.warmup if self.config.warmup is not None else device != mx.cpu
 
     @property
@@ -444,6 +451,8 @@ class EngineCore:
         """Worker thread: a burst of steps, its outputs posted (`_post`). A step
         that raises fails what was in flight right here, before any queued burst
         can step the broken batch."""
+        if self.out_of_step:
+            return
         self._burst_started = time.monotonic()
         try:
             self._steps()
@@ -451,7 +460,14 @@ class EngineCore:
             log.exception("engine %s step failed", self.name)
             self.failed_bursts += 1
             self.last_failure = f"{type(e).__name__}: {e}"
-            self.scheduler.fail_running(f"generation failed: {e}")
+            if self.lockstep is None:
+                self.scheduler.fail_running(f"generation failed: {e}")
+            else:  # the ranks cannot be brought back in step: the engine stops
+                self.out_of_step = f"the ranks running the model are out of step ({e})"
+                log.error("engine %s: %s; it stops, every request in it ends with an error",
+                          self.name, self.out_of_step)
+                self.scheduler.fail_running(self.out_of_step)
+                raise
         finally:
             self._burst_started = None
             self._post(wake=False)  # the loop routes them when the burst's future resolves
@@ -578,7 +594,7 @@ class EngineCore:
         log.error("engine %s loop died: %r", self.name, task.exception())
         dead = RequestOutput(
             request_id="", finished=True, finish_reason=FinishReason.ERROR,
-            error="engine stopped", error_type="internal",
+            error=self.out_of_step or "engine stopped", error_type="internal",
         )
         for request_id, collector in self._collectors.items():
             collector.put(dataclasses.replace(dead, request_id=request_id))

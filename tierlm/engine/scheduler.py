@@ -6,6 +6,7 @@ Everything here runs on the engine's worker thread, except `add_request` and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -18,10 +19,12 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.sample_utils import greedy_sampler
 
 from tierlm.cache.hot_tier import Block
 from tierlm.cache.prefix_cache import PrefixCache
 from tierlm.engine.detokenizer import IncrementalText, byte_level_table
+from tierlm.engine.lockstep import Lockstep, StepPlan
 from tierlm.engine.memory_guard import MemoryGuard
 from tierlm.engine.request import FinishReason, MemoryGuardError, Request, RequestOutput
 from tierlm.engine.sampling import make_request_processors, make_request_sampler, repair_random_state
@@ -92,9 +95,18 @@ class Scheduler:
     def __init__(
         self, model, tokenizer, config: SchedulerConfig, guard: MemoryGuard, stream,
         cache: PrefixCache | None = None, elsewhere: Callable[[], int] | None = None,
-        relieve: Callable[[int], bool] | None = None,
+        relieve: Callable[[int], bool] | None = None, lockstep: Lockstep | None = None,
     ):
         self.model, self.tokenizer, self.config, self.guard = model, tokenizer, config, guard
+        # over several ranks: the leader decides, followers do as it did (engine/lockstep.py)
+        self.lockstep = lockstep
+        self.following = lockstep is not None and not lockstep.leader
+        self._unshared: list[Request] = []  # the leader's arrivals since its last plan
+        self._ended: list[str] = []  # the leader's requests ended since its last plan
+        self._greedy = greedy_sampler  # the sampler greedy rows share
+        if lockstep is not None:
+            lockstep.stream = stream
+            self._greedy = lockstep.follow_sampler() if self.following else lockstep.lead_sampler(greedy_sampler)
         self.cache = cache
         # the memory other models of the process hold (the pool's measure of them),
         # and what is asked to unload idle ones with the bytes a request lacks before
@@ -180,35 +192,103 @@ class Scheduler:
         return out
 
     def has_work(self) -> bool:
-        return bool(not self._incoming.empty() or self.waiting or self.running or self._aborts or self._to_store)
+        # the leader's ends still to be shared: followers free those rows at once
+        return bool(not self._incoming.empty() or self.waiting or self.running or self._aborts or self._to_store
+                    or self._ended)
 
     # ---- worker thread ----------------------------------------------------
 
-    def step(self) -> None:
+    def step(self, plan: StepPlan | None = None) -> None:
         """One scheduler step: aborts, admission, then one decode step plus one
         prefill chunk of everything admitted. Blocks computed by the previous step
         are stored first, before admission looks for them. What it produced waits
-        in the outbox (`take_outputs`)."""
+        in the outbox (`take_outputs`). A follower rank steps by the leader's `plan`."""
         if self._test_step_delay_s:
             time.sleep(self._test_step_delay_s)
         self._flush_stores()
-        while not self._incoming.empty():
-            self.waiting.append(self._incoming.get_nowait())
-        self._apply_aborts()
-        self._admit()
+        if self.following:
+            self._follow(plan)
+        elif self.lockstep is not None:
+            self._lead()
+        else:
+            self._take_incoming()
+            self._apply_aborts()
+            self._insert_all(self._admit())
         if self.running:
             tic = time.perf_counter()
             self._advance()
             self.counters.steps += 1
             self.counters.step_seconds += time.perf_counter() - tic
 
+    def _take_incoming(self) -> None:
+        while not self._incoming.empty():
+            request = self._incoming.get_nowait()
+            self.waiting.append(request)
+            if self.lockstep is not None:
+                self._unshared.append(request)
+
+    def _lead(self) -> None:
+        """The leader's step start: its decisions, then the plan every rank follows."""
+        self._take_incoming()
+        self._apply_aborts()
+        chosen = self._admit()
+        plan = StepPlan([self._follower_copy(r) for r in self._unshared], self._ended,
+                        [(r.request_id, lookup.tokens if lookup else 0) for r, lookup in chosen])
+        self._unshared, self._ended = [], []
+        self.lockstep.share(plan)
+        self._insert_all(self._agree(chosen))
+
+    def _follow(self, plan: StepPlan) -> None:
+        """A follower's step start: the leader's arrivals, ends and admissions."""
+        for request in plan.arrived:
+            self.live.add(request.request_id)
+            self.waiting.append(request)
+        for request_id in plan.ended:
+            self._drop(request_id)
+        waiting = {r.request_id: r for r in self.waiting}
+        chosen = []
+        for request_id, _ in plan.admitted:
+            request = waiting[request_id]
+            self.waiting.remove(request)
+            chosen.append((request, self._lookup(request)))
+        self._insert_all(self._agree(chosen))
+
+    def _agree(self, chosen: list) -> list:
+        """Every rank's lookups cut to the shortest hit of any rank: a block one rank
+        could not read (gone, damaged) is computed by all."""
+        if not chosen or self.cache is None:
+            return chosen
+        agreed = self.lockstep.agree_min([lookup.tokens if lookup else 0 for _, lookup in chosen])
+        for (_, lookup), tokens in zip(chosen, agreed):
+            if lookup is not None and lookup.tokens > tokens:
+                lookup.blocks = lookup.blocks[: tokens // self.cache.block_size]
+        return chosen
+
+    def _drop(self, request_id: str) -> None:
+        """A follower: a request the leader ended, gone from the batch or the queue."""
+        self.live.discard(request_id)
+        uid = self._uid_of.get(request_id)
+        if uid is not None:
+            self._remove([uid])
+            self._finish(uid, completed=False)
+            return
+        for request in [r for r in self.waiting if r.request_id == request_id]:
+            self.waiting.remove(request)
+
+    def _follower_copy(self, request: Request) -> Request:
+        """The request as followers run it: what ends it from the token ids alone
+        (the same stop ids), and nothing that only shapes sampling or output
+        (grammar, stop strings, logprobs: the leader's; it ends them by plan)."""
+        params = dataclasses.replace(request.params, stop=[], constraint=None, logprobs=None, ignore_eos=True,
+                                     stop_token_ids=self._stop_ids(request.params))
+        return Request(request.request_id, request.prompt_tokens, params)
+
     def find_lost(self) -> list[str]:
         """Between bursts: the requests added and not ended that are neither queued,
         waiting nor running (a bug lost them). An id must be missing at two calls in
         a row: one being added while this runs is not in the queue yet. They are
         forgotten here; the engine answers their readers."""
-        while not self._incoming.empty():
-            self.waiting.append(self._incoming.get_nowait())
+        self._take_incoming()
         known = {r.request_id for r in self.waiting} | self._uid_of.keys()
         missing = self.live - known
         lost, self._missing = missing & self._missing, missing - self._missing
@@ -259,6 +339,11 @@ class Scheduler:
         self._gen = self._new_generator()
 
     def close(self) -> None:
+        if self.lockstep is not None and self.lockstep.leader:
+            try:
+                self.lockstep.share(StepPlan(stop=True))  # the followers end too
+            except RuntimeError as e:  # a rank is gone already
+                log.warning("the other ranks could not be told to stop: %s", e)
         self._flush_stores()
         self._gen.close()
         if self.cache is not None:
@@ -282,12 +367,15 @@ class Scheduler:
                 self._end(state.request, FinishReason.ABORT).completion_tokens = state.completion_tokens
                 self.counters.aborted_requests += 1
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[tuple[Request, object]]:
+        """The waiting requests this step admits, with their lookups, in order; the
+        others wait, or end refused."""
+        chosen: list[tuple[Request, object]] = []
         if not self.waiting:
-            return
+            return chosen
         # what running requests may still grow into, plus what this step admits
         promised, deferred = self._growth_ahead(), []
-        while self.waiting and len(self.running) < self.config.max_running:
+        while self.waiting and len(self.running) + len(chosen) < self.config.max_running:
             request = self.waiting.popleft()
             n, max_tokens = len(request.prompt_tokens), request.params.max_tokens
             try:
@@ -311,13 +399,28 @@ class Scheduler:
                 self._deferred_keys[request.request_id] = lookup.keys
                 continue
             promised += needed
+            chosen.append((request, lookup))
+            if lookup:  # a later request of this step with the same prefix waits for it
+                for key in lookup.keys[len(lookup.blocks) :]:
+                    self._inflight.setdefault(key, request.request_id)
+        self.waiting.extendleft(reversed(deferred))
+        return chosen
+
+    def _insert_all(self, chosen: list[tuple[Request, object]]) -> None:
+        for i, (request, lookup) in enumerate(chosen):
             try:
                 self._insert(request, lookup)
-            except _RequestFault as e:
+            except BaseException as e:
+                if lookup:  # no request waits for a prefix this one will not compute
+                    for key in lookup.keys:
+                        if self._inflight.get(key) == request.request_id:
+                            del self._inflight[key]
+                if not isinstance(e, _RequestFault):  # the batch failed: the rest wait for the next
+                    self.waiting.extendleft(reversed([r for r, _ in chosen[i + 1 :]]))
+                    raise
                 log.warning("request %s refused at admission: %s", request.request_id, e)
                 self.counters.failed_requests += 1
                 self._error(request, str(e))
-        self.waiting.extendleft(reversed(deferred))
 
     def _lookup(self, request: Request):
         if self.cache is None:
@@ -372,11 +475,9 @@ class Scheduler:
         hit = lookup.tokens if lookup else 0
         try:  # what is built for this request alone: if it raises, the request fails alone
             on_fault = self._fault_reporter(request.request_id)
-            stop_ids = list(params.stop_token_ids)
-            if not params.ignore_eos or params.constraint is not None:
-                stop_ids += sorted(self.tokenizer.eos_token_ids)
-            sampler = make_request_sampler(params, on_fault)
-            processors = make_request_processors(params, on_fault)
+            stop_ids = self._stop_ids(params)
+            sampler = self._sampler(params, on_fault)
+            processors = [] if self.following else make_request_processors(params, on_fault)
             caches = [self.cache.rebuild(lookup.blocks)] if hit else None
             text = IncrementalText(self.tokenizer.detokenizer, params.stop, self._bytes_table,
                                    params.keep_leading_space)
@@ -410,6 +511,23 @@ class Scheduler:
         self.running[uid] = state
         self._uid_of[request.request_id] = uid
         self.counters.prompt_tokens += len(prompt)
+
+    def _stop_ids(self, params) -> list[int]:
+        """The token ids that end a request where they are sampled."""
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos or params.constraint is not None:
+            stop_ids += sorted(self.tokenizer.eos_token_ids)
+        return stop_ids
+
+    def _sampler(self, params, on_fault):
+        """The request's sampler; over several ranks, the leader's tokens on every
+        rank (greedy rows share one sampler, as on one rank)."""
+        if params.is_greedy:
+            return self._greedy
+        if self.following:
+            return self.lockstep.follow_sampler()
+        sampler = make_request_sampler(params, on_fault)
+        return self.lockstep.lead_sampler(sampler) if self.lockstep is not None else sampler
 
     def _segments(self, prompt: list[int], start: int) -> list[list[int]]:
         """Cut the uncached part of the prompt where blocks should be stored: at
@@ -451,6 +569,9 @@ class Scheduler:
                 continue
             caches, tokens = self._gen.extract_cache([r.uid])[r.uid]
             self._store(state, tokens, caches)
+        if self.following:
+            self._follow_generated(gen_responses)
+            return
         stopped, scored = [], None
         for r in gen_responses:
             state = self.running.get(r.uid)
@@ -481,6 +602,20 @@ class Scheduler:
         if self._faults:
             self._end_faulted()
         self._check_stalls()
+
+    def _follow_generated(self, gen_responses) -> None:
+        """A follower's tokens: only what the generator ends itself (a stop token, the
+        length) ends a request here; every other end comes in the leader's plan."""
+        for r in gen_responses:
+            state = self.running.get(r.uid)
+            if state is None:
+                continue
+            state.completion_tokens += 1
+            if r.finish_reason is not None:
+                if self.cache is not None:
+                    self._store(state, r.all_tokens, r.prompt_cache)
+                self._finish(r.uid)
+        self.counters.generated_tokens += len(gen_responses)
 
     def _record_logprobs(self, scored: list) -> None:
         """The chosen token's logprob and the top alternatives, for the requests that
@@ -672,6 +807,8 @@ class Scheduler:
 
     def _end(self, request: Request, reason: FinishReason) -> RequestOutput:
         self.live.discard(request.request_id)
+        if self.lockstep is not None and not self.following:
+            self._ended.append(request.request_id)  # the followers end it at the next plan
         out = self._output_of(request)
         out.finished, out.finish_reason, self.urgent = True, reason, True
         return out

@@ -41,14 +41,17 @@ def read_model_info(path: Path, name: str | None = None) -> ModelInfo:
 
 
 def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | None = None,
-               use_cpu_kernels: bool = True, use_amx: bool = True, tokenizer=None):
+               use_cpu_kernels: bool = True, use_amx: bool = True, tokenizer=None, shard_group=None):
     """mlx-lm's own loader: (model, tokenizer wrapper), with what the device's
     backend adds set up (tierlm.backends.prepare; on MLX's CPU backend the
     `cpu_*` settings: --cpu-weights-dtype, --cpu-kernels, --cpu-amx). The
     backend's description is `tierlm.backends.describe(model)`. Call on the
     engine's thread. `tokenizer`: one loaded before (`load_tokenizer`), or a
     function that returns it once the weights are in (one loading beside them);
-    None loads it here."""
+    None loads it here. `shard_group`: an mx.distributed group this rank holds its
+    shard of the model for (mlx-lm's tensor-parallel `shard`, before the backend
+    sets up: the CPU backend's own kernels are left out then, see
+    serving/assembly.py)."""
     from mlx_lm import load
     from mlx_lm.utils import load_model as load_weights
 
@@ -60,6 +63,8 @@ def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | 
     else:
         model, _ = load_weights(Path(path))
         tokenizer = tokenizer() if callable(tokenizer) else tokenizer
+    if shard_group is not None:
+        shard_model(model, shard_group)
     backend = backends.prepare(model, cpu_weights_dtype=cpu_weights_dtype,
                                memory_bytes=memory_bytes or total_memory(),
                                cpu_kernels=use_cpu_kernels, cpu_amx=use_amx)
@@ -70,6 +75,20 @@ def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | 
     _evaluate_all(model)
     _settle_random_state()
     return model, tokenizer
+
+
+def shard_model(model, group) -> None:
+    """This rank's share of every layer (mlx-lm's tensor-parallel `shard`); a model
+    mlx-lm cannot shard, or whose heads do not divide among the ranks, is refused."""
+    if not hasattr(model, "shard"):
+        raise ValueError(f"mlx-lm cannot shard {type(model).__module__} models over several ranks")
+    args, ranks = getattr(model, "args", None), group.size()
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(args, name, None)
+        if isinstance(heads, int) and heads % ranks:
+            raise ValueError(f"the model's {heads} {name.replace('num_', '').replace('_', ' ')} do not divide "
+                             f"among {ranks} ranks")
+    model.shard(group)
 
 
 def _settle_random_state() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from tierlm.cache.block_hash import model_fingerprint
 from tierlm.config import Settings, resolve_alias, total_memory
 from tierlm.engine.core import EngineCore
+from tierlm.engine.lockstep import fingerprint_key
 from tierlm.models.default_model import ensure_default_model
 from tierlm.models.model_folder import CHAT
 from tierlm.models.loader import load_model, load_tokenizer, read_model_info, tokenizer_stamp
@@ -81,9 +82,10 @@ class TurnsCache:
             future.set_exception(e)
 
 
-def make_pool(settings: Settings, model_path: Path | None) -> ModelPool:
+def make_pool(settings: Settings, model_path: Path | None, lockstep=None) -> ModelPool:
     """Every model in the model folders, and the one `--model` names (the
-    default: loaded at start, never unloaded for being idle)."""
+    default: loaded at start, never unloaded for being idle; over several ranks
+    when `lockstep` is this rank's place among them)."""
     entries = discover(model_dirs_of(settings), hf_cache_of(settings))
     default = None
     if model_path is not None:
@@ -96,7 +98,8 @@ def make_pool(settings: Settings, model_path: Path | None) -> ModelPool:
     current = CurrentSettings(settings)
     pool = ModelPool(
         entries,
-        lambda entry: serve(entry, current.settings.for_model(entry.name), entry.name == default, current.turns),
+        lambda entry: serve(entry, current.settings.for_model(entry.name), entry.name == default, current.turns,
+                            lockstep=lockstep if entry.name == default else None),
         budget_bytes=settings.max_model_memory_bytes(),
         keep_alive_s=lambda name: current.settings.for_model(name).keep_alive_s(),
         resolve_alias=lambda requested: resolve_alias(current.settings, requested, list(pool.slots)),
@@ -147,7 +150,7 @@ def _pinned(settings: Settings, names, default: str | None) -> frozenset[str]:
 
 
 async def serve(entry: ModelEntry, settings: Settings, is_default: bool = False,
-                turns_cache: TurnsCache | None = None, grammars: bool = True) -> ServedModel:
+                turns_cache: TurnsCache | None = None, grammars: bool = True, lockstep=None) -> ServedModel:
     """Load a model and start its engine: what the pool keeps for it, and what
     tierlm.LLM runs. The tokenizer and turns come from `turns_cache`, or load
     beside the weights. `grammars`: build llguidance's view of the tokenizer
@@ -157,17 +160,26 @@ async def serve(entry: ModelEntry, settings: Settings, is_default: bool = False,
     if entry.kind != CHAT:
         return await serve_encoder(entry, settings, aliases)
     info = read_model_info(entry.path, entry.name)
-    memory = settings.memory_limit_bytes() or total_memory()
     turns_future = (turns_cache or TurnsCache(1)).future(entry.path, settings)
-    engine = EngineCore(info.name, lambda: load_model(
-        entry.path, settings.cpu_weights_dtype, memory, use_cpu_kernels=settings.cpu_kernels,
-        use_amx=settings.cpu_amx, tokenizer=lambda: turns_future.result().tokenizer),
-        settings, model_fingerprint(entry.path, {}))
+    engine = make_engine(entry, info.name, settings, lambda: turns_future.result().tokenizer, lockstep)
     await engine.start()
     turns = await asyncio.wrap_future(turns_future)  # done: the load waited for it
     if grammars:
         _build_ll_tokenizer(turns)
     return ServedModel(info, engine, aliases=aliases, turns=turns, settings=settings)
+
+
+def make_engine(entry: ModelEntry, name: str, settings: Settings, tokenizer, lockstep=None) -> EngineCore:
+    """The engine of a model folder. Over several ranks (`lockstep`: the model
+    `--model` names, on every rank) each rank loads its shard; the CPU backend's
+    own kernels stay out there (they would replace the sharded products)."""
+    memory = settings.memory_limit_bytes() or total_memory()
+    sharded = lockstep is not None
+    return EngineCore(name, lambda: load_model(
+        entry.path, settings.cpu_weights_dtype, memory, use_cpu_kernels=settings.cpu_kernels and not sharded,
+        use_amx=settings.cpu_amx and not sharded, tokenizer=tokenizer,
+        shard_group=lockstep.group if sharded else None),
+        settings, model_fingerprint(entry.path, fingerprint_key(lockstep)), lockstep=lockstep)
 
 
 def _model_turns(tokenizer, settings: Settings) -> ModelTurns:
