@@ -7,6 +7,7 @@ ends every request with an error."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -127,41 +128,35 @@ def test_an_abort_mid_stream_leaves_the_ranks_in_step(two_ranks, one_rank):
     assert answer(ask(two_ranks, "plain")) == answer(one_rank["plain"])
 
 
-def _rank_pid(server: Server, rank: int) -> int:
-    found = re.search(rf"rank {rank} of 2 \(pid (\d+)\)", server.log())
-    assert found, server.log()[-2000:]
-    return int(found.group(1))
-
-
-def test_a_rank_that_dies_ends_every_request_with_an_error(qwen_path, tmp_path):
-    """Rank 1 killed while two streams run: each ends with an error event in the
-    API's shape (no hang, no clean finish); the launcher then stops rank 0."""
-    srv = start_ranks(qwen_path, tmp_path)
-    body = {"model": MODEL, "temperature": 0, "max_tokens": 400, "stream": True,
-            "messages": [{"role": "user", "content": "Write a long essay about the history of computing."}]}
-    try:
-        with httpx.Client(timeout=60) as client:
-            streams = [client.stream("POST", srv.v1 + "/chat/completions", json=body) for _ in range(2)]
-            responses = [s.__enter__() for s in streams]
-            lines = [r.iter_lines() for r in responses]
-            for it in lines:  # both running
-                while not next(it).startswith("data:"):
-                    pass
-            os.kill(_rank_pid(srv, 1), signal.SIGKILL)
-            for it in lines:
-                events = [json.loads(line[5:]) for line in it if line.startswith("data:") and "[DONE]" not in line]
-                assert events and "error" in events[-1], events[-3:]
-                assert events[-1]["error"]["type"] == "server_error"
-                assert "out of step" in events[-1]["error"]["message"]
-            for s in streams:
-                s.__exit__(None, None, None)
-    finally:
-        stop_server(srv)
-
-
 def test_a_model_whose_heads_do_not_divide_among_the_ranks_is_refused_at_start(model_path, tmp_path):
     """SmolLM2-135M has 9 attention heads: two ranks cannot split them."""
     with pytest.raises((RuntimeError, TimeoutError)):
         srv = start_ranks(model_path, tmp_path, timeout=90)
         stop_server(srv)
     assert "9 attention heads do not divide among 2 ranks" in (tmp_path / "ranks.log").read_text()
+
+
+def _rank_pid(server: Server, rank: int) -> int:
+    found = re.search(rf"rank {rank} of 2 \(pid (\d+)\)", server.log())
+    assert found, server.log()[-2000:]
+    return int(found.group(1))
+
+
+def test_a_rank_that_dies_ends_every_request_with_an_error(two_ranks):
+    """Rank 1 killed while two streams run: each ends with an error event in the
+    API's shape (no hang, no clean finish); the launcher then stops rank 0. Last:
+    the module's ranks end here."""
+    body = {"model": MODEL, "temperature": 0, "max_tokens": 400, "stream": True,
+            "messages": [{"role": "user", "content": "Write a long essay about the history of computing."}]}
+    with httpx.Client(timeout=60) as client, contextlib.ExitStack() as streams:
+        lines = [streams.enter_context(client.stream("POST", two_ranks.v1 + "/chat/completions", json=body))
+                 .iter_lines() for _ in range(2)]
+        for it in lines:  # both running
+            while not next(it).startswith("data:"):
+                pass
+        os.kill(_rank_pid(two_ranks, 1), signal.SIGKILL)
+        for it in lines:
+            events = [json.loads(line[5:]) for line in it if line.startswith("data:") and "[DONE]" not in line]
+            assert events and "error" in events[-1], events[-3:]
+            assert events[-1]["error"]["type"] == "server_error"
+            assert "out of step" in events[-1]["error"]["message"]
