@@ -21,6 +21,7 @@ import pytest
 from conftest import Server, start_server, stop_server
 
 from tierlm.bench.servers import ServerSpec, free_port
+from tierlm.models.loader import shard_model
 
 pytestmark = pytest.mark.slow  # two ranks of a 0.5B model and a server to compare with
 MODEL = "qwen2.5-coder-0.5b-instruct"
@@ -29,22 +30,22 @@ SYSTEM = ("You are a careful assistant for a team that maintains a payroll servi
           "Answer briefly, in plain sentences, and name the function you would change. ") * 3
 ASKED = {
     "plain": {"messages": [{"role": "user", "content": "Write a Python function that checks whether a number "
-                                                       "is prime."}], "max_tokens": 24},
+                                                       "is prime."}], "max_tokens": 12},
     "stop string": {"messages": [{"role": "user", "content": "List three colors, one per line."}],
                     "max_tokens": 40, "stop": ["\n\n"]},
-    "json schema": {"messages": [{"role": "user", "content": "Describe a cat as JSON."}], "max_tokens": 40,
+    "json schema": {"messages": [{"role": "user", "content": "Describe a cat as JSON."}], "max_tokens": 16,
                     "response_format": {"type": "json_schema", "json_schema": {"name": "cat", "schema": {
                         "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                          "age": {"type": "integer"}},
                         "required": ["name", "age"], "additionalProperties": False}}}},
-    "seeded": {"messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 16,
+    "seeded": {"messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 8,
                "temperature": 0.8, "seed": 7},
     "shared prefix 1": {"messages": [{"role": "system", "content": SYSTEM},
                                      {"role": "user", "content": "Where would overtime be computed?"}],
-                        "max_tokens": 20},
+                        "max_tokens": 8},
     "shared prefix 2": {"messages": [{"role": "system", "content": SYSTEM},
                                      {"role": "user", "content": "Where would taxes be withheld?"}],
-                        "max_tokens": 20},
+                        "max_tokens": 8},
 }
 
 
@@ -128,12 +129,21 @@ def test_an_abort_mid_stream_leaves_the_ranks_in_step(two_ranks, one_rank):
     assert answer(ask(two_ranks, "plain")) == answer(one_rank["plain"])
 
 
-def test_a_model_whose_heads_do_not_divide_among_the_ranks_is_refused_at_start(model_path, tmp_path):
-    """SmolLM2-135M has 9 attention heads: two ranks cannot split them."""
-    with pytest.raises((RuntimeError, TimeoutError)):
-        srv = start_ranks(model_path, tmp_path, timeout=90)
-        stop_server(srv)
-    assert "9 attention heads do not divide among 2 ranks" in (tmp_path / "ranks.log").read_text()
+class _Ranks:
+    """Stands for a group of two ranks: the check refuses before the group is used."""
+
+    def size(self) -> int:
+        return 2
+
+
+def test_a_model_whose_heads_do_not_divide_among_the_ranks_is_refused(model_path):
+    """SmolLM2-135M has 9 attention heads: two ranks cannot split them (a start-up
+    error before any rank holds a wrong shard)."""
+    from tierlm.models.random_model import build_model
+
+    model = build_model(json.loads((model_path / "config.json").read_text()))
+    with pytest.raises(ValueError, match="9 attention heads do not divide among 2 ranks"):
+        shard_model(model, _Ranks())
 
 
 def _rank_pid(server: Server, rank: int) -> int:

@@ -74,7 +74,7 @@ def test_two_processes_writing_reading_and_evicting_one_folder(tmp_path):
     cap = 20 * block_bytes()  # a sixth of the key space: both evict all the time
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=replica, args=(str(tmp_path), cap, seed, 8.0, results)) for seed in (1, 2)]
+    procs = [ctx.Process(target=replica, args=(str(tmp_path), cap, seed, 4.0, results)) for seed in (1, 2)]
     for p in procs:
         p.start()
     reports = [results.get(timeout=120) for _ in procs]
