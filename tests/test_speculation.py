@@ -398,7 +398,7 @@ def test_greedy_answers_of_the_default_model_equal_with_and_without_speculation(
     listing = [{"role": "user", "content": f"```python\n{SHORT}```\nList the functions of this module as JSON."}]
 
     def batches():  # a grammar's state is a request's own: fresh ones for each engine
-        return [[(EDIT, {"max_tokens": 96})], [(PROSE, {"max_tokens": 48})],
+        return [[(EDIT, {"max_tokens": 72})], [(PROSE, {"max_tokens": 48})],
                 [(listing, {"max_tokens": 60, "constraint": grammars.constraint(json_schema_grammar(schema))})],
                 [(EDIT, {"max_tokens": 37, "stop": ["def rgb_to_hls"]}), (EDIT, {"max_tokens": 40, "logprobs": 2}),
                  (EDIT, {"max_tokens": 40, "presence_penalty": 0.5, "repetition_penalty": 1.1}),
@@ -420,8 +420,7 @@ def test_seeded_sampled_answers_equal_with_and_without_speculation(loaded):
     if not backends.describe(loaded[0]).batch_invariant:
         pytest.skip("this backend's products are not batch-invariant: batching itself moves rounding")
     sampled = {"max_tokens": 64, "temperature": 0.3, "top_p": 0.95}
-    batches = [[(SHORT_EDIT, {**sampled, "seed": 1})],
-               [(SHORT_EDIT, {**sampled, "seed": 2}), (SHORT_EDIT, {**sampled, "seed": 3, "top_k": 40}),
+    batches = [[(SHORT_EDIT, {**sampled, "seed": 2}), (SHORT_EDIT, {**sampled, "seed": 3, "top_k": 40}),
                 (SHORT_EDIT, {"max_tokens": 64})]]
     on, counters = run(_answers(loaded, batches))
     off, _ = run(_answers(loaded, batches, speculation="off"))
