@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 
 from bench_lab import lab_parser, write_result
-from tierlm.loadgen.client import chunk_text
 from tierlm.bench.servers import RunningServer, default_model_folder, free_port, tierlm_server
+from tierlm.loadgen.client import chunk_text
 
 NGINX_CONF = Path(__file__).resolve().parent.parent / "docs" / "nginx-replicas.conf"
 PORTS = ("127.0.0.1:8000", "127.0.0.1:8001", "127.0.0.1:8002")  # the conf's front, replica A, replica B

@@ -25,4 +25,3 @@ def join() -> Lockstep | None:
     log.info("rank %d of %d (pid %d): %s", group.rank(), group.size(), os.getpid(),
              "serving HTTP, deciding every step" if lockstep.leader else "following rank 0's steps")
     return lockstep
-

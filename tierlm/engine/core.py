@@ -138,7 +138,7 @@ class EngineCore:
             max_running=self.config.max_concurrent_requests,
             prefill_step_size=prefill_step,
             stall_timeout_s=self.config.stall_timeout_s,
-            speculative_tokens=self.config.speculative_tokens if self._speculates() and not self.lockstep else 0,
+            speculative_tokens=self.config.speculative_tokens if self._speculates() else 0,
             draft_model=draft,
         )
         log.info(
@@ -161,7 +161,10 @@ class EngineCore:
         AVX-512 kernels), so greedy answers are the same with drafts or
         without; elsewhere verifying several tokens at once moves rounding, and
         on a GPU prompt lookup alone does not pay yet (docs/speculation.md);
-        and wherever a draft model is named."""
+        and wherever a draft model is named. Never over several ranks (yet):
+        a rank's drafts would have to be every rank's."""
+        if self.lockstep is not None:
+            return False
         setting = self.config.speculation
         if setting == "auto" and self.config.draft_model:
             return True
@@ -172,7 +175,7 @@ class EngineCore:
         draft: loaded beside the model, its weights and KV counted in the
         model's profile. A missing one, or one of another tokenizer, fails the
         start with ValueError."""
-        if not self.config.draft_model or not self._speculates() or self.lockstep:
+        if not self.config.draft_model or not self._speculates():
             return None
         draft = load_draft_model(self.config, self.tokenizer)
         with mx.stream(self._stream):

@@ -58,14 +58,12 @@ class Lockstep:
         self.rank, self.size = group.rank(), group.size()
         self.leader = self.rank == 0
         self.stream = None  # the engine's, set when its scheduler is built
-        self.steps = 0
 
     def share(self, plan: StepPlan | None = None) -> StepPlan:
         """Every rank: the leader's plan (the leader passes it, followers get it).
         An empty plan costs one collective of one number; a plan with news, two."""
         data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL) if self.leader and plan else _EMPTY
         size = int(self._sum(mx.array([len(data)], dtype=mx.int32)).item())
-        self.steps += 1
         if size == 0:
             return StepPlan()
         payload = mx.array(np.frombuffer(data, dtype=np.uint8)) if self.leader else mx.zeros((size,), mx.uint8)
