@@ -15,6 +15,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
 from tierlm.api.sse import KEEPALIVE
+from tierlm.engine import stages as request_stages
 from tierlm.engine.request import FinishReason, Request, RequestOutput
 from tierlm.models.model_folder import CHAT
 from tierlm.pool.pool import Lease
@@ -48,7 +49,9 @@ async def with_model(http: HTTPRequest, body, handle: Callable[..., Awaitable], 
     may carry `keep_alive` (Ollama's: how long the model stays loaded after).
     `kind`: what the route serves (chat, embedding, rerank); a model of another
     kind is a 400 naming its routes."""
+    request_stages.mark("read")
     lease = await lease_model(http.app.state.pool, body.model, getattr(body, "keep_alive", None), kind)
+    request_stages.mark("model")
     try:
         result = await handle(lease.served, body, http)
     except BaseException:
@@ -154,6 +157,8 @@ async def stream(model: ServedModel, request: Request, parser: TurnParser, encod
             if output is None:
                 yield encoder.keepalive
                 continue
+            if "deliver" not in request.stages.ends:
+                request.stages.mark("deliver")
             if output.error is not None:
                 for frame in encoder.error(error_of(output)):
                     yield frame

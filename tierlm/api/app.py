@@ -28,6 +28,7 @@ from tierlm.api.openai.routes import router as openai_router
 from tierlm.api.rerank.routes import router as rerank_router
 from tierlm.api.responses.routes import router as responses_router
 from tierlm.config import Settings
+from tierlm.engine import stages as request_stages
 from tierlm.pool.enforcer import MemoryEnforcer
 from tierlm.pool.pool import ModelPool
 from tierlm.serving.assembly import apply_settings, make_pool
@@ -207,6 +208,7 @@ class RequestGate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        request_stages.begin()
         request = Request(scope)
         rejection = self._check(request)
         if rejection is None and "content-length" not in request.headers:
@@ -259,10 +261,15 @@ class RequestGate:
         Starlette's catch-all handler re-raises, and the server then drops the
         keep-alive connection under the client's next request."""
         started = False
+        stages = request_stages.current()
 
         async def tracking_send(message):
             nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                started = True
+                if stages.ends:  # a model's request: where its time went (a stream's: to the engine)
+                    message["headers"] = [*message.get("headers", []),
+                                          (b"server-timing", stages.server_timing().encode())]
             await send(message)
 
         try:

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tierlm.engine import stages as request_stages
 from tierlm.serving.errors import APIError
 from tierlm.serving.fill_in_middle import fim_tokens
 from tierlm.serving.templates import render_chat_template
@@ -163,9 +164,11 @@ def start_turn(model: ServedModel, spec: TurnSpec, tokens: list[int],
     """The turn's constraint and parser for this prompt (compiling a grammar can
     take a while: call off the event loop); a turn that cannot be is a 400."""
     try:
-        return model.turns.start(spec, tokens)
+        run = model.turns.start(spec, tokens)
     except TurnError as e:
         raise (error or turn_error)(e) from e
+    request_stages.mark("grammar")
+    return run
 
 
 async def chat_turn(model: ServedModel, body: ChatCompletionRequest,
@@ -199,7 +202,9 @@ def completion_tokens(model: ServedModel, body: CompletionRequest) -> list[int]:
 def _prompt_tokens(model: ServedModel, prompt) -> list[int]:
     prompt = single_prompt(prompt)
     if isinstance(prompt, str):
-        return list(model.tokenizer.encode(prompt))
+        tokens = list(model.tokenizer.encode(prompt))
+        request_stages.mark("tokenize")
+        return tokens
     if prompt and all(isinstance(t, int) for t in prompt):
         return list(prompt)
     if not prompt:

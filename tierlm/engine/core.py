@@ -351,6 +351,7 @@ class EngineCore:
             raise ValueError(f"duplicate request id {request.request_id}")
         collector = OutputCollector(self.config.stream_interval)
         self._collectors[request.request_id] = collector
+        request.stages.mark("submit")
         self.scheduler.add_request(request)
         self._wake.set()
         return collector
@@ -636,6 +637,8 @@ class EngineCore:
                             "steps": c.speculative_steps, "draft_model": self.config.draft_model,
                             "tok_s_by_batch_size": self.scheduler.speculation_rates()},
             "bursts": self.bursts,
+            # where recent requests' time went from arrival to their first token (engine/stages.py)
+            "request_stages": self.scheduler.stage_log.summary(),
             "warmup": {"shapes_left": len(self._warm_jobs), "seconds": round(self.warm_seconds, 3)},
             # MLX's allocator counters (no array is touched): what the memory guard holds to its limit
             "memory_active_bytes": mx.get_active_memory(),

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tierlm.engine import stages as request_stages
+
 if TYPE_CHECKING:
     from tierlm.engine.constraint import TokenConstraint
 
@@ -65,6 +67,8 @@ class Request:
     prompt_tokens: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    # where its time goes to the first token: the HTTP request's, else its own
+    stages: request_stages.Stages = field(default_factory=lambda: request_stages.current() or request_stages.Stages())
 
 
 @dataclass(slots=True)  # one per token per request: slots make them cheaper to build

@@ -29,6 +29,7 @@ from tierlm.engine.memory_guard import MemoryGuard
 from tierlm.engine.request import FinishReason, MemoryGuardError, Request, RequestOutput
 from tierlm.engine.sampling import make_request_processors, make_request_sampler, repair_random_state
 from tierlm.engine.speculative_batch import SpeculativeGenerator
+from tierlm.engine.stages import StageLog
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ class Scheduler:
         # (request, its first token's time or None, tokens generated, whether it
         # completed); the latency histograms of /metrics hang here
         self.on_request_end: Callable[[Request, float | None, int, bool], None] | None = None
+        self.stage_log = StageLog()  # where recent requests' time went to their first token
         self.load = {"running": 0, "prefilling": 0, "waiting": 0}
         # One output per request, added to token by token until `take_outputs`:
         # no object per token, and the event loop gets one piece per request per
@@ -408,8 +410,10 @@ class Scheduler:
 
     def _insert_all(self, chosen: list[tuple[Request, object]]) -> None:
         for i, (request, lookup) in enumerate(chosen):
+            request.stages.mark("queue")
             try:
                 self._insert(request, lookup)
+                request.stages.mark("restore")
             except BaseException as e:
                 if lookup:  # no request waits for a prefix this one will not compute
                     for key in lookup.keys:
@@ -736,6 +740,8 @@ class Scheduler:
             out.cached_tokens = state.cached_tokens
         if state.first_token_time is None:
             state.first_token_time = out.first_token_time = time.monotonic()
+            state.request.stages.mark("prefill")
+            self.stage_log.add(state.request.stages)
             state.fast = state.deferrable
             self.urgent = True
         reason = None

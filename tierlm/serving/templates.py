@@ -13,7 +13,9 @@ import time
 
 import jinja2
 
+from tierlm.engine import stages as request_stages
 from tierlm.serving.errors import APIError
+from tierlm.serving.prompt_pieces import encode_rendered
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,11 @@ def render_chat_template(tokenizer, messages: list[dict], variables: dict, clien
     refused (`messages_param`: the request's name of the messages)."""
     try:
         if client_template is None:
-            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **variables))
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **variables)
+            request_stages.mark("template")
+            tokens = encode_rendered(tokenizer, text)
+            request_stages.mark("tokenize")
+            return tokens
         if not allow_client_template:
             raise APIError(400, "this server does not render chat templates sent by clients "
                            "(start it with --allow-client-chat-template to allow them)",
@@ -41,7 +47,10 @@ def render_chat_template(tokenizer, messages: list[dict], variables: dict, clien
         if not isinstance(text, str) or len(text) > CLIENT_TEMPLATE_MAX_CHARS:
             raise APIError(400, f"the chat template rendered more than {CLIENT_TEMPLATE_MAX_CHARS} characters",
                            "chat_template", "invalid_value")
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        request_stages.mark("template")
+        tokens = list(tokenizer.encode(text, add_special_tokens=False))
+        request_stages.mark("tokenize")
+        return tokens
     except APIError:
         raise
     except _OutOfTime:
