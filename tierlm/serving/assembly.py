@@ -21,6 +21,7 @@ from tierlm.models.loader import load_model, load_tokenizer, read_model_info, to
 from tierlm.pool.discovery import ModelEntry, default_hf_cache, discover, folders_signature, read_entry
 from tierlm.pool.pool import ModelPool
 from tierlm.serving.encoder import serve_encoder
+from tierlm.serving.prompt_pieces import encoder_for
 from tierlm.serving.served_model import ServedModel
 from tierlm.structured.turn import ModelTurns
 
@@ -74,7 +75,11 @@ class TurnsCache:
 
     def _build(self, key: tuple, future: Future, path: Path, settings: Settings) -> None:
         try:
-            future.set_result(_model_turns(load_tokenizer(path), settings))
+            tokenizer = load_tokenizer(path)
+            # the prompt tokenizer's probe renders a chat here, beside the load: the
+            # first request finds the template compiled (~10 ms on the H200's host)
+            encoder_for(tokenizer)
+            future.set_result(_model_turns(tokenizer, settings))
         except Exception as e:  # noqa: BLE001 (the waiting load or request gets it)
             with self._lock:
                 if self._entries.get(key) is future:
