@@ -119,7 +119,8 @@ def size_rounds(start, tokenizer, n: int, rounds: int) -> dict:
 
 def title(result: dict) -> str:
     model = f"random weights of {result['preset']}'s shapes" if result.get("preset") else Path(result["model"]).name
-    return f"An agent's turn over HTTP, cold, hot and SSD after a restart, {model}"
+    served = f", served with {' '.join(result['serve_args'])}" if result.get("serve_args") else ""
+    return f"An agent's turn over HTTP, cold, hot and SSD after a restart, {model}{served}"
 
 
 def table(result: dict) -> str:
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
         server.wait_warm()
         return server
 
-    result = {"model": str(model), "preset": args.preset,
+    result = {"model": str(model), "preset": args.preset, "serve_args": args.serve_arg,
               "sizes": [size_rounds(start, tokenizer, n, args.rounds) for n in args.sizes]}
     print(table(result))
     write_result(args, p, "request_path", result)

@@ -29,6 +29,7 @@ SAMPLES = {
     "admin_key": (("ops:a1",), ("a2",), ("ops:a3", "ci:a4")),
     "warmup": (True, False, True),  # default None: on where the device is a GPU
     "speculation": ("off", "prompt-lookup", "auto"),
+    "cache_kv_bits": (8, 4, 16),
 }
 
 

@@ -186,6 +186,10 @@ class Settings:
                                               "(llama.cpp's default; small models repeat a call)", per_model=True)
     prefix_cache: bool = setting(True, "reuse the KV of prompt prefixes seen before", per_model=True)
     cache_block_size: int = setting(256, "tokens per prefix-cache block", per_model=True)
+    cache_kv_bits: int = setting(16, "bits a KV value keeps in the cache tiers: 16 (as computed), 8 or 4 "
+                                     "(quantized in groups: about 2x or 3.5x the tokens a GB holds, a "
+                                     "hit's KV approximate; models of plain attention layers)",
+                                 per_model=True, check=lambda v: _one_of(str(v), ("16", "8", "4")))
     hot_cache_size: str = setting("10%", "memory for cached blocks (bytes, 4GB, or 10% of memory)",
                                   per_model=True)
     ssd_cache: bool = setting(True, "keep blocks on disk too, across restarts", per_model=True)

@@ -86,9 +86,10 @@ def _unflatten(template, arrays: dict[str, mx.array]):
 def encode(key: bytes, parent: bytes, tokens: tuple[int, ...], payload, fingerprint: bytes,
            signature: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Worker thread: the block as numpy tensors plus metadata (checksum added by
-    `to_bytes`). `payload`: a packed KV array, or the per-layer payload list."""
+    `to_bytes`). `payload`: a packed KV array (or a quantized one, a tuple), or
+    the per-layer payload list."""
     arrays: list[mx.array] = []
-    template = _flatten(payload if isinstance(payload, mx.array) else list(payload), arrays)
+    template = _flatten(payload if isinstance(payload, (mx.array, tuple)) else list(payload), arrays)
     tensors = {f"a{i}": _to_numpy(a) for i, a in enumerate(arrays)}
     tensors["tokens"] = np.asarray(tokens, dtype=np.uint32)
     meta = {

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from tierlm.cache import kv_quant
+
 
 @dataclass
 class Block:
@@ -17,8 +19,9 @@ class Block:
     nbytes: int
     users: int = 0  # running requests built on this block: never evicted meanwhile
     # plain attention KV of every layer in one array, (2 x layers, kv heads, tokens,
-    # head dim): keys then values, layer by layer (PrefixCache packs when it can)
-    packed: mx.array | None = None
+    # head dim): keys then values, layer by layer (PrefixCache packs when it can);
+    # or that array quantized (a kv_quant payload, with `cache_kv_bits` 8 or 4)
+    packed: mx.array | tuple | None = None
 
     def payload(self):
         """What an SSD file stores: the packed array, or the per-layer payloads."""
@@ -110,6 +113,8 @@ def payload_arrays(codecs: list, layers):
     """Every array of a block's payloads, layer by layer (a packed block: its array)."""
     if isinstance(layers, mx.array):
         return iter((layers,))
+    if kv_quant.is_quantized(layers):
+        return iter(kv_quant.arrays(layers))
     return (a for codec, payload in zip(codecs, layers) for a in codec.arrays(payload))
 
 

@@ -16,12 +16,14 @@ per layer (codecs.py).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+from tierlm.cache import kv_quant
 from tierlm.cache.block_hash import block_keys
 from tierlm.cache.codecs import KVCodec, kv_cache, signature
 from tierlm.cache.hot_tier import Block, HotTier, materialize, payload_bytes
@@ -55,6 +57,17 @@ class PrefixCacheStats:
     ssd_hit_tokens: int = 0
 
 
+def kv_root(fingerprint: bytes, kv_bits: int) -> bytes:
+    """The root of the block keys: the model's fingerprint, and the KV's bits
+    where they are not 16 (16-bit blocks keep the keys they always had)."""
+    return fingerprint if kv_bits == 16 else hashlib.sha256(fingerprint + f"kv{kv_bits}".encode()).digest()
+
+
+def _unpacked(packed):
+    """A packed block's array, dequantized if it was kept quantized."""
+    return kv_quant.dequantize(packed) if kv_quant.is_quantized(packed) else packed
+
+
 def rebuild_packed(packed: list) -> list:
     """Per-layer KVCaches from packed blocks (2 x layers, heads, tokens, dim), for a
     GPU: one copy of every byte in one operation (a kernel a block, not one a block
@@ -65,13 +78,17 @@ def rebuild_packed(packed: list) -> list:
 
 class PrefixCache:
     def __init__(self, fingerprint: bytes, codecs: list, block_size: int, hot_bytes: int,
-                 ssd_dir=None, ssd_bytes: int = 0, write_through: bool = False):
-        self.root, self.codecs, self.block_size = fingerprint, codecs, block_size
+                 ssd_dir=None, ssd_bytes: int = 0, write_through: bool = False, kv_bits: int = 16):
+        """`kv_bits`: what packed blocks are kept at, 16 (as computed), 8 or 4
+        (kv_quant.py); with 8 or 4 they have keys of their own (`fingerprint`
+        is the caller's, `kv_root` makes it theirs)."""
+        self.root, self.codecs, self.block_size = kv_root(fingerprint, kv_bits), codecs, block_size
+        self.kv_bits = kv_bits
         self.hot = HotTier(hot_bytes)
         self.stats = PrefixCacheStats()
         self.sliceable = all(c.sliceable for c in codecs)
         self.all_kv = all(isinstance(c, KVCodec) for c in codecs)
-        self.signature = f"{signature(codecs)};block={block_size}"
+        self.signature = f"{signature(codecs)};block={block_size}" + (f";kv={kv_bits}" if kv_bits != 16 else "")
         self.ssd = SSDTier(ssd_dir, ssd_bytes, fingerprint, self.signature) if ssd_dir else None
         self.write_through = write_through
         if self.ssd is not None and not write_through:
@@ -160,7 +177,7 @@ class PrefixCache:
 
     def rebuild(self, blocks: list[Block]) -> list:
         """The model's per-layer cache objects holding these blocks' tokens."""
-        packed = [b.packed for b in blocks]
+        packed = [_unpacked(b.packed) for b in blocks]
         if mx.default_device() == mx.gpu and packed and all(p is not None for p in packed) \
                 and len({(p.shape[:2], p.shape[3:], p.dtype) for p in packed}) == 1:
             return rebuild_packed(packed)
@@ -171,7 +188,7 @@ class PrefixCache:
         """A block's per-layer payloads (a packed block's as views of its array)."""
         if block.packed is None:
             return block.layers
-        p = block.packed
+        p = _unpacked(block.packed)
         return [(p[2 * i : 2 * i + 1], p[2 * i + 1 : 2 * i + 2]) for i in range(p.shape[0] // 2)]
 
     # ---- store ------------------------------------------------------------
@@ -229,7 +246,10 @@ class PrefixCache:
         parent = keys[i - 1] if i else self.root
         if self._packable(layer_caches):
             packed = mx.concatenate([a[..., start:end, :] for c in layer_caches for a in (c.keys, c.values)])
-            return Block(keys[i], parent, tuple(tokens[start:end]), None, packed.nbytes, packed=packed)
+            if self.kv_bits != 16 and kv_quant.fits(packed, self.kv_bits):
+                packed = kv_quant.quantize(packed, self.kv_bits)
+            return Block(keys[i], parent, tuple(tokens[start:end]), None, payload_bytes(self.codecs, packed),
+                         packed=packed)
         layers = [
             codec.slice(cache, start, end) if codec.sliceable else codec.snapshot(cache)
             for codec, cache in zip(self.codecs, layer_caches)

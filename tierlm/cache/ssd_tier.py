@@ -60,7 +60,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from tierlm.cache import block_file
+from tierlm.cache import block_file, kv_quant
 from tierlm.cache.hot_tier import Block
 
 log = logging.getLogger(__name__)
@@ -305,7 +305,7 @@ class SSDTier:
                 with self._lock:
                     if block.key.hex() in self._index:
                         self._index.move_to_end(block.key.hex())
-                packed = payload if isinstance(payload, mx.array) else None
+                packed = payload if isinstance(payload, mx.array) or kv_quant.is_quantized(payload) else None
                 self.stats.read_seconds += time.perf_counter() - tic
                 yield Block(block.key, header.parent, block.tokens, None if packed is not None else payload,
                             nbytes=0, packed=packed)

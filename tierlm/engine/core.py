@@ -256,7 +256,8 @@ class EngineCore:
         root = hashlib.sha256(self.fingerprint + parameter_layout(self.model)).digest()
         c = self.config
         hot_bytes, (ssd_dir, ssd_bytes) = c.hot_cache_bytes(), c.ssd_tier()
-        cache = PrefixCache(root, codecs, c.cache_block_size, hot_bytes, ssd_dir, ssd_bytes, c.ssd_write_through)
+        cache = PrefixCache(root, codecs, c.cache_block_size, hot_bytes, ssd_dir, ssd_bytes, c.ssd_write_through,
+                            c.cache_kv_bits)
         ssd = "off" if cache.ssd is None else f"{ssd_dir} ({ssd_bytes / 2**30:.1f} GiB, " + (
             "write-through)" if c.ssd_write_through else "write-back)")
         log.info("prefix cache for %s: blocks of %d tokens, layout %s, hot tier %.0f MiB, SSD tier %s",

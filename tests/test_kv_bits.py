@@ -1,0 +1,117 @@
+"""KV kept at 8 or 4 bits in the cache tiers (`cache_kv_bits`): the bytes a
+block takes, the error a value may carry, and what a hit on such blocks gives
+on the default model: its answers beside those of 16-bit blocks, from the hot
+tier and from the SSD tier after a restart."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from engine_testing import run
+
+from tierlm.cache import kv_quant
+from tierlm.config import Settings
+from tierlm.engine.core import EngineCore
+from tierlm.engine.request import Request, SamplingParams
+
+DOCS = [" ".join(f"Entry {k}-{i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 23} marbles."
+                 for i in range(28)) for k in range(3)]
+QUESTION = "\n\nWhich box holds the most marbles? Answer:"
+
+
+@pytest.mark.parametrize("dtype, bits, fewer", [(mx.bfloat16, 8, 1.9), (mx.bfloat16, 4, 3.5),
+                                                (mx.float32, 8, 3.8), (mx.float32, 4, 7.0)])
+def test_a_block_takes_fewer_bytes_and_each_value_moves_by_at_most_two_steps(dtype, bits, fewer):
+    """A step: its group's range over 2^bits - 1. MLX's grid keeps zero exact, so a
+    value may round by up to a step (0.99 here); bfloat16 scales and results
+    add up to most of another (1.87 here at 8 bits). On average, a quarter step."""
+    packed = (mx.random.normal((2 * 4, 2, 16, 64), key=mx.random.key(1)) * 3).astype(dtype)
+    payload = kv_quant.quantize(packed, bits)
+    back = kv_quant.dequantize(payload)
+    assert back.shape == packed.shape and back.dtype == packed.dtype
+    assert packed.nbytes / sum(a.nbytes for a in kv_quant.arrays(payload)) >= fewer
+    groups = np.array(packed.astype(mx.float32)).reshape(-1, kv_quant.group_size(bits))
+    step = (groups.max(axis=1) - groups.min(axis=1)) / (2**bits - 1)
+    error = np.abs(np.array(back.astype(mx.float32)).reshape(groups.shape) - groups)
+    assert (error <= 2 * step[:, None]).all()
+    assert error.mean() <= 0.35 * step.mean()
+
+
+def test_a_block_whose_heads_do_not_fill_whole_groups_is_kept_as_computed():
+    assert kv_quant.fits(mx.zeros((2, 1, 4, 32)), 8) and not kv_quant.fits(mx.zeros((2, 1, 4, 24)), 8)
+
+
+async def _engine(loaded, **settings) -> EngineCore:
+    engine = EngineCore(f"kv-{id(settings)}", lambda: loaded,
+                        Settings(**{"ssd_cache": False, "cache_block_size": 64, **settings}), b"kv-bits-test")
+    await engine.start()
+    return engine
+
+
+async def _turns(engine: EngineCore, tokenizer, docs=DOCS) -> list:
+    """Per document: its prompt computed (and stored), then the same prompt and a
+    question, from the cache; the second answer's output."""
+    outs = []
+    for doc in docs:
+        prompt = tokenizer.encode(doc)
+        await engine.generate(Request(engine.new_request_id(), prompt, SamplingParams(max_tokens=1, temperature=0)))
+        outs.append(await engine.generate(Request(engine.new_request_id(), prompt + tokenizer.encode(QUESTION),
+                                                  SamplingParams(max_tokens=8, temperature=0, logprobs=0))))
+    return outs
+
+
+def test_answers_from_8_bit_blocks_stay_those_of_16_bit_blocks(loaded):
+    """The default model, three documents of ~420 tokens, each a hit of all its
+    full blocks: the greedy answers after an 8-bit hit equal those after a
+    16-bit hit on at least 2 of 3 (3 here), and the chosen tokens'
+    log-probabilities, while the answers agree, move by < 0.1 at most (0.015
+    here, over 16 tokens: the bound leaves room for other CPUs' rounding); the
+    hot tier holds 3.9x the tokens a byte (float32 KV on the CPU)."""
+
+    async def go(bits):
+        engine = await _engine(loaded, cache_kv_bits=bits)
+        outs = await _turns(engine, loaded[1])
+        stats = engine.scheduler.cache.stats
+        per_token = engine.scheduler.cache.hot.nbytes / (stats.stored_blocks * 64)
+        await engine.close()
+        return outs, per_token
+
+    (quantized, q_bytes), (full, f_bytes) = run(go(8)), run(go(16))
+    assert all(o.cached_tokens >= 384 for o in quantized + full)
+    assert sum(q.token_ids == f.token_ids for q, f in zip(quantized, full)) >= 2
+    # a token's log-probability while the answers agree (an answer that is EOS alone has none)
+    moved = [abs(q.logprobs[i][1] - f.logprobs[i][1]) for q, f in zip(quantized, full)
+             for i in range(min(len(q.logprobs or ()), len(f.logprobs or ())))
+             if q.token_ids[: i + 1] == f.token_ids[: i + 1]]
+    assert moved and max(moved) < 0.1, moved
+    assert f_bytes / q_bytes >= 3.8
+
+
+@pytest.mark.slow  # three engines, one restart over the SSD tier
+def test_8_bit_blocks_on_ssd_serve_a_restart_and_are_no_other_layouts_hit(loaded, tmp_path):
+    """Written at close, read after a restart: the answers equal the hot tier's
+    (the same values, dequantized alike); a 16-bit engine on the same folder
+    finds none of them (the bits are in the keys) and computes its own."""
+    ssd = {"ssd_cache": True, "ssd_cache_dir": str(tmp_path), "ssd_cache_size": "1GiB"}
+
+    async def go(bits):
+        engine = await _engine(loaded, cache_kv_bits=bits, **ssd)
+        outs = await _turns(engine, loaded[1], DOCS[:2])
+        await engine.close()  # writes the hot tier to the folder
+        return outs
+
+    async def hits(bits):
+        engine = await _engine(loaded, cache_kv_bits=bits, **ssd)
+        outs = [await engine.generate(Request(engine.new_request_id(),
+                                              loaded[1].encode(doc) + loaded[1].encode(QUESTION),
+                                              SamplingParams(max_tokens=8, temperature=0)))
+                for doc in DOCS[:2]]
+        await engine.close()
+        return outs
+
+    hot = run(go(8))
+    restarted = run(hits(8))
+    assert all(o.cached_tokens >= 384 for o in restarted)
+    assert [o.token_ids for o in restarted] == [o.token_ids for o in hot]
+    assert all(o.cached_tokens == 0 for o in run(hits(16)))
