@@ -476,8 +476,8 @@ def test_the_default_model_drafting_for_itself_answers_as_without_drafts(loaded,
     without."""
     if not backends.describe(loaded[0]).batch_invariant:
         pytest.skip("this backend's products are not batch-invariant: batching itself moves rounding")
-    batches = [[(PROSE, {"max_tokens": 60})],
-               [(PROSE, {"max_tokens": 50, "temperature": 0.6, "seed": 2}), (SHORT_EDIT, {"max_tokens": 60})]]
+    batches = [[(PROSE, {"max_tokens": 40})],
+               [(PROSE, {"max_tokens": 40, "temperature": 0.6, "seed": 2}), (SHORT_EDIT, {"max_tokens": 40})]]
     on, counters = run(_answers(loaded, batches, draft_model=str(model_path)))
     off, _ = run(_answers(loaded, batches, speculation="off"))
     # a draft model as large as the model never pays: drafting is tried, then mostly left (adaptive)
@@ -580,9 +580,9 @@ def test_metrics_and_stats_count_drafts(server):
 @pytest.mark.slow
 def test_qwen_coder_answers_equal_with_speculation_on_and_off(qwen_server):
     """The agent model on its own template: a code edit (greedy, and sampled
-    with a seed), a tool call quoting the file (a grammar holds its shape), a
-    JSON schema, and all at once, each with drafts and with
-    `speculative_tokens: 0`."""
+    with a seed), a tool call quoting the file (a grammar holds its shape) and
+    a JSON schema, each alone with `speculative_tokens: 0`, then all at once
+    in one batch with drafts (the default model's test has drafts alone)."""
     from conftest import AGENT_KEY
 
     from tierlm.loadgen.edits import EDIT_TOOL
@@ -616,13 +616,11 @@ def test_qwen_coder_answers_equal_with_speculation_on_and_off(qwen_server):
     if not stats()["backend"].get("batch_invariant"):
         pytest.skip("this backend's products are not batch-invariant: speculation is off by default (auto)")
     off = [answer(b, speculative_tokens=0) for b in bodies]
-    before = stats()["speculation"]
-    on = [answer(b) for b in bodies]
-    assert on == off
     assert off[2][1] and "rgb_to_ntsc" in off[2][1][0][1]
+    before = stats()["speculation"]
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(len(bodies)) as pool:
+    with ThreadPoolExecutor(len(bodies)) as pool:  # with drafts, all in one batch
         assert list(pool.map(answer, bodies)) == off
     after = stats()["speculation"]
-    assert after["accepted_tokens"] - before["accepted_tokens"] > 40
+    assert after["accepted_tokens"] - before["accepted_tokens"] > 0  # drafts were kept in that batch
