@@ -61,6 +61,7 @@ async def _turns(engine: EngineCore, tokenizer, docs=DOCS) -> list:
     return outs
 
 
+@pytest.mark.slow  # two engines, six prefills
 def test_answers_from_8_bit_blocks_stay_those_of_16_bit_blocks(loaded):
     """The default model, three documents of ~420 tokens, each a hit of all its
     full blocks: the greedy answers after an 8-bit hit equal those after a

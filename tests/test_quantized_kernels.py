@@ -265,6 +265,7 @@ def _compare(path, greedy=True):
     return change, same
 
 
+@pytest.mark.slow  # loads the default model twice (the kernels' unit tests stay in the fast run)
 @pytest.mark.skipif(not FEATURE.on, reason=f"quantized kernels off: {FEATURE}")
 def test_the_default_models_log_probabilities_stay_close(model_path):
     """SmolLM2-135M (4 bits), decoding: the per-token log-probabilities of a
