@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 from tierlm.backends import gpu
+from tierlm.engine.quantized_kv import QuantizedSlot
 from tierlm.models.random_model import tiny_model
 
 
@@ -25,6 +27,45 @@ def test_attention_products_equal_mlxs_attention(mask, pieces):
     scores_bytes = 4 * 2 * 8 * 40 * (5 if pieces == 1 else 2)
     got = gpu.attention_products(q, k, v, 0.125, masks[mask], max_scores_bytes=scores_bytes)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=masks[mask])
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("queries", [1, 5])
+@pytest.mark.parametrize("mask", ["none", "causal", "boolean"])
+def test_attention_products_over_quantized_kv_equal_mlx_lms(mask, queries):
+    """KV kept at 8 bits in the batch (engine.quantized_kv): the same as mlx-lm's
+    quantized attention, which broadcasts KV heads where MLX's CUDA quantized
+    products take none (here the query heads are folded into rows); 37 keys, a
+    length that leaves CUDA's rows unaligned."""
+    key = mx.random.key(5)
+    q, k, v = (mx.random.normal(shape, key=mx.random.split(key, 3)[i])
+               for i, shape in enumerate([(2, 8, queries, 64), (2, 2, 37, 64), (2, 2, 37, 64)]))
+    masks = {"none": None, "causal": "causal", "boolean": mx.random.uniform(shape=(2, 1, queries, 37), key=key) > 0.3}
+    qk, qv = (mx.quantize(a, group_size=64, bits=8) for a in (k, v))
+    got = gpu.attention_products(q, qk, qv, 0.125, masks[mask], quantized=(64, 8), max_scores_bytes=4 * 2 * 8 * 37 * 2)
+    # after: mlx-lm's scales its queries in place
+    want = quantized_scaled_dot_product_attention(q, qk, qv, scale=0.125, mask=masks[mask], group_size=64, bits=8)
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+def test_a_quantized_batch_is_read_as_its_whole_buffers_with_the_keys_past_its_end_hidden(queries):
+    """CUDA's quantized products take no strided view, so the wrapper reads the
+    batch cache's whole buffers (256 keys here, 43 of them written; rows of
+    two lengths) and masks the rest: the same as mlx-lm's attention over the
+    written keys."""
+    key = mx.random.key(7)
+    cache = QuantizedSlot.merge([QuantizedSlot.of(None, 8), QuantizedSlot.of(None, 8)])
+    cache.prepare(left_padding=[0, 4])
+    cache.update_and_fetch(*(mx.random.normal((2, 2, 40, 64), key=mx.random.split(key, 2)[i]) for i in range(2)))
+    mask = cache.make_mask(queries)
+    q = mx.random.normal((2, 8, queries, 64), key=key)
+    keys, values = cache.update_and_fetch(*(mx.random.normal((2, 2, queries, 64), key=mx.random.key(i))
+                                            for i in range(2)))
+    assert cache.keys[0].shape[2] == 256 and keys[0].shape[2] == 40 + queries
+    got = gpu._wrap(None)(q, keys, values, cache, scale=0.125, mask=mask)
+    # after: mlx-lm's scales its queries in place
+    want = quantized_scaled_dot_product_attention(q, keys, values, scale=0.125, mask=mask, group_size=64, bits=8)
     assert mx.allclose(got, want, atol=1e-5).item()
 
 

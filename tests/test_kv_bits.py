@@ -61,32 +61,64 @@ async def _turns(engine: EngineCore, tokenizer, docs=DOCS) -> list:
     return outs
 
 
-@pytest.mark.slow  # two engines, six prefills
-def test_answers_from_8_bit_blocks_stay_those_of_16_bit_blocks(loaded):
+async def _answers(loaded, **settings) -> tuple[list, dict]:
+    """`_turns` on an engine of these settings, closed after, and its sizes: the
+    batch's KV bytes a token and the hot tier's."""
+    engine = await _engine(loaded, **settings)
+    outs = await _turns(engine, loaded[1])
+    cache = engine.scheduler.cache
+    sizes = {"batch": engine.profile.kv_bytes_per_token, "bits": engine.kv_bits,
+             "hot": cache.hot.nbytes / (cache.stats.stored_blocks * 64)}
+    await engine.close()
+    return outs, sizes
+
+
+@pytest.fixture(scope="module")
+def full(loaded):
+    """The answers and engine of 16-bit KV everywhere: what the tests below compare with."""
+    return run(_answers(loaded))
+
+
+def _agree(quantized: list, full: list) -> tuple[int, list[float]]:
+    """How many answers are equal, and the chosen tokens' log-probability moves
+    while they agree (an answer that is EOS alone has none)."""
+    moved = [abs(q.logprobs[i][1] - f.logprobs[i][1]) for q, f in zip(quantized, full)
+             for i in range(min(len(q.logprobs or ()), len(f.logprobs or ())))
+             if q.token_ids[: i + 1] == f.token_ids[: i + 1]]
+    return sum(q.token_ids == f.token_ids for q, f in zip(quantized, full)), moved
+
+
+@pytest.mark.slow  # an engine, six prefills
+def test_answers_from_8_bit_blocks_stay_those_of_16_bit_blocks(loaded, full):
     """The default model, three documents of ~420 tokens, each a hit of all its
     full blocks: the greedy answers after an 8-bit hit equal those after a
     16-bit hit on at least 2 of 3 (3 here), and the chosen tokens'
     log-probabilities, while the answers agree, move by < 0.1 at most (0.015
     here, over 16 tokens: the bound leaves room for other CPUs' rounding); the
     hot tier holds 3.9x the tokens a byte (float32 KV on the CPU)."""
-
-    async def go(bits):
-        engine = await _engine(loaded, cache_kv_bits=bits)
-        outs = await _turns(engine, loaded[1])
-        stats = engine.scheduler.cache.stats
-        per_token = engine.scheduler.cache.hot.nbytes / (stats.stored_blocks * 64)
-        await engine.close()
-        return outs, per_token
-
-    (quantized, q_bytes), (full, f_bytes) = run(go(8)), run(go(16))
-    assert all(o.cached_tokens >= 384 for o in quantized + full)
-    assert sum(q.token_ids == f.token_ids for q, f in zip(quantized, full)) >= 2
-    # a token's log-probability while the answers agree (an answer that is EOS alone has none)
-    moved = [abs(q.logprobs[i][1] - f.logprobs[i][1]) for q, f in zip(quantized, full)
-             for i in range(min(len(q.logprobs or ()), len(f.logprobs or ())))
-             if q.token_ids[: i + 1] == f.token_ids[: i + 1]]
+    quantized, sizes = run(_answers(loaded, cache_kv_bits=8))
+    assert all(o.cached_tokens >= 384 for o in quantized + full[0])
+    equal, moved = _agree(quantized, full[0])
+    assert equal >= 2
     assert moved and max(moved) < 0.1, moved
-    assert f_bytes / q_bytes >= 3.8
+    assert full[1]["hot"] / sizes["hot"] >= 3.8
+
+
+@pytest.mark.slow  # an engine, six prefills
+def test_answers_with_kv_at_8_bits_in_the_batch_and_the_tiers(loaded, full):
+    """`batch_kv_bits` and `cache_kv_bits` 8: the prompts computed over 8-bit KV,
+    stored, and hit (blocks leave the batch dequantized and enter it quantized
+    again): the answers equal the 16-bit ones on at least 2 of 3 (3 here), the
+    log-probabilities move by < 0.25 while they agree (0.04 here: every token's
+    attention reads 8-bit keys now, not a hit's alone); the batch's KV takes
+    3.5x fewer bytes a token than float32's."""
+    quantized, sizes = run(_answers(loaded, batch_kv_bits=8, cache_kv_bits=8))
+    assert sizes["bits"] == 8
+    assert all(o.cached_tokens >= 384 for o in quantized)
+    equal, moved = _agree(quantized, full[0])
+    assert equal >= 2
+    assert moved and max(moved) < 0.25, moved
+    assert full[1]["batch"] / sizes["batch"] >= 3.5
 
 
 @pytest.mark.slow  # three engines, one restart over the SSD tier

@@ -30,6 +30,7 @@ SAMPLES = {
     "warmup": (True, False, True),  # default None: on where the device is a GPU
     "speculation": ("off", "prompt-lookup", "auto"),
     "cache_kv_bits": (8, 4, 16),
+    "batch_kv_bits": (8, 4, 16),
 }
 
 

@@ -14,6 +14,15 @@ softmax(q kᵀ · scale + mask) v, two matmuls around a softmax, which MLX runs
 without building anything per shape. Longer prefill chunks keep cuDNN, whose
 graph for a full chunk is built once and whose kernels those chunks need.
 
+KV kept quantized in the batch (`batch_kv_bits`, engine.quantized_kv) runs
+here too, whatever the queries: mlx-lm's quantized attention broadcasts each
+KV head over its query heads and reads the KV up to the batch's end as a
+strided view, and MLX's CUDA quantized products take neither ("no
+implementation for problem shape"). Here the query heads are folded into
+rows, and the products read the cache's whole buffers with the keys past its
+end masked (the buffers grow 256 keys at a time: a new shape per 256 tokens,
+not per step).
+
 `install(model)` puts the wrapper into the mlx-lm modules `model` is built from,
 only where MLX's default device is a CUDA GPU.
 """
@@ -32,63 +41,100 @@ SCORES_BYTES = 256 * 2**20  # float32 scores of one piece of the queries at most
 
 
 def install(model: nn.Module) -> list[str]:
-    """Use `attention_products` for few queries in `model`'s mlx-lm modules;
-    the names replaced (module.function)."""
+    """Use `attention_products` for few queries, and for KV kept quantized in
+    the batch, in `model`'s mlx-lm modules; the names replaced (module.function)."""
     if mx.default_device() == mx.cpu or not mx.cuda.is_available():
         return []  # Metal's attention kernels take few queries without per-shape builds
-    if os.environ.get("TIERLM_FEW_QUERY_ATTENTION") == "off":  # MLX's own, for comparisons
-        return []
+    few = os.environ.get("TIERLM_FEW_QUERY_ATTENTION") != "off"  # off: MLX's own, for comparisons
     replaced = []
     for module in mlx_lm_modules(model):
         current = getattr(module, "scaled_dot_product_attention", None)
         if current is None:
             continue
         if not hasattr(current, "original"):
-            module.scaled_dot_product_attention = _wrap(current)
+            module.scaled_dot_product_attention = _wrap(current, few)
         replaced.append(f"{module.__name__.rsplit('.', 1)[-1]}.scaled_dot_product_attention")
     return replaced
 
 
-def _wrap(original):
+def _wrap(original, few_queries: bool = True):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        few = 1 < queries.shape[2] <= MAX_QUERIES
-        if not few or sinks is not None or hasattr(cache, "bits") or (isinstance(mask, str) and mask != "causal"):
+        if isinstance(mask, str) and mask != "causal" or sinks is not None:
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-        return attention_products(queries, keys, values, scale, mask)
+        if hasattr(cache, "bits"):  # mlx-lm's own broadcasts KV heads, which CUDA's quantized products refuse
+            keys, values, mask = _whole_buffers(cache, keys, values, mask, queries.shape[2])
+            return attention_products(queries, keys, values, scale, mask, quantized=(cache.group_size, cache.bits))
+        if few_queries and 1 < queries.shape[2] <= MAX_QUERIES:
+            return attention_products(queries, keys, values, scale, mask)
+        return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.original = original
     return scaled_dot_product_attention
 
 
-def attention_products(queries, keys, values, scale: float, mask, max_scores_bytes: int = SCORES_BYTES) -> mx.array:
+def _whole_buffers(cache, keys, values, mask, length: int):
+    """A quantized KV cache's whole buffers, and the mask that hides the
+    keys past its end: MLX's CUDA quantized products take no strided view (the
+    batch's KV up to its end is one), and its buffers grow 256 keys at a time,
+    so the products see a new shape every 256 tokens, not every step."""
+    end = getattr(cache, "_idx", getattr(cache, "offset", None))  # a batch's end; one sequence's length
+    if not isinstance(end, int) or not isinstance(cache.keys, tuple):
+        return keys, values, mask
+    span = cache.keys[0].shape[2]
+    if span == end:
+        return keys, values, mask
+    if mask is None or isinstance(mask, str):
+        causal = mask is not None
+        mask = mx.arange(span)[None] < end
+        if causal:
+            mask = mask & (mx.arange(span)[None] <= mx.arange(end - length, end)[:, None])
+    else:
+        hidden = mx.zeros((*mask.shape[:-1], span - end), dtype=mask.dtype) if mask.dtype == mx.bool_ \
+            else mx.full((*mask.shape[:-1], span - end), -mx.inf, dtype=mask.dtype)
+        mask = mx.concatenate([mask, hidden], axis=-1)
+    return cache.keys, cache.values, mask
+
+
+def attention_products(queries, keys, values, scale: float, mask, max_scores_bytes: int = SCORES_BYTES,
+                       quantized: tuple[int, int] | None = None) -> mx.array:
     """softmax(q kᵀ · scale + mask) v for (B, heads, L, D) queries and
     (B, kv_heads, S, D) keys and values, the softmax in float32. `mask`: None,
     "causal" (query i at position S - L + i), or a boolean or additive array.
     The queries go in pieces whose scores take `max_scores_bytes` at most (a
-    long context's: 256 queries over 60k keys would hold 2 GB of them)."""
+    long context's: 256 queries over 60k keys would hold 2 GB of them).
+    `quantized`: (group size, bits) of keys and values given as MLX's
+    (values, scales, biases) triples (engine.quantized_kv)."""
     batch, heads, length, _ = queries.shape
-    span = keys.shape[2]
+    span = (keys[0] if quantized else keys).shape[2]
     if isinstance(mask, str):
         mask = mx.arange(span)[None] <= mx.arange(span - length, span)[:, None]
     rows = max(1, max_scores_bytes // (4 * batch * heads * span))
     if length <= rows:
-        return _products(queries, keys, values, scale, mask)
+        return _products(queries, keys, values, scale, mask, quantized)
     pieces = []
     for start in range(0, length, rows):
         piece = slice(start, min(length, start + rows))
         rows_mask = mask if mask is None or mask.shape[-2] == 1 else mask[..., piece, :]
-        pieces.append(_products(queries[:, :, piece], keys, values, scale, rows_mask))
+        pieces.append(_products(queries[:, :, piece], keys, values, scale, rows_mask, quantized))
     return mx.concatenate(pieces, axis=2)
 
 
-def _products(queries, keys, values, scale: float, mask) -> mx.array:
+def _products(queries, keys, values, scale: float, mask, quantized: tuple[int, int] | None = None) -> mx.array:
     batch, heads, length, _ = queries.shape
-    kv_heads, span = keys.shape[1], keys.shape[2]
+    kv_heads, span = (keys[0] if quantized else keys).shape[1:3]
     group = heads // kv_heads  # query heads h*group .. h*group+group-1 read KV head h
     grouped = (queries * scale).reshape(batch, kv_heads, group * length, -1)
-    scores = (grouped @ keys.swapaxes(-1, -2)).reshape(batch, heads, length, span).astype(mx.float32)
+    scores = _matmul(grouped, keys, quantized, transpose=True).reshape(batch, heads, length, span).astype(mx.float32)
     if mask is not None:
         scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
-    weights = mx.softmax(scores, axis=-1).astype(values.dtype)
-    out = weights.reshape(batch, kv_heads, group * length, span) @ values
+    weights = mx.softmax(scores, axis=-1).astype(queries.dtype)
+    out = _matmul(weights.reshape(batch, kv_heads, group * length, span), values, quantized, transpose=False)
     return out.reshape(batch, heads, length, -1)
+
+
+def _matmul(a: mx.array, b, quantized: tuple[int, int] | None, transpose: bool) -> mx.array:
+    """a @ b (bᵀ where `transpose`), b a quantized triple where `quantized`."""
+    if quantized is None:
+        return a @ (b.swapaxes(-1, -2) if transpose else b)
+    group_size, bits = quantized
+    return mx.quantized_matmul(a, *b, transpose=transpose, group_size=group_size, bits=bits)

@@ -32,6 +32,7 @@ from tierlm.engine.collector import OutputCollector
 from tierlm.engine.lockstep import Lockstep
 from tierlm.engine.draft_model import load_draft_model
 from tierlm.engine.memory_guard import MemoryGuard, ModelProfile, default_memory_limit, profile_model
+from tierlm.engine.quantized_kv import why_not_quantized
 from tierlm.engine.request import FinishReason, Request, RequestOutput
 from tierlm.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -72,6 +73,7 @@ class EngineCore:
         self.model = self.tokenizer = None
         self.config = settings or Settings()
         self.profile: ModelProfile | None = None
+        self.kv_bits = 16  # what the batch keeps attention KV at, once loaded (`batch_kv_bits`)
         self.scheduler: Scheduler | None = None
         self._stream = None  # the worker's MLX stream
         self._lent: workers.Worker | None = None  # the worker thread and stream, from start to close
@@ -129,7 +131,8 @@ class EngineCore:
         self.model, self.tokenizer = self._load()
         ownership.claim(self.model, self.name)
         with mx.stream(stream):
-            self.profile = profile_model(self.model)
+            self.kv_bits = self._batch_kv_bits()
+            self.profile = profile_model(self.model, self.kv_bits)
         draft = self._load_draft()
         limit = self.config.memory_limit_bytes() or default_memory_limit()
         prefill_step = self.config.prefill_step_size or prefill_step_for(mx.default_device())
@@ -140,6 +143,7 @@ class EngineCore:
             stall_timeout_s=self.config.stall_timeout_s,
             speculative_tokens=self.config.speculative_tokens if self._speculates() else 0,
             draft_model=draft,
+            kv_bits=self.kv_bits,
         )
         log.info(
             "engine %s ready: weights %.0f MiB, KV %.1f KiB/token, memory limit %.0f MiB",
@@ -163,12 +167,25 @@ class EngineCore:
         on a GPU prompt lookup alone does not pay yet (docs/speculation.md);
         and wherever a draft model is named. Never over several ranks (yet):
         a rank's drafts would have to be every rank's."""
-        if self.lockstep is not None:
+        if self.lockstep is not None or self.kv_bits != 16:  # quantized KV: ragged_kv keeps 16 bits
             return False
         setting = self.config.speculation
         if setting == "auto" and self.config.draft_model:
             return True
         return setting == "prompt-lookup" or (setting == "auto" and backends.describe(self.model).batch_invariant)
+
+    def _batch_kv_bits(self) -> int:
+        """Worker thread: the bits the batch keeps attention KV at: `batch_kv_bits`
+        where the model's layers allow it (else 16, and the log says why)."""
+        bits = self.config.batch_kv_bits
+        if bits == 16:
+            return 16
+        why = "not over several ranks (yet)" if self.lockstep is not None else why_not_quantized(self.model)
+        if why:
+            log.warning("engine %s: KV kept at 16 bits in the batch, not %d: %s", self.name, bits, why)
+            return 16
+        log.info("engine %s: KV kept at %d bits in the batch (no speculation)", self.name, bits)
+        return bits
 
     def _load_draft(self):
         """The draft model (`draft_model`), where one is named and requests
@@ -218,7 +235,7 @@ class EngineCore:
         batch, prompt_len = self._warm_jobs.pop(0)
         try:
             seconds = warmup.run_shape(self.model, self._stream, batch, prompt_len, prefill_step,
-                                       self.config.speculative_tokens if self._speculates() else 0)
+                                       self.config.speculative_tokens if self._speculates() else 0, self.kv_bits)
         except Exception:
             log.exception("engine %s: warming batch %d failed; warming stops", self.name, batch)
             self._warm_jobs.clear()

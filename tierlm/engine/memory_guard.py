@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from tierlm.backends import describe
+from tierlm.engine.quantized_kv import quantized_slots
 from tierlm.engine.request import MemoryGuardError
 
 _FP32 = 4
@@ -43,20 +44,24 @@ def _arg(model, *names: str, default: int = 0) -> int:
     return default
 
 
-def profile_model(model) -> ModelProfile:
-    """Measure the model on its own worker thread: one token through a fresh cache."""
+def profile_model(model, kv_bits: int = 16) -> ModelProfile:
+    """Measure the model on its own worker thread: one token through a fresh
+    cache (its attention KV quantized where the batch keeps it at `kv_bits`)."""
     from mlx.utils import tree_flatten
 
     native_bytes = describe(model).extra_bytes
     weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) + native_bytes
     cache = make_prompt_cache(model)
+    if kv_bits != 16:
+        cache = quantized_slots(cache, kv_bits)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
     per_token, fixed = 0, 0
     for c in cache:
         keys = getattr(c, "keys", None)
         if keys is not None and getattr(c, "max_size", None) is None:
-            per_token += c.nbytes // keys.shape[2]  # allocated length, not offset
+            allocated = (keys[0] if isinstance(keys, tuple) else keys).shape[2]  # a length, not the offset
+            per_token += c.nbytes // allocated
         else:
             fixed += c.nbytes
     hidden = _arg(model, "hidden_size", "d_model", default=4096)

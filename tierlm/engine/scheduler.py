@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from tierlm.cache.hot_tier import Block
@@ -28,6 +29,7 @@ from tierlm.engine.lockstep import Lockstep, StepPlan
 from tierlm.engine.memory_guard import MemoryGuard
 from tierlm.engine.request import FinishReason, MemoryGuardError, Request, RequestOutput
 from tierlm.engine.sampling import make_request_processors, make_request_sampler, repair_random_state
+from tierlm.engine.quantized_kv import dequantized, quantized_slots
 from tierlm.engine.speculative_batch import SpeculativeGenerator
 from tierlm.engine.stages import StageLog
 
@@ -51,6 +53,7 @@ class SchedulerConfig:
     stall_timeout_s: float = 300.0  # a running request with no progress this long ends with an error
     speculative_tokens: int = 0  # draft tokens a sequence verifies a step at most by default (0: no drafting)
     draft_model: Any = None  # a smaller model of the same tokenizer drafting too (engine.draft_model)
+    kv_bits: int = 16  # what the batch keeps attention KV at (engine.quantized_kv)
 
 
 @dataclass
@@ -483,6 +486,8 @@ class Scheduler:
             sampler = self._sampler(params, on_fault)
             processors = [] if self.following else make_request_processors(params, on_fault)
             caches = [self.cache.rebuild(lookup.blocks)] if hit else None
+            if self.config.kv_bits != 16:
+                caches = [quantized_slots(caches[0] if caches else make_prompt_cache(self.model), self.config.kv_bits)]
             text = IncrementalText(self.tokenizer.detokenizer, params.stop, self._bytes_table,
                                    params.keep_leading_space)
         except Exception as e:
@@ -711,7 +716,7 @@ class Scheduler:
 
     def _store(self, state: _Running | None, tokens: list[int], caches: list) -> None:
         """Keep the computed blocks, at the start of the next step (`_flush_stores`)."""
-        self._to_store.append((state, list(tokens), caches))
+        self._to_store.append((state, list(tokens), dequantized(caches)))
 
     def _flush_stores(self) -> None:
         """Store what the last step computed, in one evaluation; the keys a waiting

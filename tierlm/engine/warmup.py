@@ -20,8 +20,10 @@ import time
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 
 from tierlm.engine.drafts import PromptLookup
+from tierlm.engine.quantized_kv import quantized_slots
 from tierlm.engine.request import SamplingParams
 from tierlm.engine.sampling import make_request_sampler
 from tierlm.engine.speculative_batch import SpeculativeGenerator, StepCosts, padded_width, pads_widths
@@ -64,14 +66,16 @@ class RepeatDrafts(PromptLookup):
         return [last] * k
 
 
-def run_shape(model, stream, batch: int, prompt_len: int, prefill_step: int, drafts: int = 0) -> float:
+def run_shape(model, stream, batch: int, prompt_len: int, prefill_step: int, drafts: int = 0,
+              kv_bits: int = 16) -> float:
     """Worker thread: `batch` requests of `prompt_len` tokens, a few tokens each,
     every other one sampled at a temperature, then again verifying drafts at each
-    width a step may take with up to `drafts` draft tokens; the seconds it took."""
+    width a step may take with up to `drafts` draft tokens; the seconds it took.
+    `kv_bits`: what the batch keeps attention KV at (engine.quantized_kv)."""
     tic = time.perf_counter()
     widths = [1, *draft_widths(drafts)] if pads_widths() else [drafts + 1]  # a CPU compiles nothing
     for width in widths:
-        _decode_a_few(model, stream, batch, prompt_len, prefill_step, width - 1)
+        _decode_a_few(model, stream, batch, prompt_len, prefill_step, width - 1, kv_bits)
     return time.perf_counter() - tic
 
 
@@ -81,7 +85,8 @@ def draft_widths(drafts: int) -> list[int]:
     return sorted({padded_width(w, drafts + 1) for w in range(2, drafts + 2)})
 
 
-def _decode_a_few(model, stream, batch: int, prompt_len: int, prefill_step: int, drafts: int) -> None:
+def _decode_a_few(model, stream, batch: int, prompt_len: int, prefill_step: int, drafts: int,
+                  kv_bits: int) -> None:
     options = dict(completion_batch_size=batch, prefill_batch_size=min(8, batch),
                    prefill_step_size=prefill_step, stream=stream)
     gen = SpeculativeGenerator(model, lookup=RepeatDrafts, **options) if drafts else BatchGenerator(model, **options)
@@ -89,7 +94,8 @@ def _decode_a_few(model, stream, batch: int, prompt_len: int, prefill_step: int,
         sampled = make_request_sampler(SamplingParams(temperature=0.7, seed=0), lambda message: None)
         greedy = make_request_sampler(SamplingParams(temperature=0), lambda message: None)
         prompts = [[(7 * i + j) % 97 + 3 for j in range(prompt_len)] for i in range(batch)]
-        uids = gen.insert(prompts, max_tokens=[DECODE_STEPS] * batch,
+        caches = None if kv_bits == 16 else [quantized_slots(make_prompt_cache(model), kv_bits) for _ in prompts]
+        uids = gen.insert(prompts, max_tokens=[DECODE_STEPS] * batch, caches=caches,
                           samplers=[sampled if i % 2 else greedy for i in range(batch)])
         if drafts:
             gen.speculation.costs = WidestSteps()

@@ -1,0 +1,96 @@
+"""Decode speed with the running batch's KV at 16 bits and at 8 (or 4):
+`batch_kv_bits`, in process, side by side in one run.
+
+Per context length, one long-lived engine per bit width (as a server keeps),
+each given the same `--batch` greedy requests of random prompts of that many
+tokens, `--tokens` new tokens each; the engines take turns, round by round.
+The figure is the steady decode rate while the whole batch runs
+(loadgen.metrics.steady_decode_rate), medians over rounds; the ratio is each
+round's quantized over its 16-bit run. No prefix cache: every run prefills.
+
+    python -m bench_lab.kv_bits --preset llama-1b --tokenizer TOKENIZER_DIR --batch 32 --context 2048 8192
+    python -m bench_lab.kv_bits --batch 8 --context 1024          # the default model, e.g. on a CPU
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from pathlib import Path
+
+from bench_lab import lab_parser, write_result
+
+
+def title(result: dict) -> str:
+    model = f"random weights of {result['preset']}'s shapes" if result.get("preset") else Path(result["model"]).name
+    return f"Decode with the batch's KV at {result['bits']} bits against 16, batch {result['batch']}: {model}"
+
+
+def table(result: dict) -> str:
+    rows = ["| context | 16-bit tok/s | quantized tok/s | ratio (median of rounds) |", "|---|---|---|---|"]
+    for c in result["contexts"]:
+        rows.append(f"| {c['context']} | {c['median_tok_s']['16']:.0f} | {c['median_tok_s'][str(result['bits'])]:.0f}"
+                    f" | {c['ratio']:.2f} |")
+    return "\n".join(rows)
+
+
+def measure(model, tokenizer, batch: int, context: int, tokens: int, bits: int, rounds: int, vocab: int) -> dict:
+    from tierlm.bench.engine_overhead import EngineRunner, random_prompts
+
+    prompts = random_prompts(vocab, batch, context, seed=context)
+    runners = {b: EngineRunner(model, tokenizer, batch, 2048, batch_kv_bits=b, prefix_cache=False) for b in (16, bits)}
+    try:
+        assert runners[bits].engine.kv_bits == bits, "the model's KV cannot be quantized (see the log)"
+        for runner in runners.values():  # compiles, and the first allocation of this size
+            runner.run(prompts, 4)
+        rates: dict[str, list[float]] = {"16": [], str(bits): []}
+        for rnd in range(rounds):
+            for b in ((16, bits) if rnd % 2 == 0 else (bits, 16)):
+                rates[str(b)].append(runners[b].run(prompts, tokens).decode_tok_s)
+                print(f"context {context} round {rnd} {b}-bit: {rates[str(b)][-1]:.0f} tok/s", flush=True)
+    finally:
+        for runner in runners.values():
+            runner.close()
+    ratios = [q / f for q, f in zip(rates[str(bits)], rates["16"])]
+    return {"context": context, "tok_s": rates, "median_tok_s": {k: statistics.median(v) for k, v in rates.items()},
+            "ratios": ratios, "ratio": statistics.median(ratios)}
+
+
+def main(argv=None) -> int:
+    p = lab_parser("bench_lab.kv_bits", __doc__)
+    p.add_argument("--model", default=None, help="model folder (default: the built-in default model)")
+    p.add_argument("--preset", default=None, help="random weights of this preset's shapes instead")
+    p.add_argument("--tokenizer", default=None, help="with --preset: a model folder whose tokenizer it takes")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, nargs="+", default=[2048])
+    p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--bits", type=int, default=8, choices=(8, 4))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    import mlx.core as mx
+
+    from tierlm.bench.servers import default_model_folder
+    from tierlm.models.loader import load_model, usable_vocab_size
+
+    if args.preset:
+        from tierlm.models.random_model import make_random_model
+
+        path = make_random_model(args.preset, Path(tempfile.mkdtemp(prefix="tierlm-kv-bits-")) / "model",
+                                 Path(args.tokenizer))
+    else:
+        path = Path(args.model).expanduser() if args.model else default_model_folder()
+    model, tokenizer = load_model(path)
+    vocab = usable_vocab_size(tokenizer, model)
+    result = {"model": str(path), "preset": args.preset, "batch": args.batch, "bits": args.bits,
+              "tokens": args.tokens, "rounds": args.rounds, "device": str(mx.default_device()),
+              "contexts": [measure(model, tokenizer, args.batch, c, args.tokens, args.bits, args.rounds, vocab)
+                           for c in args.context]}
+    print(title(result))
+    print(table(result))
+    write_result(args, p, "kv_bits", result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""The running batch's KV kept at 8 or 4 bits (`batch_kv_bits`).
+
+mlx-lm quantizes KV for one sequence only (QuantizedKVCache); its batch cache
+(BatchKVCache) keeps every value as computed. `QuantizedBatchKVCache` is a
+BatchKVCache whose keys and values are each kept as (values, scales, biases),
+MLX's affine quantization in groups of 64 along a head's vector: 8.5 bits a
+value at 8 bits with 16-bit scales (1.9x the tokens of 16-bit KV in the same
+memory; 3.6x float32's on the CPU), 4.5 at 4 bits. Because it has `bits`,
+mlx-lm's attention takes it to `quantized_scaled_dot_product_attention` (two
+quantized products), and tierlm's own attention paths leave it to that.
+
+A sequence enters the batch with a `QuantizedSlot` per attention layer (empty,
+or holding a cache hit's KV, quantized as it is made), and mlx-lm's batching
+merges, extends, filters and extracts them as it does its own caches: the
+methods here mirror BatchKVCache's over three arrays instead of one.
+Sliding-window and recurrent layers keep their own caches as computed.
+
+The cache tiers keep blocks in their own layout (`cache_kv_bits`,
+tierlm/cache/kv_quant.py): a sequence's KV leaves the batch dequantized
+(`dequantized`) and a hit enters it quantized again.
+
+These classes reach into BatchKVCache's fields (`_idx`, `left_padding`,
+`offset`, `_right_padding`); tests/test_quantized_kv.py fails loudly if they
+change.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx.utils import tree_map
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, dynamic_roll, make_prompt_cache
+
+BITS = (16, 8, 4)  # 16: kept as computed
+GROUP = 64  # values per scale and bias, along a head's vector
+
+
+def supports(head_dim: int) -> bool:
+    return head_dim % GROUP == 0
+
+
+class QuantizedSlot(QuantizedKVCache):
+    """One sequence's quantized KV of one layer, as mlx-lm's batching takes it."""
+
+    @classmethod
+    def of(cls, cache: KVCache | None, bits: int) -> QuantizedSlot:
+        """A slot holding `cache`'s KV (none: empty), quantized."""
+        slot = cls(group_size=GROUP, bits=bits)
+        if cache is not None and cache.keys is not None and cache.offset:
+            keys, values = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+            slot.keys = mx.quantize(keys, group_size=GROUP, bits=bits)
+            slot.values = mx.quantize(values, group_size=GROUP, bits=bits)
+            slot.offset = cache.offset
+        return slot
+
+    @classmethod
+    def merge(cls, caches: list[QuantizedSlot]) -> QuantizedBatchKVCache:
+        return QuantizedBatchKVCache.merge(caches)
+
+    def dequantized(self) -> KVCache:
+        cache = KVCache()
+        if self.keys is not None and self.offset:
+            keys, values = self.keys_and_values()
+            cache.keys = mx.dequantize(*keys, group_size=self.group_size, bits=self.bits)
+            cache.values = mx.dequantize(*values, group_size=self.group_size, bits=self.bits)
+            cache.offset = self.offset
+        return cache
+
+
+class QuantizedBatchKVCache(BatchKVCache):
+    """BatchKVCache with `keys` and `values` each a (values, scales, biases)
+    triple of arrays (batch, heads, tokens, ...), quantized at `bits`."""
+
+    def __init__(self, left_padding: list[int], bits: int, group_size: int = GROUP):
+        super().__init__(left_padding)
+        self.bits, self.group_size = bits, group_size
+
+    def update_and_fetch(self, keys, values):
+        prev, n = self._idx, keys.shape[2]
+        if self.keys is None or prev + n > self.keys[0].shape[2]:
+            self._grow(keys, values, prev, n)
+        self.offset = self.offset + n
+        self._idx += n
+        new_keys = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
+        new_values = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+        for part in range(3):
+            self.keys[part][..., prev : self._idx, :] = new_keys[part]
+            self.values[part][..., prev : self._idx, :] = new_values[part]
+        return self.keys_and_values()
+
+    def _grow(self, keys, values, prev: int, n: int) -> None:
+        """Room for `n` more tokens, in steps of `step` (as BatchKVCache grows)."""
+        batch, heads = keys.shape[:2]
+        length = (self.step + n - 1) // self.step * self.step
+        empty = (_empty(batch, heads, length, keys.shape[3], keys.dtype, self.bits, self.group_size),
+                 _empty(batch, heads, length, values.shape[3], values.dtype, self.bits, self.group_size))
+        if self.keys is None:
+            self.keys, self.values = empty
+            return
+        if prev % self.step != 0:
+            self.keys, self.values = tree_map(lambda x: x[..., :prev, :], (self.keys, self.values))
+        self.keys, self.values = tree_map(lambda x, e: mx.concatenate([x, e], axis=2),
+                                          (self.keys, self.values), empty)
+
+    def keys_and_values(self):
+        return tree_map(lambda x: x[..., : self._idx, :], (self.keys, self.values))
+
+    def finalize(self):
+        if self._right_padding is not None:
+            shifts = self._right_padding[:, None]
+            self.keys, self.values = tree_map(lambda x: dynamic_roll(x, shifts, axis=2), (self.keys, self.values))
+            self.offset = self.offset - self._right_padding
+            self.left_padding += self._right_padding
+            self._right_padding = None
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset, self.left_padding, self._idx
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.offset, self.left_padding, self._idx = v
+
+    def filter(self, batch_indices):
+        if self.keys is not None:
+            self.keys, self.values = tree_map(lambda x: x[batch_indices], (self.keys, self.values))
+        self.offset = self.offset[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+        shift = min(self.left_padding.tolist())  # padding every row has: drop it
+        if shift > 0:
+            if self.keys is not None:  # contiguous: a GPU's quantized products take whole buffers (backends.gpu)
+                self.keys, self.values = tree_map(lambda x: mx.contiguous(x[..., shift:, :]), (self.keys, self.values))
+            self._idx -= shift
+            self.left_padding -= shift
+
+    def extend(self, other):
+        if self.keys is None and other.keys is None:
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        end = max(self._idx, other._idx)
+        size = max(c.keys[0].shape[2] for c in (self, other) if c.keys is not None)
+        like = self if self.keys is not None else other
+
+        def aligned(c):
+            """c's arrays right-aligned at `end`, `size` long, and its padding."""
+            if c.keys is None:
+                rows = c.offset.shape[0]
+                kv = tree_map(lambda x: mx.zeros((rows, x.shape[1], 0, x.shape[3]), x.dtype),
+                              (like.keys, like.values))
+            else:
+                kv = (c.keys, c.values)
+            left = end - c._idx
+            right = size - kv[0][0].shape[2] - left
+            if right < 0:
+                kv, right = tree_map(lambda x: x[..., :right, :], kv), 0
+            if left or right:
+                kv = tree_map(lambda x: mx.pad(x, [(0, 0), (0, 0), (left, right), (0, 0)]), kv)
+            return kv, c.offset, c.left_padding + left
+
+        (kv_a, off_a, pad_a), (kv_b, off_b, pad_b) = aligned(self), aligned(other)
+        self.keys, self.values = tree_map(lambda a, b: mx.concatenate([a, b]), kv_a, kv_b)
+        self.offset = mx.concatenate([off_a, off_b])
+        self.left_padding = mx.concatenate([pad_a, pad_b])
+        self._idx = end
+
+    def extract(self, idx):
+        mx.eval(self.left_padding)
+        start = self.left_padding.tolist()[idx]
+        slot = QuantizedSlot(group_size=self.group_size, bits=self.bits)
+        slot.keys, slot.values = tree_map(lambda x: mx.contiguous(x[idx : idx + 1, :, start : self._idx]),
+                                          (self.keys, self.values))
+        slot.offset = self._idx - start
+        return slot
+
+    @classmethod
+    def merge(cls, caches: list[QuantizedSlot]) -> QuantizedBatchKVCache:
+        """One batch of these sequences, right-aligned (shorter ones padded on the left)."""
+        bits, group = caches[0].bits, caches[0].group_size
+        lengths = [c.offset for c in caches]
+        longest = max(lengths)
+        if longest == 0:
+            return cls([0] * len(caches), bits, group)
+        padding = [longest - n for n in lengths]
+        first = next(c for c in caches if c.offset)
+        buffers = tree_map(lambda x: mx.zeros((len(caches), x.shape[1], longest, x.shape[3]), x.dtype),
+                           (first.keys, first.values))
+        for row, (pad, c) in enumerate(zip(padding, caches)):
+            if not c.offset:
+                continue
+            for buffer, part in zip(buffers[0] + buffers[1], c.keys + c.values):
+                buffer[row : row + 1, :, pad:] = part[..., : c.offset, :]
+        batch = cls(padding, bits, group)
+        batch.keys, batch.values = buffers
+        batch.offset = batch.offset + longest
+        batch._idx = longest
+        return batch
+
+    @property
+    def nbytes(self):
+        if self.keys is None:
+            return 0
+        return sum(x.nbytes for x in self.keys + self.values)
+
+
+def _empty(batch: int, heads: int, length: int, dim: int, dtype, bits: int, group: int) -> tuple:
+    """Zeroed (values, scales, biases) for `length` tokens of `dim`-wide vectors."""
+    shape = (batch, heads, length)
+    return (mx.zeros((*shape, dim * bits // 32), dtype=mx.uint32),
+            mx.zeros((*shape, dim // group), dtype=dtype),
+            mx.zeros((*shape, dim // group), dtype=dtype))
+
+
+def quantized_slots(caches: list, bits: int) -> list:
+    """A sequence's per-layer caches for a batch kept at `bits`: attention KV
+    layers as QuantizedSlots, the others (windows, recurrent state) as they are."""
+    return [QuantizedSlot.of(c, bits) if type(c) is KVCache else c for c in caches]
+
+
+def dequantized(caches: list) -> list:
+    """A sequence's per-layer caches with quantized layers as plain KVCaches
+    (what the prefix cache stores)."""
+    return [c.dequantized() if isinstance(c, QuantizedSlot) else c for c in caches]
+
+
+def why_not_quantized(model) -> str | None:
+    """Why `model`'s KV cannot be kept quantized in the batch (None: it can):
+    one token through a fresh cache shows its layers and head widths."""
+    layers = make_prompt_cache(model)
+    if not any(type(c) is KVCache for c in layers):
+        return "it has no plain attention layer"
+    model(mx.array([[0]]), cache=layers)
+    widths = {a.shape[-1] for c in layers if type(c) is KVCache for a in (c.keys, c.values)}
+    if not all(supports(w) for w in widths):
+        return f"a head's vector ({min(widths)} values) is not a multiple of {GROUP}"
+    return None
