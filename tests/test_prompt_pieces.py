@@ -5,9 +5,11 @@ whole."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from tierlm.serving.prompt_pieces import PieceEncoder, encode_rendered, encoder_for
+from tierlm.serving.prompt_pieces import PART, PieceEncoder, _parts, encode_rendered, encoder_for
 
 SOURCE = "def area(r):\n    return 3.14159 * r ** 2\n\n\nclass Circle:\n    pass\n" * 20
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
@@ -37,6 +39,16 @@ def _check_real_tokenizer(tokenizer, tools=None):
     # after the first turn, only a turn's new pieces are tokenized: its two messages' and the markers between
     assert all(later - earlier <= 4 for earlier, later in zip(misses[1:], misses[2:]))
     assert encoder.hits > encoder.misses
+    # a long new piece (a file of ~21k characters) goes in parts cut at blank lines, all at once
+    text = _long_chat(tokenizer)
+    assert encoder.line_cut is not None and len(_parts(SOURCE * 15, PART, encoder.line_cut)) > 4
+    assert encoder.encode(text) == list(tokenizer.encode(text, add_special_tokens=False))
+    assert encoder.check(text, encoder.encode(text)) and encoder.line_cut is not None
+
+
+def _long_chat(tokenizer) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": f"Here:\n{SOURCE * 15}"}],
+                                         add_generation_prompt=True, tokenize=False)
 
 
 def test_the_default_models_pieces_give_the_whole_texts_ids(tokenizer):
@@ -98,6 +110,21 @@ def test_a_prompt_whose_pieces_differ_turns_the_cache_off(tokenizer):
     assert encoder.check(text, ids) and encoder.enabled
     assert not encoder.check(text, ids[:-1])  # what a check on its own thread does when they differ
     assert not encoder.enabled and encoder.encode(text) == ids
+
+
+def test_parts_that_change_the_ids_are_found_by_the_check_and_the_pieces_stay(tokenizer):
+    """Parts cut before a line's indent: the default model's tokenizer (GPT-2's
+    rules) gives the newline and the indent one token, so the ids change; the
+    check turns the parts off, the pieces stay on, and the ids are right again."""
+    encoder = PieceEncoder(tokenizer)
+    text = _long_chat(tokenizer)
+    encoder.line_cut = re.compile(r"(?<=\n)(?=    )")
+    wrong = encoder.encode(text)
+    whole = list(tokenizer.encode(text, add_special_tokens=False))
+    assert wrong != whole
+    assert not encoder.check(text, wrong)
+    assert encoder.line_cut is None and encoder.enabled
+    assert encoder.encode(text) == whole
 
 
 def test_one_encoder_per_tokenizer(tokenizer):

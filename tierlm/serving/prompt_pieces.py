@@ -19,6 +19,16 @@ of its own (a check on the request's way would double the first turns' cost,
 170 ms at 60k tokens on the H200's host). Any difference turns the cache off
 for that tokenizer, logged, and every later prompt is tokenized whole.
 
+A piece the cache does not hold yet that is long (a file in the first
+message: what a new process meets on every prompt, and a cold prompt too) is
+tokenized in parts cut at blank lines, all parts at once on the tokenizer's
+own threads. Where exactly a blank line may be cut depends on the tokenizer's
+pre-tokenizer (Qwen's and Llama 3's keep "\n\n" with what comes before it,
+GPT-2's gives the last newline to what follows), so the first of LINE_CUTS
+whose parts give a probe text's own ids is used. That is checked like the
+pieces, apart: a difference the parts make turns them off and leaves the
+pieces on.
+
 The encoders are kept per tokenizer object (`encode_rendered`), so the API and
 `tierlm.LLM` share them without passing them around; they go with the model.
 """
@@ -38,6 +48,12 @@ log = logging.getLogger(__name__)
 MAX_CACHED_TOKENS = 4_000_000  # ~16 MB of ids (and the pieces' text beside them)
 CHECKED_PROMPTS = 4
 CHECK_EVERY = 64
+LONG_PIECE = 16_000  # characters: a new piece longer than this is tokenized in parts, in parallel
+PART = 4_000  # characters a part holds at least
+LINE_CUTS = (re.compile(r"(?<=\n\n)(?=\S)"),  # after a blank line
+             re.compile(r"(?<=\n)(?=\n\S)"))  # before the last newline of a blank line
+_LINES_PROBE = ('def f(a):\n    return a + 1  # one\n\n\ndef g(b):\n    """Doc."""\n    return [b, 2]\n\n'
+                "class C:\n    pass\n\nSome prose, with 123 numbers.\n\n- an item\n- another: (x)\n\nEnd.\n")
 _PROBE = [  # what a probe chat holds: spaces, newlines, digits, code, accents, emoji
     {"role": "system", "content": "You are a helpful assistant.\n  Indent: 4 spaces."},
     {"role": "user", "content": " leading space, x=1234567 résumé 日本語 🙂\n\n\tdef f(a):\n        return a"},
@@ -58,6 +74,8 @@ class PieceEncoder:
         self._lock = threading.Lock()
         self._prompts = 0
         self.hits = self.misses = 0  # pieces reused, pieces tokenized
+        self._batch = _batch_encoder(tokenizer)  # many texts at once, on the tokenizer's threads (or None)
+        self.line_cut = self._line_cut() if self._batch is not None else None  # parts of long new pieces
         self.enabled = self._pattern is not None and self._probe()
 
     def encode(self, text: str) -> list[int]:
@@ -70,57 +88,131 @@ class PieceEncoder:
         return ids
 
     def check(self, text: str, ids: list[int]) -> bool:
-        """Whether `ids` are the whole text's; if not, the cache is off from now on."""
-        if self._whole(text) == ids:
+        """Whether `ids` are the whole text's; if not, the parts (where they
+        made the difference) or the cache are off from now on."""
+        whole = self._whole(text)
+        if whole == ids:
             return True
-        self._disable("a prompt")
+        cut = self.line_cut
+        if cut and self._fresh(text, cut) != whole and self._fresh(text, None) == whole:
+            self._disable_lines("a prompt")
+        else:
+            self._disable("a prompt")
         return False
+
+    def _fresh(self, text: str, cut) -> list[int]:
+        """The text's ids by pieces (long ones in parts where `cut`), none from the cache."""
+        parts = [q for p in self._split(text) for q in (_parts(p, PART, cut) if cut and len(p) > LONG_PIECE else [p])]
+        return [i for part in parts for i in self._encode(part)]
 
     def _whole(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _by_pieces(self, text: str) -> list[int]:
-        ids: list[int] = []
-        for piece in self._pattern.split(text):
-            if piece:
-                ids.extend(self._piece(piece))
-        return ids
+    def _encode(self, piece: str) -> list[int]:
+        return list(self.tokenizer.encode(piece, add_special_tokens=False))
 
-    def _piece(self, piece: str) -> array | list[int]:
+    def _split(self, text: str) -> list[str]:
+        return [piece for piece in self._pattern.split(text) if piece]
+
+    def _by_pieces(self, text: str, part: int = PART, long_piece: int = LONG_PIECE) -> list[int]:
+        pieces = self._split(text)
+        found = [self._cached(piece) for piece in pieces]
+        missing = list(dict.fromkeys(p for p, ids in zip(pieces, found) if ids is None))
+        if missing:
+            made = dict(zip(missing, self._tokenize(missing, part, long_piece)))
+            found = [made[p] if ids is None else ids for p, ids in zip(pieces, found)]
+        return [i for ids in found for i in ids]
+
+    def _cached(self, piece: str) -> array | None:
         with self._lock:
             ids = self._pieces.get(piece)
             if ids is not None:
                 self._pieces.move_to_end(piece)
                 self.hits += 1
-                return ids
-        ids = array("I", self.tokenizer.encode(piece, add_special_tokens=False))
+            return ids
+
+    def _tokenize(self, pieces: list[str], part: int, long_piece: int) -> list[array]:
+        """The pieces' ids, kept: long ones in parts, and all at once where the
+        tokenizer can."""
+        cut = self.line_cut
+        texts = [_parts(p, part, cut) if cut is not None and len(p) > long_piece else [p] for p in pieces]
+        flat = [t for parts in texts for t in parts]
+        encoded = iter(self._batch(flat) if self._batch is not None and len(flat) > 1 else map(self._encode, flat))
+        made = [array("I", [i for _ in parts for i in next(encoded)]) for parts in texts]
         with self._lock:
-            self.misses += 1
-            if piece not in self._pieces:
-                self._pieces[piece] = ids
-                self._tokens += len(ids)
+            self.misses += len(pieces)
+            for piece, ids in zip(pieces, made):
+                if piece not in self._pieces:
+                    self._pieces[piece] = ids
+                    self._tokens += len(ids)
             while self._tokens > MAX_CACHED_TOKENS and self._pieces:
                 self._tokens -= len(self._pieces.popitem(last=False)[1])
-        return ids
+        return made
 
     def _probe(self) -> bool:
-        """Whether the probe chat's pieces give the whole text's ids."""
+        """Whether the probe chat's pieces give the whole text's ids (and, apart,
+        whether its pieces cut in parts at every line start still do)."""
         try:
             text = self.tokenizer.apply_chat_template(_PROBE, add_generation_prompt=True, tokenize=False)
         except Exception:  # no template, or one that wants other messages: the prompts will tell
             return True
-        if not isinstance(text, str) or self._by_pieces(text) == self._whole(text):
+        if not isinstance(text, str):
+            return True
+        if self._by_pieces(text) == self._whole(text):
             return True
         self._disable("a probe chat")
         return False
 
     def _disable(self, what: str) -> None:
         self.enabled = False
+        self._forget()
+        log.warning("tokenizing a chat piece by piece differs from tokenizing it whole on %s; "
+                    "this model's prompts are tokenized whole", what)
+
+    def _line_cut(self):
+        """The first of LINE_CUTS whose parts give the probe text's ids (None: none does)."""
+        whole = self._whole(_LINES_PROBE)
+        for cut in LINE_CUTS:
+            if [i for p in _parts(_LINES_PROBE, 1, cut) for i in self._encode(p)] == whole:
+                return cut
+        return None
+
+    def _disable_lines(self, what: str) -> None:
+        self.line_cut = None
+        self._forget()
+        log.warning("tokenizing a long chat piece in parts cut at blank lines differs from tokenizing it whole "
+                    "on %s; this model's pieces are tokenized whole", what)
+
+    def _forget(self) -> None:
         with self._lock:
             self._pieces.clear()
             self._tokens = 0
-        log.warning("tokenizing a chat piece by piece differs from tokenizing it whole on %s; "
-                    "this model's prompts are tokenized whole", what)
+
+
+def _parts(piece: str, part: int, cut: re.Pattern) -> list[str]:
+    """`piece` cut where `cut` matches into parts of at least `part` characters."""
+    parts, start = [], 0
+    while len(piece) - start > part:
+        found = cut.search(piece, start + part)
+        if found is None:
+            break
+        parts.append(piece[start : found.start()])
+        start = found.start()
+    parts.append(piece[start:])
+    return parts
+
+
+def _batch_encoder(tokenizer):
+    """A function giving the ids of many texts at once on the tokenizer's own
+    threads (Hugging Face's Rust tokenizer), or None where there is none."""
+    inner = tokenizer
+    for _ in range(3):  # mlx-lm's wrapper -> transformers' fast tokenizer -> the Rust tokenizer
+        if hasattr(inner, "encode_batch") and not hasattr(inner, "apply_chat_template"):
+            return lambda texts: [e.ids for e in inner.encode_batch(texts, add_special_tokens=False)]
+        inner = getattr(inner, "_tokenizer", None)
+        if inner is None:
+            return None
+    return None
 
 
 def _cuts(tokenizer) -> list[str]:
