@@ -127,8 +127,11 @@ class Settings:
     warmup: bool | None = setting(None, "while idle after start, run each batch shape once, so that the "
                                         "first requests at a new concurrency do not wait for kernels to "
                                         "compile (default: on a GPU)", per_model=True)
-    warmup_wait_s: float = setting(5.0, "at start, seconds the engine may spend warming before it reports "
-                                        "ready; the rest warms while idle", per_model=True, check=_at_least(0))
+    warmup_wait_s: float | None = setting(None, "at start, seconds the engine may spend warming before it "
+                                                "reports ready; the rest warms while idle (default: every "
+                                                "shape, up to 120 s, for the model --model names at the "
+                                                "server's start; 5 s for a model loaded on request)",
+                                          per_model=True, check=_at_least(0))
     kernel_cache_dir: str = setting(str(HOME / "kernels"), "where MLX's CUDA backend keeps the kernels it "
                                                            "compiles, across restarts (MLX's own default "
                                                            "is under /tmp; MLX_PTX_CACHE_DIR wins)")

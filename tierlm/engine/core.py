@@ -38,6 +38,9 @@ from tierlm.engine.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
+WARM_ON_REQUEST_S = 5.0  # warming before ready of a model a request waits for (unless warmup_wait_s)
+WARM_AT_SERVER_START_S = 120.0  # of the default model at a server's start: every shape (~15 s on a new H200)
+
 
 def parameter_layout(model) -> bytes:
     """Names, shapes and dtypes of the weights as loaded, and the backend's tag
@@ -74,6 +77,10 @@ class EngineCore:
         self.config = settings or Settings()
         self.profile: ModelProfile | None = None
         self.kv_bits = 16  # what the batch keeps attention KV at, once loaded (`batch_kv_bits`)
+        # warming before ready, where `warmup_wait_s` is not set: a model loaded on
+        # request has one waiting; the default model at a server's start has none,
+        # and warms every shape (serving.assembly)
+        self.warm_at_start_s = WARM_ON_REQUEST_S
         self.scheduler: Scheduler | None = None
         self._stream = None  # the worker's MLX stream
         self._lent: workers.Worker | None = None  # the worker thread and stream, from start to close
@@ -224,7 +231,8 @@ class EngineCore:
     def _warm_before_ready(self, prefill_step: int) -> None:
         """Worker thread, at start: warm jobs for up to `warmup_wait_s` (a restart
         whose kernels are on disk warms them all in that time), the rest while idle."""
-        deadline = time.monotonic() + self.config.warmup_wait_s
+        wait = self.config.warmup_wait_s
+        deadline = time.monotonic() + (wait if wait is not None else self.warm_at_start_s)
         while self._warm_jobs and time.monotonic() < deadline:
             self._warm_next(prefill_step)
         if self._warm_jobs:

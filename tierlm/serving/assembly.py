@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tierlm.cache.block_hash import model_fingerprint
 from tierlm.config import Settings, resolve_alias, total_memory
-from tierlm.engine.core import EngineCore
+from tierlm.engine.core import WARM_AT_SERVER_START_S, EngineCore
 from tierlm.engine.lockstep import fingerprint_key
 from tierlm.models.default_model import ensure_default_model
 from tierlm.models.model_folder import CHAT
@@ -167,6 +167,8 @@ async def serve(entry: ModelEntry, settings: Settings, is_default: bool = False,
     info = read_model_info(entry.path, entry.name)
     turns_future = (turns_cache or TurnsCache(1)).future(entry.path, settings)
     engine = make_engine(entry, info.name, settings, lambda: turns_future.result().tokenizer, lockstep)
+    if is_default:  # loaded at the server's start, no request waiting: a first start compiles every shape
+        engine.warm_at_start_s = WARM_AT_SERVER_START_S
     await engine.start()
     turns = await asyncio.wrap_future(turns_future)  # done: the load waited for it
     if grammars:
