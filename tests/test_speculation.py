@@ -385,24 +385,31 @@ async def _answers(loaded, batches, **settings):
     return outs, counters
 
 
-@pytest.mark.slow  # two engines, a dozen answers
-def test_greedy_answers_of_the_default_model_equal_with_and_without_speculation(loaded):
-    """Code edits, prose, a stop string, a length limit mid-draft, logprobs,
-    penalties and a JSON schema (a grammar: its drafts are verified a token at a
-    time against it), alone and batched."""
+@pytest.mark.slow  # two engines, fifteen answers
+def test_answers_of_the_default_model_equal_with_and_without_speculation(loaded):
+    """Greedy: code edits, prose, a stop string, a length limit mid-draft,
+    logprobs, penalties and a JSON schema (a grammar: its drafts are verified a
+    token at a time against it), alone and batched. Seeded, at temperature > 0:
+    a draft token is kept when it is the token the request's own key draws at
+    its place, so a seed's answer is the same with drafts or without (and so is
+    its distribution); the random-weight test above covers a seeded row in the
+    fast run."""
     if not backends.describe(loaded[0]).batch_invariant:
         pytest.skip("this backend's products are not batch-invariant: batching itself moves rounding")
     grammars = ModelGrammars(loaded[1])
     schema = {"type": "object", "properties": {"functions": {"type": "array", "items": {"type": "string"}}},
               "required": ["functions"]}
     listing = [{"role": "user", "content": f"```python\n{SHORT}```\nList the functions of this module as JSON."}]
+    sampled = {"max_tokens": 64, "temperature": 0.3, "top_p": 0.95}
 
     def batches():  # a grammar's state is a request's own: fresh ones for each engine
         return [[(EDIT, {"max_tokens": 72})], [(PROSE, {"max_tokens": 48})],
                 [(listing, {"max_tokens": 60, "constraint": grammars.constraint(json_schema_grammar(schema))})],
                 [(EDIT, {"max_tokens": 37, "stop": ["def rgb_to_hls"]}), (EDIT, {"max_tokens": 40, "logprobs": 2}),
                  (EDIT, {"max_tokens": 40, "presence_penalty": 0.5, "repetition_penalty": 1.1}),
-                 (PROSE, {"max_tokens": 30})]]
+                 (PROSE, {"max_tokens": 30})],
+                [(SHORT_EDIT, {**sampled, "seed": 2}), (SHORT_EDIT, {**sampled, "seed": 3, "top_k": 40}),
+                 (SHORT_EDIT, {"max_tokens": 64})]]
 
     on, counters = run(_answers(loaded, batches()))
     off, _ = run(_answers(loaded, batches(), speculation="off"))
@@ -410,23 +417,7 @@ def test_greedy_answers_of_the_default_model_equal_with_and_without_speculation(
     for a, b in zip(on, off):
         assert (a.token_ids, a.text, a.finish_reason, a.logprobs) == (b.token_ids, b.text, b.finish_reason, b.logprobs)
     assert on[2].text.startswith('{"functions"')
-
-
-@pytest.mark.slow  # two engines; the random-weight test above covers a seeded row in the fast run
-def test_seeded_sampled_answers_equal_with_and_without_speculation(loaded):
-    """At temperature > 0 a draft token is kept when it is the token the
-    request's own key draws at its place: the answer of a seed is the same
-    with drafts or without (and so is its distribution)."""
-    if not backends.describe(loaded[0]).batch_invariant:
-        pytest.skip("this backend's products are not batch-invariant: batching itself moves rounding")
-    sampled = {"max_tokens": 64, "temperature": 0.3, "top_p": 0.95}
-    batches = [[(SHORT_EDIT, {**sampled, "seed": 2}), (SHORT_EDIT, {**sampled, "seed": 3, "top_k": 40}),
-                (SHORT_EDIT, {"max_tokens": 64})]]
-    on, counters = run(_answers(loaded, batches))
-    off, _ = run(_answers(loaded, batches, speculation="off"))
-    assert counters.accepted_tokens > 0
-    assert [(a.token_ids, a.logprobs) for a in on] == [(b.token_ids, b.logprobs) for b in off]
-    assert len({tuple(a.token_ids) for a in on[:3]}) > 1  # the seeds do sample
+    assert len({tuple(a.token_ids) for a in on[-3:]}) > 1  # the seeds do sample
 
 
 @pytest.mark.slow  # Gemma 3 270M loaded, two engines
