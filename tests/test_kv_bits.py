@@ -67,7 +67,8 @@ async def _answers(loaded, **settings) -> tuple[list, dict]:
     engine = await _engine(loaded, **settings)
     outs = await _turns(engine, loaded[1])
     cache = engine.scheduler.cache
-    sizes = {"batch": engine.profile.kv_bytes_per_token, "bits": engine.kv_bits,
+    kv = engine.get_stats()["kv"]  # what /stats shows
+    sizes = {"batch": kv["bytes_per_token"], "bits": kv["batch_bits"],
              "hot": cache.hot.nbytes / (cache.stats.stored_blocks * 64)}
     await engine.close()
     return outs, sizes

@@ -666,6 +666,8 @@ class EngineCore:
             # where recent requests' time went from arrival to their first token (engine/stages.py)
             "request_stages": self.scheduler.stage_log.summary(),
             "warmup": {"shapes_left": len(self._warm_jobs), "seconds": round(self.warm_seconds, 3)},
+            # what the running batch keeps attention KV at, and its bytes a token (batch_kv_bits)
+            "kv": {"batch_bits": self.kv_bits, "bytes_per_token": self.profile.kv_bytes_per_token},
             # MLX's allocator counters (no array is touched): what the memory guard holds to its limit
             "memory_active_bytes": mx.get_active_memory(),
             "memory_peak_bytes": mx.get_peak_memory(),

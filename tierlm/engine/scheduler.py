@@ -27,9 +27,9 @@ from tierlm.cache.prefix_cache import PrefixCache
 from tierlm.engine.detokenizer import IncrementalText, byte_level_table
 from tierlm.engine.lockstep import Lockstep, StepPlan
 from tierlm.engine.memory_guard import MemoryGuard
+from tierlm.engine.quantized_kv import dequantized, quantized_slots
 from tierlm.engine.request import FinishReason, MemoryGuardError, Request, RequestOutput
 from tierlm.engine.sampling import make_request_processors, make_request_sampler, repair_random_state
-from tierlm.engine.quantized_kv import dequantized, quantized_slots
 from tierlm.engine.speculative_batch import SpeculativeGenerator
 from tierlm.engine.stages import StageLog
 

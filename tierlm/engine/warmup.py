@@ -46,14 +46,16 @@ def batch_sizes(max_running: int) -> list[int]:
     return sorted(sizes)
 
 
-def warm_shapes(max_running: int) -> list[tuple[int, int]]:
-    """(batch, prompt length) of each warm job, in the order they run: the last
-    one fills the batch with long prompts (on a new H200, 8 streams of 500-token
+def warm_shapes(max_running: int, compiles: bool | None = None) -> list[tuple[int, int]]:
+    """(batch, prompt length) of each warm job, in the order they run. Where the
+    device compiles kernels per shape (`compiles`; default: a GPU) the last one
+    fills the batch with long prompts: on a new H200, 8 streams of 500-token
     prompts ran their first run at 0.45x the second after every short shape
-    had been warmed: a full batch's long prefill and its decode over longer KV
+    had been warmed (a full batch's long prefill and its decode over longer KV
     compile kernels of their own)."""
+    compiles = mx.default_device() != mx.cpu if compiles is None else compiles
     return [(1, LONG_PROMPT)] + [(b, SHORT_PROMPT) for b in batch_sizes(max_running)] + \
-        ([(max_running, LONG_PROMPT)] if max_running > 1 else [])
+        ([(max_running, LONG_PROMPT)] if compiles and max_running > 1 else [])
 
 
 class WidestSteps(StepCosts):
