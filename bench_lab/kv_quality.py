@@ -1,0 +1,123 @@
+"""Greedy answers with the running batch's KV at 8 and 4 bits against 16, on a
+fixed prompt set, in process: how many answers stay the same, where the others
+leave, and how far the chosen tokens' log-probabilities move while they agree.
+
+Every prompt is asked alone (batch 1) and all of them together (one batch), so
+that rows of different lengths share the quantized batch; each answer ends at
+the model's end of turn or at --max-tokens. "16" is the KV as computed (float32
+on the CPU, bfloat16 on a GPU).
+
+    python -m bench_lab.kv_quality                      # the default model
+    python -m bench_lab.kv_quality --model ~/.tierlm/models/qwen2.5-coder-0.5b-instruct
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from bench_lab import lab_parser, write_result
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What is the capital of Japan? Answer in one sentence.",
+    "Explain what a hash table is to a new programmer.",
+    "List five prime numbers greater than 100.",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+    "Write a haiku about the sea.",
+    "What does HTTP status code 404 mean?",
+    "Give three tips for writing readable code.",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "Write a SQL query that counts the rows of a table named users.",
+    "Why is the sky blue? Answer briefly.",
+    "Convert 72 degrees Fahrenheit to Celsius and show the steps.",
+    "Write a bash command that finds every .py file under the current folder.",
+    "What is the difference between a list and a tuple in Python?",
+    "Name the planets of the solar system in order.",
+    "Write a short email asking a colleague to review a pull request.",
+]
+
+
+def title(result: dict) -> str:
+    return f"Greedy answers with the batch's KV at 8 and 4 bits against 16: {Path(result['model']).name}"
+
+
+def table(result: dict) -> str:
+    rows = ["| KV bits | answers equal to 16-bit (alone / batched) | median first difference (tokens) "
+            "| largest log-prob move while equal |", "|---|---|---|---|"]
+    for bits, r in result["bits"].items():
+        rows.append(f"| {bits} | {r['equal_alone']}/{r['prompts']} / {r['equal_batched']}/{r['prompts']} "
+                    f"| {r['median_first_difference']} | {r['max_logprob_move']:.3f} |")
+    return "\n".join(rows)
+
+
+async def _answers(loaded, bits: int, max_tokens: int) -> tuple[list, list]:
+    from tierlm.config import Settings
+    from tierlm.engine.core import EngineCore
+    from tierlm.engine.request import Request, SamplingParams
+
+    engine = EngineCore(f"kv-quality-{bits}", lambda: loaded,
+                        Settings(ssd_cache=False, prefix_cache=False, batch_kv_bits=bits))
+    await engine.start()
+    tokenizer = loaded[1]
+
+    def request(text: str) -> Request:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return Request(engine.new_request_id(), ids,
+                       SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0))
+
+    try:
+        alone = [await engine.generate(request(p)) for p in PROMPTS]
+        batched = await asyncio.gather(*(engine.generate(request(p)) for p in PROMPTS))
+    finally:
+        await engine.close()
+    return alone, list(batched)
+
+
+def compare(quantized: list, full: list) -> dict:
+    equal, firsts, moves = 0, [], []
+    for q, f in zip(quantized, full):
+        same = next((i for i, (a, b) in enumerate(zip(q.token_ids, f.token_ids)) if a != b), None)
+        if same is None and len(q.token_ids) != len(f.token_ids):  # one ended where the other went on
+            same = min(len(q.token_ids), len(f.token_ids))
+        if same is None:
+            equal += 1
+        else:
+            firsts.append(same)
+        agree = len(q.token_ids) if same is None else same
+        scored = min(agree, len(q.logprobs or ()), len(f.logprobs or ()))  # an end of turn has none
+        moves += [abs(q.logprobs[i][1] - f.logprobs[i][1]) for i in range(scored)]
+    return {"equal": equal, "first_differences": firsts, "max_logprob_move": max(moves, default=0.0)}
+
+
+def main(argv=None) -> int:
+    p = lab_parser("bench_lab.kv_quality", __doc__)
+    p.add_argument("--model", default=None, help="model folder (default: the built-in default model)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    import statistics
+
+    from tierlm.bench.servers import default_model_folder
+    from tierlm.models.loader import load_model
+
+    path = Path(args.model).expanduser() if args.model else default_model_folder()
+    loaded = load_model(path)
+    full = asyncio.run(_answers(loaded, 16, args.max_tokens))
+    result = {"model": str(path), "max_tokens": args.max_tokens, "prompts": PROMPTS, "bits": {}}
+    for bits in (8, 4):
+        alone, batched = asyncio.run(_answers(loaded, bits, args.max_tokens))
+        a, b = compare(alone, full[0]), compare(batched, full[1])
+        firsts = a["first_differences"] + b["first_differences"]
+        result["bits"][str(bits)] = {
+            "prompts": len(PROMPTS), "equal_alone": a["equal"], "equal_batched": b["equal"],
+            "first_differences": firsts, "median_first_difference": statistics.median(firsts) if firsts else None,
+            "max_logprob_move": max(a["max_logprob_move"], b["max_logprob_move"])}
+    print(title(result))
+    print(table(result))
+    write_result(args, p, "kv_quality", result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
