@@ -81,19 +81,20 @@ class PieceEncoder:
     def encode(self, text: str) -> list[int]:
         if not self.enabled:
             return self._whole(text)
-        ids = self._by_pieces(text)
+        cut = self.line_cut  # as it is now: a check on the checker's thread may turn it off meanwhile
+        ids = self._by_pieces(text, cut)
         self._prompts += 1
         if self._prompts <= CHECKED_PROMPTS or self._prompts % CHECK_EVERY == 0:
-            _checker.submit(self.check, text, ids)
+            _checker.submit(self.check, text, ids, cut)
         return ids
 
-    def check(self, text: str, ids: list[int]) -> bool:
-        """Whether `ids` are the whole text's; if not, the parts (where they
-        made the difference) or the cache are off from now on."""
+    def check(self, text: str, ids: list[int], cut: re.Pattern | None = None) -> bool:
+        """Whether `ids` (made with the parts `cut` gives) are the whole text's;
+        if not, the parts (where they made the difference) or the cache are off
+        from now on."""
         whole = self._whole(text)
         if whole == ids:
             return True
-        cut = self.line_cut
         if cut and self._fresh(text, cut) != whole and self._fresh(text, None) == whole:
             self._disable_lines("a prompt")
         else:
@@ -114,12 +115,12 @@ class PieceEncoder:
     def _split(self, text: str) -> list[str]:
         return [piece for piece in self._pattern.split(text) if piece]
 
-    def _by_pieces(self, text: str, part: int = PART, long_piece: int = LONG_PIECE) -> list[int]:
+    def _by_pieces(self, text: str, cut: re.Pattern | None = None) -> list[int]:
         pieces = self._split(text)
         found = [self._cached(piece) for piece in pieces]
         missing = list(dict.fromkeys(p for p, ids in zip(pieces, found) if ids is None))
         if missing:
-            made = dict(zip(missing, self._tokenize(missing, part, long_piece)))
+            made = dict(zip(missing, self._tokenize(missing, cut)))
             found = [made[p] if ids is None else ids for p, ids in zip(pieces, found)]
         return [i for ids in found for i in ids]
 
@@ -131,11 +132,10 @@ class PieceEncoder:
                 self.hits += 1
             return ids
 
-    def _tokenize(self, pieces: list[str], part: int, long_piece: int) -> list[array]:
-        """The pieces' ids, kept: long ones in parts, and all at once where the
-        tokenizer can."""
-        cut = self.line_cut
-        texts = [_parts(p, part, cut) if cut is not None and len(p) > long_piece else [p] for p in pieces]
+    def _tokenize(self, pieces: list[str], cut: re.Pattern | None) -> list[array]:
+        """The pieces' ids, kept: long ones in parts where `cut`, and all at once
+        where the tokenizer can."""
+        texts = [_parts(p, PART, cut) if cut is not None and len(p) > LONG_PIECE else [p] for p in pieces]
         flat = [t for parts in texts for t in parts]
         encoded = iter(self._batch(flat) if self._batch is not None and len(flat) > 1 else map(self._encode, flat))
         made = [array("I", [i for _ in parts for i in next(encoded)]) for parts in texts]
@@ -150,8 +150,8 @@ class PieceEncoder:
         return made
 
     def _probe(self) -> bool:
-        """Whether the probe chat's pieces give the whole text's ids (and, apart,
-        whether its pieces cut in parts at every line start still do)."""
+        """Whether the probe chat's pieces give the whole text's ids (the parts
+        of long pieces have a probe of their own: `_line_cut`)."""
         try:
             text = self.tokenizer.apply_chat_template(_PROBE, add_generation_prompt=True, tokenize=False)
         except Exception:  # no template, or one that wants other messages: the prompts will tell
