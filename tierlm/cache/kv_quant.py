@@ -54,3 +54,8 @@ def dequantize(payload: tuple) -> mx.array:
 
 def arrays(payload: tuple) -> list[mx.array]:
     return list(payload[5:])
+
+
+def with_arrays(payload: tuple, new: list[mx.array]) -> tuple:
+    """The payload with its arrays (values, scales, biases) replaced by `new`."""
+    return (*payload[:5], *new)

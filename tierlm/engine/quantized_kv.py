@@ -30,7 +30,6 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, dynamic_roll, make_prompt_cache
 
-BITS = (16, 8, 4)  # 16: kept as computed
 GROUP = 64  # values per scale and bias, along a head's vector
 
 

@@ -103,8 +103,7 @@ class PieceEncoder:
 
     def _fresh(self, text: str, cut) -> list[int]:
         """The text's ids by pieces (long ones in parts where `cut`), none from the cache."""
-        parts = [q for p in self._split(text) for q in (_parts(p, PART, cut) if cut and len(p) > LONG_PIECE else [p])]
-        return [i for part in parts for i in self._encode(part)]
+        return [i for piece in self._split(text) for part in _new_parts(piece, cut) for i in self._encode(part)]
 
     def _whole(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -135,7 +134,7 @@ class PieceEncoder:
     def _tokenize(self, pieces: list[str], cut: re.Pattern | None) -> list[array]:
         """The pieces' ids, kept: long ones in parts where `cut`, and all at once
         where the tokenizer can."""
-        texts = [_parts(p, PART, cut) if cut is not None and len(p) > LONG_PIECE else [p] for p in pieces]
+        texts = [_new_parts(p, cut) for p in pieces]
         flat = [t for parts in texts for t in parts]
         encoded = iter(self._batch(flat) if self._batch is not None and len(flat) > 1 else map(self._encode, flat))
         made = [array("I", [i for _ in parts for i in next(encoded)]) for parts in texts]
@@ -187,6 +186,12 @@ class PieceEncoder:
         with self._lock:
             self._pieces.clear()
             self._tokens = 0
+
+
+def _new_parts(piece: str, cut: re.Pattern | None) -> list[str]:
+    """What a piece the cache does not hold is tokenized as: parts where `cut`
+    is given and the piece is long, else the piece."""
+    return _parts(piece, PART, cut) if cut is not None and len(piece) > LONG_PIECE else [piece]
 
 
 def _parts(piece: str, part: int, cut: re.Pattern) -> list[str]:
