@@ -229,3 +229,12 @@ def test_binding_beyond_loopback_wants_a_key(tmp_path):
                           "--model-dir", str(tmp_path)], capture_output=True, text=True, timeout=60,
                          env={"TIERLM_CONFIG": str(tmp_path / "none.toml"), "PATH": "/usr/bin:/bin"})
     assert run.returncode == 2 and "refusing to listen on 0.0.0.0 without an API key" in run.stderr
+
+
+@pytest.mark.parametrize("flag, value, reason", [("--batch-kv-bits", "7", "expected one of 16, 8, 4"),
+                                                 ("--warmup-wait-s", "-1", "expected at least 0")])
+def test_a_setting_refused_on_the_command_line_ends_the_start_with_its_reason(tmp_path, flag, value, reason):
+    run = subprocess.run([sys.executable, "-m", "tierlm.cli", "serve", flag, value, "--port", "1",
+                          "--model-dir", str(tmp_path)], capture_output=True, text=True, timeout=60,
+                         env={"TIERLM_CONFIG": str(tmp_path / "none.toml"), "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 2 and reason in run.stderr and "Traceback" not in run.stderr, run.stderr

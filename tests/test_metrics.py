@@ -25,12 +25,14 @@ PROMPT = "Repeat after me, word for word: " + "the quick brown fox jumps over th
 @pytest.fixture(scope="module")
 def srv(model_path, tmp_path_factory):
     """Small cache blocks written through to SSD (so a short prompt fills a few of
-    each tier), and a second model: the default one's folder again, by a symlink."""
+    each tier), and a second model: the default one's folder again, by a symlink,
+    its running batch's KV at 8 bits (its settings-file section)."""
     root = tmp_path_factory.mktemp("metrics")
     (root / "models").mkdir()
     (root / "models" / "second").symlink_to(model_path)
+    (root / "settings.toml").write_text('[models."second"]\nbatch_kv_bits = 8\n')
     server = start_server(model_path, root / "server.log", "--cache-block-size", "32", "--ssd-write-through",
-                          "--no-hf-cache")
+                          "--no-hf-cache", "--config", str(root / "settings.toml"))
     yield server
     stop_server(server)
 
@@ -134,6 +136,16 @@ def test_loads_and_unloads_are_counted_per_model(srv):
     assert value(samples, "tierlm:model_loads_total", model="second") == 1
     assert value(samples, "tierlm:model_loaded", model="second") == 1
     assert value(samples, "tierlm:generation_tokens_total", model="second") == 0
+    # /stats: the second model's batch keeps 8-bit KV (3.5x fewer bytes a token than
+    # the CPU's float32), and it answers with it
+    kv = {e["model"]: e["kv"] for e in httpx.get(srv.base_url + "/stats", timeout=30).json()["engines"]}
+    second = kv.pop("second")
+    (default,) = kv.values()
+    assert (second["batch_bits"], default["batch_bits"]) == (8, 16)
+    assert default["bytes_per_token"] / second["bytes_per_token"] >= 3.5
+    answer = srv.client().chat.completions.create(model="second", max_tokens=8, temperature=0,
+                                                  messages=[{"role": "user", "content": "Say hello."}])
+    assert answer.choices[0].message.content and answer.usage.completion_tokens > 0
     assert httpx.post(srv.v1 + "/models/second/unload", timeout=120).json()["state"] == "available"
     samples = scrape(srv)
     assert value(samples, "tierlm:model_unloads_total", model="second") == 1

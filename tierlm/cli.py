@@ -37,8 +37,14 @@ def _cli_values(args: argparse.Namespace) -> dict:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """The settings a command line gives: its flags over the environment and the settings file."""
-    return load_settings(_cli_values(args), args.config)
+    """The settings a command line gives: its flags over the environment and the
+    settings file. A value a setting refuses ends the command with its reason
+    (exit status 2), not a traceback."""
+    try:
+        return load_settings(_cli_values(args), args.config)
+    except ValueError as e:
+        print(f"tierlm: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _setup_logging(level: str) -> None:
