@@ -187,8 +187,17 @@ def test_warm_batch_sizes_cover_each_power_of_two_and_the_size_after():
     assert warmup.batch_sizes(32) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32]
     assert warmup.warm_shapes(2, compiles=False) == [(1, warmup.LONG_PROMPT), (1, warmup.SHORT_PROMPT),
                                                      (2, warmup.SHORT_PROMPT)]
-    # where kernels compile per shape (a GPU), a full batch of long prompts last
+    # where kernels compile per shape (a GPU), a full batch of long prompts, then one long context
     assert warmup.warm_shapes(2, compiles=True)[-1] == (2, warmup.LONG_PROMPT)
+    assert warmup.warm_shapes(2, compiles=True, long_context=8192)[-2:] == [(2, warmup.LONG_PROMPT), (1, 8192)]
+    assert warmup.warm_shapes(2, compiles=False, long_context=8192)[-1] == (2, warmup.SHORT_PROMPT)
+
+
+def test_the_long_warm_prompt_keeps_within_the_context_and_the_memory_in_whole_chunks():
+    assert warmup.long_context_tokens(None, 2048, lambda n: True) == warmup.LONG_CONTEXT
+    assert warmup.long_context_tokens(8192 + 100, 2048, lambda n: True) == 8192
+    assert warmup.long_context_tokens(None, 2048, lambda n: n <= 10000) == 8192  # 32768, 16384 do not fit
+    assert warmup.long_context_tokens(None, 2048, lambda n: False) == 0
 
 
 @pytest.mark.slow  # warms every batch shape

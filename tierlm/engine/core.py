@@ -33,7 +33,7 @@ from tierlm.engine.lockstep import Lockstep
 from tierlm.engine.draft_model import load_draft_model
 from tierlm.engine.memory_guard import MemoryGuard, ModelProfile, default_memory_limit, profile_model
 from tierlm.engine.quantized_kv import why_not_quantized
-from tierlm.engine.request import FinishReason, Request, RequestOutput
+from tierlm.engine.request import FinishReason, MemoryGuardError, Request, RequestOutput
 from tierlm.engine.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -161,10 +161,26 @@ class EngineCore:
         )
         cache = self._make_prefix_cache()
         if self._warms(mx.default_device()):
-            self._warm_jobs = warmup.warm_shapes(self.config.max_concurrent_requests)
+            self._warm_jobs = warmup.warm_shapes(self.config.max_concurrent_requests,
+                                                 long_context=self._long_warm_tokens(guard, prefill_step))
             self._warm_before_ready(prefill_step)
         return Scheduler(self.model, self.tokenizer, sched_config, guard, stream, cache, self._elsewhere,
                          self._relieve, lockstep=self.lockstep)
+
+    def _long_warm_tokens(self, guard: MemoryGuard, prefill_step: int) -> int:
+        """The long prompt a GPU warms: within the model's context (and the
+        configured limit), and alone within the memory limit."""
+        context = [n for n in (getattr(getattr(self.model, "args", None), "max_position_embeddings", None),
+                               self.config.context_limit) if n]
+
+        def fits(tokens: int) -> bool:
+            try:
+                guard.check_alone(tokens, warmup.DECODE_STEPS)
+            except MemoryGuardError:
+                return False
+            return True
+
+        return warmup.long_context_tokens(min(context, default=None), prefill_step, fits)
 
     def _speculates(self) -> bool:
         """Whether requests draft tokens (`speculation`). `auto`: where the

@@ -31,6 +31,7 @@ from tierlm.engine.speculative_batch import SpeculativeGenerator, StepCosts, pad
 log = logging.getLogger(__name__)
 
 LONG_PROMPT = 512  # one prompt this long at batch 1: the prefill kernels of a long chunk
+LONG_CONTEXT = 32768  # a GPU's last warm job: one prompt up to this long, its prefill chunks' attention graphs
 SHORT_PROMPT = 16
 DECODE_STEPS = 3
 
@@ -46,16 +47,32 @@ def batch_sizes(max_running: int) -> list[int]:
     return sorted(sizes)
 
 
-def warm_shapes(max_running: int, compiles: bool | None = None) -> list[tuple[int, int]]:
+def warm_shapes(max_running: int, compiles: bool | None = None, long_context: int = 0) -> list[tuple[int, int]]:
     """(batch, prompt length) of each warm job, in the order they run. Where the
-    device compiles kernels per shape (`compiles`; default: a GPU) the last one
-    fills the batch with long prompts: on a new H200, 8 streams of 500-token
-    prompts ran their first run at 0.45x the second after every short shape
-    had been warmed (a full batch's long prefill and its decode over longer KV
-    compile kernels of their own)."""
+    device compiles kernels per shape (`compiles`; default: a GPU):
+    - a full batch of long prompts: on a new H200, 8 streams of 500-token
+      prompts ran their first run at 0.45x the second after every short shape
+      had been warmed (a full batch's long prefill and its decode over longer
+      KV compile kernels of their own);
+    - then one prompt of `long_context` tokens (`long_context_tokens`): cuDNN
+      builds a graph per shape of queries and keys, per process, so each chunk
+      of a long prefill (its queries against every key before them) waits for
+      its own the first time: a server's first 20k-token prompt took 1.0 s to
+      its first token on the H200, a later one 0.25 s."""
     compiles = mx.default_device() != mx.cpu if compiles is None else compiles
     return [(1, LONG_PROMPT)] + [(b, SHORT_PROMPT) for b in batch_sizes(max_running)] + \
-        ([(max_running, LONG_PROMPT)] if compiles and max_running > 1 else [])
+        ([(max_running, LONG_PROMPT)] if compiles and max_running > 1 else []) + \
+        ([(1, long_context)] if compiles and long_context > LONG_PROMPT else [])
+
+
+def long_context_tokens(context: int | None, prefill_step: int, fits) -> int:
+    """The long warm prompt's length: LONG_CONTEXT, or the model's `context`
+    where shorter, halved until `fits(tokens)` (memory), in whole prefill
+    chunks (a prompt's last, partial chunk is a shape of its own anyway)."""
+    tokens = min(LONG_CONTEXT, context or LONG_CONTEXT)
+    while tokens >= prefill_step and not fits(tokens):
+        tokens //= 2
+    return tokens // prefill_step * prefill_step
 
 
 class WidestSteps(StepCosts):
