@@ -196,7 +196,7 @@ def test_warm_batch_sizes_cover_each_power_of_two_and_the_size_after():
 def test_the_long_warm_prompt_keeps_within_the_context_and_the_memory_in_whole_chunks():
     assert warmup.long_context_tokens(None, 2048, lambda n: True) == warmup.LONG_CONTEXT
     assert warmup.long_context_tokens(8192 + 100, 2048, lambda n: True) == 8192
-    assert warmup.long_context_tokens(None, 2048, lambda n: n <= 10000) == 8192  # 32768, 16384 do not fit
+    assert warmup.long_context_tokens(None, 2048, lambda n: n <= 10000) == 8192  # 65536 to 16384 do not fit
     assert warmup.long_context_tokens(None, 2048, lambda n: False) == 0
 
 

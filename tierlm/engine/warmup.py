@@ -31,7 +31,7 @@ from tierlm.engine.speculative_batch import SpeculativeGenerator, StepCosts, pad
 log = logging.getLogger(__name__)
 
 LONG_PROMPT = 512  # one prompt this long at batch 1: the prefill kernels of a long chunk
-LONG_CONTEXT = 32768  # a GPU's last warm job: one prompt up to this long, its prefill chunks' attention graphs
+LONG_CONTEXT = 65536  # a GPU's last warm job: one prompt up to this long, its prefill chunks' attention graphs
 SHORT_PROMPT = 16
 DECODE_STEPS = 3
 
