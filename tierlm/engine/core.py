@@ -169,7 +169,10 @@ class EngineCore:
 
     def _long_warm_tokens(self, guard: MemoryGuard, prefill_step: int) -> int:
         """The long prompt a GPU warms: within the model's context (and the
-        configured limit), and alone within the memory limit."""
+        configured limit), and alone within the memory limit. None where the
+        batch keeps KV quantized: its attention builds no graphs (backends.gpu)."""
+        if self.kv_bits != 16:
+            return 0
         context = [n for n in (getattr(getattr(self.model, "args", None), "max_position_embeddings", None),
                                self.config.context_limit) if n]
 

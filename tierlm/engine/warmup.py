@@ -98,6 +98,8 @@ def run_shape(model, stream, batch: int, prompt_len: int, prefill_step: int, dra
     `kv_bits`: what the batch keeps attention KV at (engine.quantized_kv)."""
     tic = time.perf_counter()
     widths = [1, *draft_widths(drafts)] if pads_widths() else [drafts + 1]  # a CPU compiles nothing
+    if prompt_len > LONG_PROMPT:  # the long prompt is for its prefill: once
+        widths = widths[:1]
     for width in widths:
         _decode_a_few(model, stream, batch, prompt_len, prefill_step, width - 1, kv_bits)
     return time.perf_counter() - tic
