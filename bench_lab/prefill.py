@@ -140,7 +140,8 @@ def measure(run, size: int, step: int, variant: str, rounds: int, vocab: int, se
 
 
 def title(result: dict) -> str:
-    return f"Prefill of one long prompt by chunk size and attention ({result['label']}): {result['preset']}"
+    variants = ", ".join(dict.fromkeys(m["variant"] for m in result["measurements"]))
+    return f"Prefill of one long prompt, {result['preset']}: {variants} ({result['label']})"
 
 
 def table(result: dict) -> str:

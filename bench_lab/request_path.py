@@ -120,7 +120,8 @@ def size_rounds(start, tokenizer, n: int, rounds: int) -> dict:
 def title(result: dict) -> str:
     model = f"random weights of {result['preset']}'s shapes" if result.get("preset") else Path(result["model"]).name
     served = f", served with {' '.join(result['serve_args'])}" if result.get("serve_args") else ""
-    return f"An agent's turn over HTTP, cold, hot and SSD after a restart, {model}{served}"
+    sizes = ", ".join(str(s["prompt_tokens"]) for s in result["sizes"])
+    return f"An agent's turn over HTTP, cold, hot and SSD after a restart, {model}{served}: {sizes} tokens"
 
 
 def table(result: dict) -> str:
