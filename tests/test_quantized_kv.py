@@ -13,6 +13,7 @@ from mlx.utils import tree_map
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
+from tierlm.backends.cpu import route
 from tierlm.engine.quantized_kv import QuantizedBatchKVCache, QuantizedSlot, dequantized, quantized_slots, \
     why_not_quantized
 from tierlm.models.random_model import TINY, build_model, tiny_model
@@ -46,6 +47,17 @@ def _alone(model, bits: int, prompt: list[int], forced: list[int], hit: int = 0)
         out.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
         logits = model(mx.array([[token]]), cache=cache)[:, -1]
     return out
+
+
+def _batching_keeps_bits() -> bool:
+    """Whether the tiny model's float32 products have the same bits for a row
+    alone and batched in this process: so with MLX's bundled BLAS (before any
+    test loads a model) and with the CPU fast path's exact products (AVX-512;
+    the tiny model's products are all small enough for them), not with
+    OpenBLAS's gemv against its gemm (the fast path without AVX-512, or
+    TIERLM_MAX_CPU_ISA=avx2)."""
+    state = route.current()
+    return state is None or not state.blas.on or state.exact_attention.on
 
 
 def _hit_slots(model, bits: int) -> list[QuantizedSlot]:
@@ -92,8 +104,12 @@ def test_each_row_computes_what_mlx_lms_quantized_cache_computes_alone(bits):
         reference = _alone(model, bits, prompt, tokens[uid], hit)
         assert [int(mx.argmax(r).item()) for r in reference] == tokens[uid], uid  # greedy: the same tokens
         # the same values; not always the same bits, as tierlm's CPU kernels may stand in for
-        # MLX's log-sum-exp in the batch (tierlm.backends.cpu) once a test has loaded a model
-        assert all(mx.allclose(a.reshape(-1), b.reshape(-1), atol=1e-5) for a, b in zip(logprobs[uid], reference)), uid
+        # MLX's log-sum-exp in the batch (tierlm.backends.cpu) once a test has loaded a model.
+        # Where batching moves a product's last bit, a key or value now and then rounds to the
+        # next 8- or 4-bit step: 0.009 at most with OpenBLAS here, against 0.2-0.4 for a row that
+        # sees one padded key (its padding off by one when it joins)
+        atol = 1e-5 if _batching_keeps_bits() else 0.02
+        assert all(mx.allclose(a.reshape(-1), b.reshape(-1), atol=atol) for a, b in zip(logprobs[uid], reference)), uid
 
 
 def test_a_sequence_leaves_the_batch_as_plain_kv_close_to_its_16_bit_kv():

@@ -11,24 +11,29 @@ not get faster with batch size), and 16-bit weights never win (MLX's CPU matmul
 for them does not use BLAS): so a model is dequantized to float32 when that
 (with the AMX copies, where the CPU has AMX) fits comfortably in memory, and
 otherwise keeps its stored format. "float32" can be asked for (the exactness
-tests do). Nothing changes on Metal or CUDA.
+tests do). A model over several ranks (loader.shard_model) has mlx's sharded
+layers in place of its Linear ones; they are converted the same way. Nothing
+changes on Metal or CUDA.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx import nn
+from mlx.nn.layers.distributed import (AllToShardedLinear, QuantizedAllToShardedLinear, QuantizedShardedToAllLinear,
+                                       ShardedToAllLinear)
 from mlx.utils import tree_flatten
 
 from tierlm.backends.cpu import amx, dequantize, quantized, route
 
 CHOICES = ("auto", "quantized", "float32", "bfloat16", "float16", "stored")
+SHARDS = (QuantizedAllToShardedLinear, QuantizedShardedToAllLinear)  # mlx's tensor-parallel quantized Linears
+QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, *SHARDS)
 
 
 def float32_bytes(model: nn.Module) -> int:
     """The model's size once every weight is a float32."""
-    quantized = {name: m for name, m in model.named_modules()
-                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QUANTIZED)}
     total = 0
     for name, value in tree_flatten(model.parameters()):
         owner, _, leaf = name.rpartition(".")
@@ -67,7 +72,7 @@ def choose_dtype(setting: str, model: nn.Module, memory_bytes: int) -> str:
 
 def _kernels_take(module: nn.Module) -> bool:
     """A layer whose format tierlm's quantized kernels multiply."""
-    return (isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and module.mode == "affine"
+    return (isinstance(module, QUANTIZED) and module.mode == "affine"
             and module.bits in quantized.BITS and module.group_size in quantized.GROUP_SIZES)
 
 
@@ -109,7 +114,7 @@ def _swap_quantized(module: nn.Module, dtype, keep) -> None:
 
 
 def _dequantized(module: nn.Module, dtype, keep) -> nn.Module | None:
-    if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or keep(module):
+    if not isinstance(module, QUANTIZED) or keep(module):
         return None
     if dequantize.takes(module):
         weight = dequantize.float32(module.weight, module.scales, module.biases, module.group_size, module.bits)
@@ -120,8 +125,19 @@ def _dequantized(module: nn.Module, dtype, keep) -> nn.Module | None:
     if isinstance(module, nn.QuantizedEmbedding):
         new = nn.Embedding(*weight.shape)
     else:
-        new = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+        rows, columns = weight.shape
+        new = (_float_shard(module, rows, columns) if isinstance(module, SHARDS)
+               else nn.Linear(columns, rows, bias="bias" in module))
         if "bias" in module:
             new.bias = module.bias.astype(dtype)
     new.weight = weight
     return new
+
+
+def _float_shard(module: nn.Module, rows: int, columns: int) -> nn.Module:
+    """The float twin of a quantized shard whose dequantized weight (this rank's
+    part) is rows x columns; the caller puts the weight in."""
+    ranks = module.group.size()
+    if isinstance(module, QuantizedAllToShardedLinear):  # the outputs are split over the ranks
+        return AllToShardedLinear(columns, rows * ranks, bias="bias" in module, group=module.group)
+    return ShardedToAllLinear(columns * ranks, rows, bias="bias" in module, group=module.group)  # the inputs
