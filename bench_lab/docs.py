@@ -383,7 +383,9 @@ def _compare_extras(doc: dict, names: list[str]) -> list[str]:
         have = " ".join(f for f, on in features.items() if on and f != "hypervisor") or "none"
         lacks = " ".join(f for f, on in features.items() if not on and f != "hypervisor") or "none"
         vm = ", under a hypervisor" if features.get("hypervisor") else ""
-        out.append(f"CPU features{vm}: {have}; absent: {lacks}.\n")
+        cap = doc["machine"].get("max_cpu_isa")
+        capped = f" tierlm's kernels capped at TIERLM_MAX_CPU_ISA={cap}." if cap else ""
+        out.append(f"CPU features{vm}: {have}; absent: {lacks}.{capped}\n")
     if doc.get("tierlm_backend"):
         backend = {k: v for k, v in doc["tierlm_backend"].items() if k != "calls"}
         out.append(f"tierlm's CPU backend (/stats): `{json.dumps(backend)}`\n")

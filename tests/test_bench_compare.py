@@ -191,6 +191,17 @@ def test_every_result_names_the_cpus_features():
     assert {f for f, on in features.items() if on and f != "hypervisor"} <= set(flags)
 
 
+def test_a_result_taken_under_a_max_cpu_isa_says_so(monkeypatch):
+    """/proc/cpuinfo says what the CPU has; under TIERLM_MAX_CPU_ISA tierlm's
+    kernels used less, and the machine's record and the flags say which cap."""
+    monkeypatch.setenv("TIERLM_MAX_CPU_ISA", "avx2")
+    assert report.machine_info()["max_cpu_isa"] == "avx2"
+    assert report.cpu_flags().endswith(" (tierlm's kernels under TIERLM_MAX_CPU_ISA=avx2)")
+    for unset in ("native", ""):
+        monkeypatch.setenv("TIERLM_MAX_CPU_ISA", unset)
+        assert "max_cpu_isa" not in report.machine_info() and "TIERLM_MAX_CPU_ISA" not in report.cpu_flags()
+
+
 def test_llama_servers_build_switches_are_read_from_its_cmake_cache(tmp_path):
     (tmp_path / "bin").mkdir()
     (tmp_path / "CMakeCache.txt").write_text("GGML_AVX512:BOOL=ON\nGGML_AMX_TILE:BOOL=OFF\n"

@@ -155,6 +155,7 @@ def test_a_compare_against_llama_server_shows_long_prompts_memory_and_the_cpu(tm
            "peak": 610 * 2**20}
     doc["memory"] = {"tierlm": mem, "llama-server": mem}
     doc["machine"]["cpu_features"] = {"avx2": True, "avx512f": True, "amx_tile": False, "hypervisor": True}
+    doc["machine"]["max_cpu_isa"] = "avx2"  # taken under TIERLM_MAX_CPU_ISA
     doc["tierlm_backend"] = {"name": "cpu", "quantized_kernels": "on (avx512-vnni)", "calls": {"qmm": 9}}
     machine = tmp_path / "results" / "cpu"
     machine.mkdir(parents=True)
@@ -168,6 +169,7 @@ def test_a_compare_against_llama_server_shows_long_prompts_memory_and_the_cpu(tm
     assert "- tierlm: `TIERLM_NATIVE_THREADS=2 tierlm`" in section
     assert "| llama-server | 2061 | 1000.0 | 2500.0 | 3 | 0 | 2.00 |" in section
     assert "| tierlm | 500 | 600 | 550 | 50 | 610 |" in section
-    assert "CPU features, under a hypervisor: avx2 avx512f; absent: amx_tile." in section
+    assert ("CPU features, under a hypervisor: avx2 avx512f; absent: amx_tile. "
+            "tierlm's kernels capped at TIERLM_MAX_CPU_ISA=avx2.") in section
     assert '`{"name": "cpu", "quantized_kernels": "on (avx512-vnni)"}`' in section  # the counters left out
     assert "tierlm bench compare --model qwen2.5-coder-0.5b --servers tierlm,llama" in text  # the command, on top

@@ -21,7 +21,7 @@ from mlx import nn
 from tierlm import backends
 from tierlm.backends.cpu import amx as cpu_amx
 from tierlm.backends.cpu import dequantize as cpu_dequantize
-from tierlm.backends.cpu import got, native, route
+from tierlm.backends.cpu import got, isa, native, route
 from tierlm.backends.cpu import kernels as cpu_kernels
 from tierlm.backends.cpu import weights as cpu_weights
 from tierlm.engine.core import parameter_layout
@@ -31,8 +31,8 @@ STATE = route.prepare()  # what loading a model on MLX's CPU backend prepares fi
 OPENBLAS = route.CANDIDATES[0]
 needs_route = pytest.mark.skipif(
     shutil.which("cc") is None or not sys.platform.startswith("linux"), reason="needs Linux and a C compiler")
-needs_amx = pytest.mark.skipif(not STATE.amx.on, reason="no AMX-BF16 here")
-needs_avx512 = pytest.mark.skipif(not cpu_kernels.native_kernels(), reason="no AVX-512 here")
+needs_amx = pytest.mark.skipif(not STATE.amx.on, reason=f"AMX {STATE.amx}")
+needs_avx512 = pytest.mark.skipif(not cpu_kernels.native_kernels(), reason=f"native kernels {STATE.native_kernels}")
 NATIVE_SOFTMAX = [False, pytest.param(True, marks=needs_avx512)]
 
 
@@ -89,8 +89,8 @@ def test_importing_tierlm_compiles_and_loads_nothing(tmp_path):
 @needs_route
 def test_openblas_sits_behind_the_route_in_mlxs_slot():
     assert (STATE.blas_path, STATE.route.on, STATE.gemv.on, STATE.warning) == (OPENBLAS, True, True, None)
-    assert STATE.amx.on or STATE.amx.detail == "no AMX-BF16 on this CPU"
-    assert STATE.native_kernels.on or STATE.native_kernels.detail == "no AVX-512 on this CPU"
+    assert STATE.amx.on or STATE.amx.detail.startswith("no AMX-BF16 on this CPU")  # (TIERLM_MAX_CPU_ISA=...)
+    assert STATE.native_kernels.on or STATE.native_kernels.detail.startswith("no AVX-512 on this CPU")
     assert STATE.self_check.startswith("a float32 product through MLX counted")
     slots = route.mlx_slots()
     assert slots and all(s.read() == native.function_address(STATE.lib, "cblas_sgemm") for s in slots)
@@ -177,6 +177,75 @@ def test_route_and_blas_can_be_turned_off():
     off = _state_in_fresh_process(TIERLM_BLAS="off")
     assert off["blas"] is None and not off["route"] and not off["kernels"]
     assert off["why"] == "off (turned off by TIERLM_BLAS=off)" and off["warning"] is None
+
+
+def cpu_has(feature: str) -> bool:
+    """What the CPU itself reports, whatever TIERLM_MAX_CPU_ISA this run is under."""
+    number = isa.FEATURES.index(feature)
+    return bool(STATE.lib.tierlm_cpu_has(number) or STATE.lib.tierlm_cpu_hidden(number))
+
+
+ISA_JSON = """
+import json
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+from tierlm.backends.cpu import native, quantized, route, weights
+from tierlm.models.random_model import tiny_model
+
+state = route.prepare()
+feature = quantized.install(state.lib)
+model = tiny_model("llama")
+nn.quantize(model, group_size=32, bits=4)
+rng = np.random.default_rng(0)
+w, x = rng.standard_normal((96, 256)).astype(np.float32), rng.standard_normal((5, 256)).astype(np.float32)
+q, s, b = mx.quantize(mx.array(w), group_size=32, bits=4)
+want = x @ np.array(mx.dequantize(q, s, b, group_size=32, bits=4)).T
+before = native.counts(state.lib)
+with mx.stream(mx.cpu):
+    product = mx.quantized_matmul(mx.array(x), q, s, b, group_size=32, bits=4)
+    scores = mx.array(x[:, :32]) @ mx.array(w[:40, :32]).T  # attention's: the exact kernels' with AVX-512
+    mx.eval(product, scores)
+after = native.counts(state.lib)
+print(json.dumps({
+    "exact": str(state.exact_attention), "kernels": str(state.native_kernels), "amx": str(state.amx),
+    "warning": state.warning, "quantized": str(feature), "vbmi": state.lib.tierlm_qmm_avx512_vbmi(-1),
+    "auto_dtype": weights.choose_dtype("auto", model, memory_bytes=2**34),
+    "ran": {k: after[k] - before[k] for k in after if after[k] != before[k]},
+    "error": float(np.abs(np.array(product) - want).max() / np.abs(want).max()),
+    "scores_error": float(np.abs(np.array(scores) - x[:, :32] @ w[:40, :32].T).max())}))
+"""
+
+
+@needs_route
+@pytest.mark.skipif(STATE.lib is None or not cpu_has("avx2"), reason="needs the native library and AVX2")
+def test_max_cpu_isa_avx2_chooses_as_an_avx2_machine_would():
+    """TIERLM_MAX_CPU_ISA=avx2 (native/cpu_features.c): on an AVX-512 machine,
+    what an AVX2-only one runs. The exact attention products, the native kernels
+    and AMX off, saying the cap is why; the int8 quantized kernels (avx2), so
+    `auto` takes float32 weights; each product right, and counted where it went
+    (the BLAS, not the AVX-512 kernels)."""
+    got_ = _in_fresh_process(ISA_JSON, TIERLM_MAX_CPU_ISA="avx2")
+    def lacks(feature, name):
+        return f"off (no {name} on this CPU" + (" (TIERLM_MAX_CPU_ISA=avx2))" if cpu_has(feature) else ")")
+
+    assert got_["exact"] == got_["kernels"] == lacks("avx512f", "AVX-512")
+    assert got_["amx"] == lacks("amx-bf16", "AMX-BF16")
+    assert got_["quantized"].startswith("on (avx2, the fastest this CPU has under TIERLM_MAX_CPU_ISA=avx2; ")
+    assert got_["warning"] is None and got_["vbmi"] == 0 and got_["auto_dtype"] == "float32"
+    assert got_["ran"] == {"qmm": 1, "sgemm": 1, "sgemm_blas": 1}
+    assert got_["error"] <= 0.015 and got_["scores_error"] <= 1e-4  # int8 activations' error; float32's
+
+
+@needs_route
+@pytest.mark.skipif(STATE.lib is None, reason="needs the native library")
+def test_a_max_cpu_isa_it_does_not_know_turns_off_what_it_caps_and_warns():
+    got_ = _in_fresh_process(ISA_JSON, TIERLM_MAX_CPU_ISA="sse9")
+    why = "TIERLM_MAX_CPU_ISA=sse9 is not one of native, avx512, avx-vnni, avx2"
+    assert got_["warning"].startswith(why + ": ")
+    assert got_["exact"] == got_["kernels"] == got_["amx"] == got_["quantized"] == f"off ({why})"
+    assert got_["ran"] == {"sgemm": 1, "sgemm_blas": 1}  # the quantized product: MLX's own
+    assert got_["scores_error"] <= 1e-4
 
 
 @needs_route
@@ -553,6 +622,36 @@ def test_weights_go_float32_only_when_they_fit():
     with_copies = "stored" if cpu_amx.available() else "float32"  # AMX adds bfloat16 copies, half again
     assert cpu_weights.choose_dtype("auto", model, memory_bytes=5 * model_bytes // 2) == with_copies
     assert cpu_weights.choose_dtype("bfloat16", model, memory_bytes=model_bytes) == "bfloat16"
+
+
+def test_a_sharded_models_quantized_layers_go_float32_too():
+    """A model over several ranks holds mlx's sharded layers (loader.shard_model),
+    not QuantizedLinear ones: float32 dequantizes them as well (they stayed
+    quantized, behind the int8 kernels on AVX2 CPUs, while the log said float32),
+    and "quantized" keeps them. Over a group of one, the logits are the unsharded
+    model's."""
+    from mlx.nn.layers import distributed
+
+    from tierlm.models.loader import shard_model
+
+    def model(shard: bool, dtype: str):
+        m = tiny_model("llama")
+        nn.quantize(m, group_size=32, bits=4)
+        if shard:
+            shard_model(m, mx.distributed.init())  # a group of one rank here
+        cpu_weights.convert(m, dtype)
+        return m
+
+    layers = lambda m: {type(layer).__name__ for _, layer in m.named_modules()}
+    kept = layers(model(True, "quantized"))
+    assert {"QuantizedAllToShardedLinear", "QuantizedShardedToAllLinear"} <= kept
+    sharded = model(True, "float32")
+    assert {"AllToShardedLinear", "ShardedToAllLinear"} <= layers(sharded)
+    assert not any(isinstance(layer, cpu_weights.QUANTIZED) for _, layer in sharded.named_modules())
+    assert isinstance(sharded.layers[0].self_attn.o_proj, distributed.ShardedToAllLinear)
+    tokens = mx.array([[3, 14, 15, 92, 65]])
+    np.testing.assert_allclose(np.array(sharded(tokens)), np.array(model(False, "float32")(tokens)),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bits", cpu_dequantize.BITS)

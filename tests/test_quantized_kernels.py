@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tierlm.backends.cpu import native, quantized, route
+from tierlm.backends.cpu import isa, native, quantized, route
 
 STATE = route.prepare()
 pytestmark = pytest.mark.skipif(STATE.lib is None or shutil.which("c++") is None,
@@ -221,6 +221,17 @@ def test_the_kernels_can_be_turned_off_and_a_wrong_name_says_so():
     assert not off["on"] and off["detail"] == "turned off by TIERLM_QUANT_KERNEL=off" and off["taken"] == 0
     wrong = _feature_in_fresh_process(TIERLM_QUANT_KERNEL="sse9")
     assert not wrong["on"] and wrong["detail"].startswith("TIERLM_QUANT_KERNEL=sse9 is not one of auto, off")
+
+
+def test_a_path_the_max_cpu_isa_hides_says_so():
+    """Under TIERLM_MAX_CPU_ISA=avx2 the AVX-512 path cannot be named, and the
+    reason names the cap where the CPU has AVX-512 (native/cpu_features.c)."""
+    avx512 = isa.FEATURES.index("avx512f")
+    cpu_has_it = STATE.lib.tierlm_cpu_has(avx512) or STATE.lib.tierlm_cpu_hidden(avx512)  # whatever the cap
+    got = _feature_in_fresh_process(TIERLM_MAX_CPU_ISA="avx2", TIERLM_QUANT_KERNEL="avx512")
+    assert not got["on"] and got["taken"] == 0
+    assert got["detail"] == "TIERLM_QUANT_KERNEL=avx512: this CPU lacks it" + (
+        " (TIERLM_MAX_CPU_ISA=avx2)" if cpu_has_it else "")
 
 
 # ---- a real model: the quantized path against the same weights in float32

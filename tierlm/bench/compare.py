@@ -325,6 +325,8 @@ def setup_rows(specs: list, backend: dict | None) -> list[tuple[str, str]]:
         ("CPU features present", have),
         ("CPU features absent", lacks),
     ]
+    if info.get("max_cpu_isa"):
+        rows.append(("tierlm's kernels capped at", f"TIERLM_MAX_CPU_ISA={info['max_cpu_isa']}"))
     rows += [(f"{s.name} threads", str(s.threads) if s.threads else "its default") for s in specs]
     if backend is not None:
         rows.append(("tierlm CPU backend (/stats)", json.dumps(backend)))

@@ -138,6 +138,14 @@ def cpu_features() -> dict[str, bool]:
     return {f: f in flags for f in CPU_FEATURES} | {"hypervisor": "hypervisor" in flags}
 
 
+def cpu_cap() -> str | None:
+    """TIERLM_MAX_CPU_ISA when set below the CPU's own features ("avx2", ...):
+    tierlm's native kernels then run as on a smaller CPU, so a figure taken
+    under it must say so. None when unset or "native"."""
+    value = os.environ.get("TIERLM_MAX_CPU_ISA", "").strip()
+    return value if value.lower() not in ("", "native") else None
+
+
 def machine_info() -> dict:
     info = {
         "platform": platform.platform(),
@@ -154,6 +162,8 @@ def machine_info() -> dict:
                               f"model {cpu.get('model', '?')}")
         if features := cpu_features():
             info["cpu_features"] = features
+        if cap := cpu_cap():
+            info["max_cpu_isa"] = cap  # the features above are the CPU's; tierlm's kernels used fewer
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         info["memory_gib"] = round(pages / 2**30, 1)
     except (OSError, ValueError):
@@ -196,14 +206,15 @@ def machine_info() -> dict:
 
 def cpu_flags() -> str:
     """The vector flags of this machine's CPU that the CPU kernels use: every AMX
-    and AVX-512 flag, and AVX2, FMA, F16C, AVX-VNNI."""
+    and AVX-512 flag, and AVX2, FMA, F16C, AVX-VNNI; and TIERLM_MAX_CPU_ISA when set."""
     flags = set(_cpuinfo().get("flags", "").split())
     if not flags:
         return "?"
     wanted = sorted(
         f for f in flags if f.startswith(("amx", "avx512", "avx_vnni")) or f in ("avx2", "fma", "f16c")
     )
-    return " ".join(wanted) or "no avx2, no avx512, no amx"
+    capped = f" (tierlm's kernels under TIERLM_MAX_CPU_ISA={cap})" if (cap := cpu_cap()) else ""
+    return (" ".join(wanted) or "no avx2, no avx512, no amx") + capped
 
 
 def write_json(path: str | Path, kind: str, data: dict, command: str | None = None) -> Path:

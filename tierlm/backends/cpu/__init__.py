@@ -17,7 +17,9 @@ For a model on MLX's CPU backend this room arranges, when the model is loaded:
   matmuls to BLAS);
 - kernels.py: attention, SwiGLU and GELU for float32, in native code where the
   CPU has AVX-512;
-- amx.py: bfloat16 copies of the weights on AMX tiles, where the CPU has them.
+- amx.py: bfloat16 copies of the weights on AMX tiles, where the CPU has them;
+- isa.py: TIERLM_MAX_CPU_ISA, which hides the CPU's newer features from the
+  native code (an AVX-512 machine choosing its kernels as an AVX2 one would).
 
 `prepare(model, ...)` is the one entry point (tierlm.backends.prepare calls it
 for a model on MLX's CPU device); it returns the `Backend` description the
@@ -49,7 +51,7 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
     --cpu-kernels and --cpu-amx."""
     from tierlm.backends.cpu import amx as amx_tiles
     from tierlm.backends.cpu import kernels as cpu_kernels
-    from tierlm.backends.cpu import quantized, route, weights
+    from tierlm.backends.cpu import isa, quantized, route, weights
 
     state = route.prepare()
     products = quantized.install(state.lib)
@@ -87,6 +89,7 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
         "native_kernels": str(state.native_kernels),
         "quantized_kernels": str(products),
         "kernels": replaced,
+        "max_cpu_isa": isa.cap(state.lib) if state.lib is not None else None,  # TIERLM_MAX_CPU_ISA as applied
     }
 
     def counters() -> dict:

@@ -8,7 +8,8 @@ products (amx_bf16.c), attention's fixed-order products (exact_gemm.c, shared
 over the cores by threads.c), the row softmax (with or without a mask) and
 log-sum-exp (softmax.c), SwiGLU and GELU (swiglu.c), MLX's quantized matmul
 (qgemm.c, with qgemm_avx512.c and unpack.h); counters.h counts the
-calls each of them serves, which the self-check and the tests read.
+calls each of them serves, which the self-check and the tests read. Each asks
+cpu_features.c what the CPU has, capped by TIERLM_MAX_CPU_ISA (isa.py).
 
 Built the first time a model is loaded on MLX's CPU backend, never on import.
 CC picks the compiler, XDG_CACHE_HOME the cache folder.
@@ -26,8 +27,8 @@ from pathlib import Path
 
 HERE = Path(__file__).parent / "native"
 SOURCES = [HERE / name for name in ("sgemm_route.c", "amx_bf16.c", "exact_gemm.c", "softmax.c", "swiglu.c", "qgemm.c",
-                                        "qgemm_avx512.c", "threads.c")]
-HEADERS = [HERE / "exp512.h", HERE / "counters.h", HERE / "threads.h", HERE / "unpack.h"]
+                                        "qgemm_avx512.c", "threads.c", "cpu_features.c")]
+HEADERS = [HERE / name for name in ("exp512.h", "counters.h", "threads.h", "unpack.h", "cpu_features.h")]
 
 # The order of counters.h's enum: what each tierlm_counts slot counts.
 COUNTERS = ("sgemm", "sgemm_amx", "sgemm_exact", "sgemm_gemv", "sgemm_blas", "softmax", "swiglu", "logsumexp", "gelu",
@@ -98,6 +99,9 @@ def load() -> ctypes.CDLL:
     lib.tierlm_qmm_supports.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long]
     lib.tierlm_qmm_select.argtypes = [ctypes.c_int]
     lib.tierlm_qmm_available.argtypes = [ctypes.c_int]
+    lib.tierlm_cpu_has.argtypes = [ctypes.c_int]
+    lib.tierlm_cpu_hidden.argtypes = [ctypes.c_int]
+    lib.tierlm_cpu_cap.restype = ctypes.c_char_p
     return lib
 
 

@@ -28,6 +28,7 @@ quantized.
 
 TIERLM_QUANT_KERNEL picks the path: auto (the fastest the CPU reports),
 avx512, avx-vnni, avx2, portable (plain C, any CPU), or off (MLX's own).
+TIERLM_MAX_CPU_ISA caps what the CPU reports (isa.py): with avx2, auto is avx2.
 """
 
 from __future__ import annotations
@@ -41,13 +42,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from tierlm.backends.cpu import native
+from tierlm.backends.cpu import isa, native
 from tierlm.backends.cpu.route import Feature
 
 HOOK_SOURCE = native.HERE / "qmm_hook.cpp"
 # qgemm.c's path numbers, fastest first, by the names TIERLM_QUANT_KERNEL takes
 PATHS = {"avx512": 3, "avx-vnni": 2, "avx2": 1, "portable": 0}
 FLOAT_PATHS = ("avx512",)  # float32 activations; the others quantize them to int8 per 32 values
+NEEDS = {"avx512": "avx512f", "avx-vnni": "avx-vnni", "avx2": "avx2"}  # each path's feature (isa.FEATURES)
 NAMES = {number: name for name, number in PATHS.items()}
 BITS = (4, 5, 8)  # what qgemm.c multiplies; MLX's own code takes the rest
 GROUP_SIZES = (32, 64, 128)
@@ -117,13 +119,15 @@ def _choose_path(lib: ctypes.CDLL) -> tuple[int | None, str]:
     choice = os.environ.get("TIERLM_QUANT_KERNEL", "auto")
     if choice == "off":
         return None, "turned off by TIERLM_QUANT_KERNEL=off"
+    if bad_cap := isa.bad_value(lib):
+        return None, bad_cap
     if choice == "auto":
         number = lib.tierlm_qmm_select(-1)
-        return number, "the fastest this CPU has"
+        return number, f"the fastest this CPU has{isa.under(lib)}"
     if choice not in PATHS:
         return None, f"TIERLM_QUANT_KERNEL={choice} is not one of auto, off, {', '.join(PATHS)}"
     if not lib.tierlm_qmm_available(PATHS[choice]):
-        return None, f"TIERLM_QUANT_KERNEL={choice}: this CPU lacks it"
+        return None, f"TIERLM_QUANT_KERNEL={choice}: this CPU lacks it{isa.hiding(lib, NEEDS[choice])}"
     return lib.tierlm_qmm_select(PATHS[choice]), f"TIERLM_QUANT_KERNEL={choice}"
 
 

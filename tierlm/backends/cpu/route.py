@@ -28,9 +28,10 @@ MLX runs on its bundled BLAS.
 TIERLM_BLAS=off turns all of this off (and the native kernels with it),
 TIERLM_BLAS=/path/to/lib.so picks a library, TIERLM_GEMV_ROUTE=off leaves the
 one-row products to the BLAS's sgemm, TIERLM_EXACT_ATTENTION=off attention's
-products (faster, not bit-exact batched). Without a C compiler the BLAS's own
-`cblas_sgemm` goes into the slot, checked by a counting stand-in for the one
-product.
+products (faster, not bit-exact batched), TIERLM_MAX_CPU_ISA=avx2 (or avx-vnni,
+avx512) hides the CPU's newer features from the native code (isa.py). Without a
+C compiler the BLAS's own `cblas_sgemm` goes into the slot, checked by a
+counting stand-in for the one product.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from tierlm.backends.cpu import got, native
+from tierlm.backends.cpu import got, isa, native
 
 # OpenBLAS's pthread build first: its OpenMP build collapsed when the CPU was shared.
 CANDIDATES = (
@@ -196,17 +197,19 @@ def _prepare() -> State:
         _restore()
         return _nothing(f"MLX's matmuls do not reach it: {check}", lib, check, warn=True)
     avx512 = bool(lib.tierlm_avx512_available())
+    bad_cap = isa.bad_value(lib)
     return State(
         blas=Feature(True, path),
         route=Feature(True, f"{len(slots)} slot of MLX's {SYMBOL}" if len(slots) == 1
                       else f"{len(slots)} slots of MLX's {SYMBOL}"),
         gemv=Feature(True) if one_row else _off("TIERLM_GEMV_ROUTE=off"),
         exact_attention=(Feature(True, "AVX-512") if exact else _off("TIERLM_EXACT_ATTENTION=off")) if avx512
-        else _off("no AVX-512 on this CPU"),
+        else _off(isa.lacks(lib, "avx512f", "AVX-512")),
         amx=_amx(lib),
         native_kernels=_native_kernels(lib),
         self_check=check,
         lib=lib,
+        warning=f"{bad_cap}: every kernel it caps is off" if bad_cap else None,
     )
 
 
@@ -277,10 +280,14 @@ def _restore() -> None:
 
 
 def _native_kernels(lib: ctypes.CDLL) -> Feature:
-    return Feature(True, "AVX-512") if lib.tierlm_avx512_available() else _off("no AVX-512 on this CPU")
+    if lib.tierlm_avx512_available():
+        return Feature(True, "AVX-512")
+    return _off(isa.lacks(lib, "avx512f", "AVX-512"))
 
 
 def _amx(lib: ctypes.CDLL) -> Feature:
     if not lib.tierlm_amx_compiled():
         return _off("the C compiler has no AMX intrinsics")
-    return Feature(True, "AMX-BF16") if lib.tierlm_amx_available() else _off("no AMX-BF16 on this CPU")
+    if lib.tierlm_amx_available():
+        return Feature(True, "AMX-BF16")
+    return _off(isa.lacks(lib, "amx-bf16", "AMX-BF16"))

@@ -105,15 +105,17 @@ void tierlm_amx_unpack(const float *w) {
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "cpu_features.h"
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
 int tierlm_amx_compiled(void) { return 1; }
 
-/* 1 when the CPU has AMX-BF16 and AVX512-BF16 and Linux lets this process use the tiles. */
+/* 1 when the CPU has AMX-BF16 and AVX512-BF16 (under TIERLM_MAX_CPU_ISA) and
+ * Linux lets this process use the tiles. */
 int tierlm_amx_available(void) {
-  __builtin_cpu_init();
-  if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return 0;
+  if (!tierlm_cpu_has(CPU_AMX_BF16) || !tierlm_cpu_has(CPU_AVX512BF16)) return 0;
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 

@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_features.h"
 #include "threads.h"
 
 #define MAX_SMALL 512 /* the head dimension and the value width handled here */
@@ -31,12 +32,9 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-/* 1 when the CPU has AVX-512F: the route's exact kernels, and softmax.c and
- * swiglu.c (route.py asks). */
-int tierlm_avx512_available(void) {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
-}
+/* 1 when the CPU has AVX-512F (under TIERLM_MAX_CPU_ISA): the route's exact
+ * kernels, and softmax.c and swiglu.c (route.py asks). */
+int tierlm_avx512_available(void) { return tierlm_cpu_has(CPU_AVX512F); }
 
 #pragma GCC push_options
 #pragma GCC target("avx512f")

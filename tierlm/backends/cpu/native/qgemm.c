@@ -1,8 +1,8 @@
 /* MLX's affine-quantized matmul (4, 5 and 8 bits) on weights that stay packed
  * in memory; `tierlm_qmm` is what the hook (qmm_hook.cpp) calls.
  *
- * Paths, chosen at run time by what the CPU reports (tierlm_qmm_select can name
- * one, for tests and benchmarks):
+ * Paths, chosen at run time by what the CPU reports, under TIERLM_MAX_CPU_ISA
+ * (cpu_features.c; tierlm_qmm_select can name one, for tests and benchmarks):
  *   - AVX-512: float32 products of the weights unpacked in registers
  *     (qgemm_avx512.c);
  *   - AVX-VNNI and AVX2+FMA: this file's integer products, computed as llama.cpp
@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "counters.h"
+#include "cpu_features.h"
 #include "threads.h"
 #include "unpack.h"
 
@@ -43,13 +44,13 @@ void tierlm_qmm_avx512(const float *x, long M, long K, const void *w, const floa
 
 static int path_in_use = -1;
 
+/* 1 when the CPU has what `path` needs (under TIERLM_MAX_CPU_ISA). */
 int tierlm_qmm_available(int path) {
-  __builtin_cpu_init();
   switch (path) {
     case PATH_SCALAR: return 1;
-    case PATH_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case PATH_AVX_VNNI: return tierlm_qmm_available(PATH_AVX2) && __builtin_cpu_supports("avxvnni");
-    case PATH_AVX512: return tierlm_qmm_available(PATH_AVX2) && __builtin_cpu_supports("avx512f");
+    case PATH_AVX2: return tierlm_cpu_has(CPU_AVX2) && tierlm_cpu_has(CPU_FMA);
+    case PATH_AVX_VNNI: return tierlm_qmm_available(PATH_AVX2) && tierlm_cpu_has(CPU_AVX_VNNI);
+    case PATH_AVX512: return tierlm_qmm_available(PATH_AVX2) && tierlm_cpu_has(CPU_AVX512F);
   }
   return 0;
 }

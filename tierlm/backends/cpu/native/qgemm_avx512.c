@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_features.h"
 #include "threads.h"
 #include "unpack.h"
 
@@ -35,9 +36,7 @@
 static int vbmi = -1;
 
 static int vbmi_available(void) {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
+  return tierlm_cpu_has(CPU_AVX512VBMI) && tierlm_cpu_has(CPU_AVX512BW) && tierlm_cpu_has(CPU_AVX512VL);
 }
 
 /* on: 1 or 0 to choose (1 only where the CPU has it), -1 to ask; returns the choice in force. */
