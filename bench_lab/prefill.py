@@ -60,9 +60,13 @@ def prefill(model, tokens: list[int], step: int, batch_cache: str = "", clear: b
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+    class ArrayMasked(BatchKVCache):
+        """mlx-lm's batch cache by another name: backends.gpu tells only its own
+        class's unpadded masks to cuDNN as "causal"."""
+
     cache = make_prompt_cache(model)
     if batch_cache:
-        cache = [BatchKVCache([0]) for _ in cache]
+        cache = [(ArrayMasked if batch_cache == "array" else BatchKVCache)([0]) for _ in cache]
         if batch_cache == "causal":
             for c in cache:
                 c.make_mask = lambda n, **kw: "causal"
