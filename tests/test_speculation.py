@@ -37,8 +37,8 @@ from tierlm.engine.request import Request, SamplingParams
 from tierlm.engine.sampling import RandomSampler
 from tierlm.engine.speculation_switch import SpeculationSwitch
 from tierlm.engine import warmup
-from tierlm.engine.speculative_batch import SpeculativeGenerator, StepCosts, padded_width, rollback_supported
-from tierlm.engine.warmup import WidestSteps
+from tierlm.engine.speculative_batch import (SpeculativeGenerator, StepCosts, padded_width,
+                                             rollback_supported)
 from tierlm.models.random_model import tiny_model
 from tierlm.structured.grammar import ModelGrammars, json_schema_grammar
 
@@ -191,7 +191,7 @@ def test_rejected_drafts_leave_each_rows_kv_as_a_fresh_prefill_would(monkeypatch
     # repeated runs, so that lookups find drafts; three lengths, so rows are padded
     prompts = [list(range(10, 40)) * 3, list(range(50, 70)) * 4 + [3], [7, 8, 9, 11] * 10]
     gen = SpeculativeGenerator(model, completion_batch_size=4, prefill_batch_size=4)
-    gen.speculation.costs = WidestSteps()
+    gen.speculation.draft_always()
     ended = _run_drafting(gen, prompts, [24, 31, 40])
     counters = gen.speculation.counters
     assert counters.speculative_steps and 0 < counters.accepted_tokens < counters.proposed_tokens
@@ -262,7 +262,7 @@ def test_greedy_tokens_equal_plain_batching_on_random_weights_where_products_are
         sampled = RandomSampler(SamplingParams(temperature=0.8, top_k=20, seed=3), print)
         uids = gen.insert(prompts, max_tokens=[30, 30, 30], samplers=[None, None, sampled])
         if isinstance(gen, SpeculativeGenerator):
-            gen.speculation.costs = WidestSteps()
+            gen.speculation.draft_always()
             gen.speculation.pad_widths = pad_widths
             for uid in uids:
                 gen.speculation.limits[uid] = 6
@@ -306,7 +306,7 @@ class _NoLookup(PromptLookup):
 def _drafting_tokens(gen, prompts, limit=40) -> list[list[int]]:
     uids = gen.insert(prompts, max_tokens=[limit] * len(prompts))
     if isinstance(gen, SpeculativeGenerator):
-        gen.speculation.costs = WidestSteps()
+        gen.speculation.draft_always()
         for uid in uids:
             gen.speculation.limits[uid] = 5
     out = {uid: [] for uid in uids}
@@ -344,7 +344,7 @@ def test_a_draft_models_rows_hold_what_a_fresh_prefill_would_after_rejections(mo
     monkeypatch.setattr(RaggedWindowKVCache, "drop_chunk", 8)
     model, draft = tiny_model(arch, vocab_size=512), tiny_model(arch, seed=5, vocab_size=512)
     gen = SpeculativeGenerator(model, draft_model=draft, vocab_size=512)
-    gen.speculation.costs = WidestSteps()
+    gen.speculation.draft_always()
     for uid in gen.insert([list(range(10, 80)), [5, 6, 7], list(range(100, 140))], max_tokens=[60] * 3):
         gen.speculation.limits[uid] = 6
     for _ in range(12):
@@ -368,6 +368,14 @@ def test_a_draft_model_that_cannot_give_tokens_back_is_refused(tokenizer):
 # ---- the default model, in process ------------------------------------------
 
 
+@pytest.fixture
+def drafts_every_step(monkeypatch):
+    """The engines a test starts verify every draft at its full width: how much
+    they draft then does not depend on how fast this machine's steps are
+    (adaptivity has tests of its own above)."""
+    monkeypatch.setenv("TIERLM_TEST_DRAFT_ALWAYS", "1")
+
+
 def _request(loaded, engine, messages, **params):
     tokens = loaded[1].apply_chat_template(messages, add_generation_prompt=True)
     return Request(engine.new_request_id(), tokens, SamplingParams(**{"temperature": 0, **params}))
@@ -386,7 +394,7 @@ async def _answers(loaded, batches, **settings):
 
 
 @pytest.mark.slow  # two engines, fifteen answers
-def test_answers_of_the_default_model_equal_with_and_without_speculation(loaded):
+def test_answers_of_the_default_model_equal_with_and_without_speculation(loaded, drafts_every_step):
     """Greedy: code edits, prose, a stop string, a length limit mid-draft,
     logprobs, penalties and a JSON schema (a grammar: its drafts are verified a
     token at a time against it), alone and batched. Seeded, at temperature > 0:
@@ -421,7 +429,7 @@ def test_answers_of_the_default_model_equal_with_and_without_speculation(loaded)
 
 
 @pytest.mark.slow  # Gemma 3 270M loaded, two engines
-def test_gemma_answers_equal_with_and_without_speculation_past_its_sliding_window(gemma_path):
+def test_gemma_answers_equal_with_and_without_speculation_past_its_sliding_window(gemma_path, drafts_every_step):
     """Gemma 3's local layers see 512 tokens; these prompts are ~2.5k tokens
     and the answers run past them, with drafts the windows' ragged rows give
     back, greedy and seeded, alone and batched."""
@@ -482,7 +490,7 @@ def test_a_draft_model_of_another_tokenizer_fails_the_start_saying_why(loaded, q
         run(started(loaded, draft_model=str(qwen_path)))
 
 
-def test_the_prefix_cache_holds_only_accepted_tokens(loaded):
+def test_the_prefix_cache_holds_only_accepted_tokens(loaded, drafts_every_step):
     """After a request whose drafts were partly rejected, every block in the
     cache holds its own tokens' KV: a fresh prefill's, to float rounding."""
 
@@ -510,7 +518,7 @@ def test_the_prefix_cache_holds_only_accepted_tokens(loaded):
 
 
 @pytest.mark.slow  # two engines; the request field's parsing is in the fast run (the 400s below)
-def test_a_request_can_turn_speculation_off_or_limit_it(loaded):
+def test_a_request_can_turn_speculation_off_or_limit_it(loaded, drafts_every_step):
     batches = [[(SHORT_EDIT, {"max_tokens": 40, "speculative_tokens": 0})]]
     _, counters = run(_answers(loaded, batches))
     assert counters.proposed_tokens == 0

@@ -167,6 +167,8 @@ class Scheduler:
         gen.speculation.counters = self.counters
         if not self.config.speculative_tokens:  # off for this model: plain steps, mlx-lm's own KV layout
             gen.speculation.enabled = False
+        if os.environ.get("TIERLM_TEST_DRAFT_ALWAYS"):  # tests only: drafts that do not depend on the clock
+            gen.speculation.draft_always()
         return gen
 
     def _draft_limit(self, params) -> int:

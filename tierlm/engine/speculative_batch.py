@@ -105,6 +105,22 @@ class StepCosts:
         return rates[0][1]
 
 
+class WidestSteps(StepCosts):
+    """Every step as wide as its drafts."""
+
+    def best_width(self, rows: int, made: list[float]) -> int:
+        return len(made)
+
+
+class AlwaysDrafting(SpeculationSwitch):
+    """Every step may draft, whatever windows measure."""
+
+    def step(self, now: float, rows: int) -> bool:
+        super().step(now, rows)
+        self.drafting = True
+        return True
+
+
 class SpeculativeBatch(GenerationBatch):
     """A GenerationBatch whose steps verify prompt-lookup drafts. Sequences draft
     only when `limits[uid]` (their request's draft length) is set, greedy or
@@ -129,6 +145,12 @@ class SpeculativeBatch(GenerationBatch):
         self._dry_run = self._dry_steps = 0  # steps not to look for drafts after finding none
         self.draft_source: DraftModelSource | None = None  # a draft model, where one is set
         self._draft_seconds = 0.0  # what the draft model took this step
+
+    def draft_always(self) -> None:
+        """Every step verifies its drafts at their full width, whatever steps
+        cost: warm-up jobs (the widths a GPU compiles), and tests whose drafts
+        must not depend on how fast this machine is."""
+        self.costs, self.switch = WidestSteps(), AlwaysDrafting()
 
     def next(self) -> list:
         if not self.enabled:  # off for this model: mlx-lm's own step, nothing measured or faded

@@ -26,7 +26,7 @@ from tierlm.engine.drafts import PromptLookup
 from tierlm.engine.quantized_kv import quantized_slots
 from tierlm.engine.request import SamplingParams
 from tierlm.engine.sampling import make_request_sampler
-from tierlm.engine.speculative_batch import SpeculativeGenerator, StepCosts, padded_width, pads_widths
+from tierlm.engine.speculative_batch import SpeculativeGenerator, padded_width, pads_widths
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +75,6 @@ def long_context_tokens(context: int | None, prefill_step: int, fits) -> int:
     return tokens // prefill_step * prefill_step
 
 
-class WidestSteps(StepCosts):
-    """Every step as wide as its drafts."""
-
-    def best_width(self, rows: int, made: list[float]) -> int:
-        return len(made)
-
-
 class RepeatDrafts(PromptLookup):
     """Drafts of the last token repeated: a warm job verifies drafts whatever
     its model writes."""
@@ -124,7 +117,7 @@ def _decode_a_few(model, stream, batch: int, prompt_len: int, prefill_step: int,
         uids = gen.insert(prompts, max_tokens=[DECODE_STEPS] * batch, caches=caches,
                           samplers=[sampled if i % 2 else greedy for i in range(batch)])
         if drafts:
-            gen.speculation.costs = WidestSteps()
+            gen.speculation.draft_always()
             for uid in uids:
                 gen.speculation.limits[uid] = drafts
         pending = batch
