@@ -39,7 +39,7 @@ from tierlm.engine.speculation_switch import SpeculationSwitch
 from tierlm.engine import warmup
 from tierlm.engine.speculative_batch import (SpeculativeGenerator, StepCosts, padded_width,
                                              rollback_supported)
-from tierlm.models.random_model import tiny_model
+from tierlm.models.random_model import make_random_model, tiny_model
 from tierlm.structured.grammar import ModelGrammars, json_schema_grammar
 
 SOURCE = inspect.getsource(colorsys)  # a real module of 166 lines, on every Python
@@ -484,10 +484,13 @@ def test_the_default_model_drafting_for_itself_answers_as_without_drafts(loaded,
     assert [a.token_ids for a in on] == [b.token_ids for b in off]
 
 
-@pytest.mark.slow  # loads Qwen2.5-Coder beside the default model
-def test_a_draft_model_of_another_tokenizer_fails_the_start_saying_why(loaded, qwen_path):
+@pytest.mark.slow  # needs Qwen2.5-Coder pulled
+def test_a_draft_model_of_another_tokenizer_fails_the_start_saying_why(loaded, qwen_path, tmp_path):
+    """A draft model with Qwen2.5-Coder's tokenizer (tiny random weights: the
+    tokenizer is what the check reads, and loading the real model takes long)."""
+    draft = make_random_model("tiny", tmp_path / "draft", qwen_path, "float32")
     with pytest.raises(ValueError, match="tokenizer is not the model's"):
-        run(started(loaded, draft_model=str(qwen_path)))
+        run(started(loaded, draft_model=str(draft)))
 
 
 def test_the_prefix_cache_holds_only_accepted_tokens(loaded, drafts_every_step):
