@@ -5,7 +5,9 @@ MLX's CUDA backend compiles a kernel the first time a shape needs it (about a
 second each, measured on an H200: the first request of a fresh machine took 13 s,
 the first batch of nine 3.9 s) and keeps it on disk (`kernel_cache_dir`). A warm
 shape is a few tiny requests through a BatchGenerator of its own: prefill and a
-few decode steps, greedy and sampled, and nothing of it reaches the prefix cache.
+few decode steps, greedy and sampled, of prompts of two lengths (a padded batch),
+half of them joining the others' running batch; nothing of it reaches the prefix
+cache.
 Where the engine speculates, on a GPU the decode steps are run again verifying
 drafts at each width a step may take (padded to powers of two): the first
 verification of a process compiled for ~33 s on the H200, and each new width a
@@ -104,6 +106,22 @@ def draft_widths(drafts: int) -> list[int]:
     return sorted({padded_width(w, drafts + 1) for w in range(2, drafts + 2)})
 
 
+def prompts_of_two_lengths(batch: int, prompt_len: int) -> list[list[int]]:
+    """`batch` prompts of up to `prompt_len` tokens, every other one half as long:
+    concurrent requests differ in length, so their prefill and decode run with
+    a padding mask, whose kernels an unpadded batch never compiles (a new H200
+    ran 8 streams' first run at 0.45-0.59x the second with every batch size
+    warmed on prompts of one length)."""
+    return [[(7 * i + j) % 97 + 3 for j in range(prompt_len - (i % 2) * (prompt_len // 2))]
+            for i in range(batch)]
+
+
+def _step(gen) -> int:
+    """One step of `gen`; the sequences it ended."""
+    _, responses = gen.next()
+    return sum(r.finish_reason is not None for r in responses)
+
+
 def _decode_a_few(model, stream, batch: int, prompt_len: int, prefill_step: int, drafts: int,
                   kv_bits: int) -> None:
     options = dict(completion_batch_size=batch, prefill_batch_size=min(8, batch),
@@ -112,18 +130,24 @@ def _decode_a_few(model, stream, batch: int, prompt_len: int, prefill_step: int,
     try:
         sampled = make_request_sampler(SamplingParams(temperature=0.7, seed=0), lambda message: None)
         greedy = make_request_sampler(SamplingParams(temperature=0), lambda message: None)
-        prompts = [[(7 * i + j) % 97 + 3 for j in range(prompt_len)] for i in range(batch)]
-        caches = None if kv_bits == 16 else [quantized_slots(make_prompt_cache(model), kv_bits) for _ in prompts]
-        uids = gen.insert(prompts, max_tokens=[DECODE_STEPS] * batch, caches=caches,
-                          samplers=[sampled if i % 2 else greedy for i in range(batch)])
+        prompts = prompts_of_two_lengths(batch, prompt_len)
+        caches = [None if kv_bits == 16 else quantized_slots(make_prompt_cache(model), kv_bits) for _ in prompts]
+        samplers = [sampled if i % 2 else greedy for i in range(batch)]
         if drafts:
             gen.speculation.draft_always()
-            for uid in uids:
-                gen.speculation.limits[uid] = drafts
-        pending = batch
+        # half the rows, then the rest joining the running batch, as requests come
+        first = batch - batch // 2
+        pending = 0
+        for n, wave in enumerate([range(first), range(first, batch)][: 1 + (batch > 1)]):
+            uids = gen.insert([prompts[i] for i in wave], max_tokens=[DECODE_STEPS + n] * len(wave),
+                              caches=None if kv_bits == 16 else [caches[i] for i in wave],
+                              samplers=[samplers[i] for i in wave])
+            if drafts:
+                for uid in uids:
+                    gen.speculation.limits[uid] = drafts
+            pending += len(wave) - _step(gen)
         while pending:
-            _, responses = gen.next()
-            pending -= sum(r.finish_reason is not None for r in responses)
+            pending -= _step(gen)
     finally:
         gen.close()
         mx.synchronize(stream)
