@@ -133,11 +133,8 @@ def start_ranks(model_path: Path, folder: Path, timeout: float = 300) -> Server:
 def stop_ranks(server: Server) -> None:
     """The launcher and every rank. They share the launcher's process group (the
     server starts it in a session of its own; mlx.launch starts the ranks in its
-    group). Once a rank has died the launcher sends rank 0 a SIGTERM, which rank 0
-    may not heed (seen after test_a_rank_that_dies_ends_every_request_with_an_error):
-    stop_server's SIGTERM to the group then ends the launcher alone, or finds it
-    gone and sends nothing, and rank 0 outlived the module. What is left of the
-    group is killed."""
+    group): what is left of the group after stop_server's SIGTERM is killed, so
+    that a rank that fails to stop cannot outlive the module."""
     stop_server(server)
     with contextlib.suppress(ProcessLookupError):  # nothing left: every rank ended on the SIGTERM
         os.killpg(server.proc.pid, signal.SIGKILL)
@@ -243,8 +240,9 @@ def _rank_pid(server: Server, rank: int) -> int:
 
 def test_a_rank_that_dies_ends_every_request_with_an_error(two_ranks):
     """Rank 1 killed while two streams run: each ends with an error event in the
-    API's shape (no hang, no clean finish). Last: the module's ranks end here (the
-    launcher gives up once rank 1 is gone; stop_ranks ends rank 0)."""
+    API's shape (no hang, no clean finish), and rank 0 then stops on a SIGTERM
+    (it once waited for ever to tell the dead rank to stop). Last: the module's
+    ranks end here."""
     with httpx.Client(timeout=60) as client, contextlib.ExitStack() as streams:
         lines = [streams.enter_context(client.stream("POST", two_ranks.v1 + "/chat/completions", json=LONG))
                  .iter_lines() for _ in range(2)]
@@ -257,3 +255,17 @@ def test_a_rank_that_dies_ends_every_request_with_an_error(two_ranks):
             assert events and "error" in events[-1], events[-3:]
             assert events[-1]["error"]["type"] == "server_error"
             assert "out of step" in events[-1]["error"]["message"]
+    rank_0 = _rank_pid(two_ranks, 0)
+    os.kill(rank_0, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while _running(rank_0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(rank_0), two_ranks.log()[-2000:]
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

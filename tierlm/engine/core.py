@@ -512,7 +512,7 @@ class EngineCore:
             if self.lockstep is None:
                 self.scheduler.fail_running(f"generation failed: {e}")
             else:  # the ranks cannot be brought back in step: the engine stops
-                self.out_of_step = f"the ranks running the model are out of step ({e})"
+                self.out_of_step = self.lockstep.broken = f"the ranks running the model are out of step ({e})"
                 log.error("engine %s: %s; it stops, every request in it ends with an error",
                           self.name, self.out_of_step)
                 self.scheduler.fail_running(self.out_of_step)

@@ -58,6 +58,9 @@ class Lockstep:
         self.rank, self.size = group.rank(), group.size()
         self.leader = self.rank == 0
         self.stream = None  # the engine's, set when its scheduler is built
+        # why a collective failed (a rank gone): no collective runs after, as one
+        # with a peer gone can wait for it forever (a rank that would never exit)
+        self.broken: str | None = None
 
     def share(self, plan: StepPlan | None = None) -> StepPlan:
         """Every rank: the leader's plan (the leader passes it, followers get it).

@@ -346,7 +346,7 @@ class Scheduler:
         self._gen = self._new_generator()
 
     def close(self) -> None:
-        if self.lockstep is not None and self.lockstep.leader:
+        if self.lockstep is not None and self.lockstep.leader and not self.lockstep.broken:
             try:
                 self.lockstep.share(StepPlan(stop=True))  # the followers end too
             except RuntimeError as e:  # a rank is gone already
