@@ -196,17 +196,16 @@ def _prepare() -> State:
     if not proved:
         _restore()
         return _nothing(f"MLX's matmuls do not reach it: {check}", lib, check, warn=True)
-    avx512 = bool(lib.tierlm_avx512_available())
+    kernels = _native_kernels(lib)  # exact attention products are AVX-512 kernels too
     bad_cap = isa.bad_value(lib)
     return State(
         blas=Feature(True, path),
         route=Feature(True, f"{len(slots)} slot of MLX's {SYMBOL}" if len(slots) == 1
                       else f"{len(slots)} slots of MLX's {SYMBOL}"),
         gemv=Feature(True) if one_row else _off("TIERLM_GEMV_ROUTE=off"),
-        exact_attention=(Feature(True, "AVX-512") if exact else _off("TIERLM_EXACT_ATTENTION=off")) if avx512
-        else _off(isa.lacks(lib, "avx512f", "AVX-512")),
+        exact_attention=kernels if exact or not kernels.on else _off("TIERLM_EXACT_ATTENTION=off"),
         amx=_amx(lib),
-        native_kernels=_native_kernels(lib),
+        native_kernels=kernels,
         self_check=check,
         lib=lib,
         warning=f"{bad_cap}: every kernel it caps is off" if bad_cap else None,
