@@ -64,6 +64,7 @@ def test_generate_through_the_template_raw_or_with_a_system_prompt(local, client
     assert streamed == raw.response
 
 
+@pytest.mark.slow  # three constrained answers; the tool machinery's fast tests are in test_tools_api
 def test_tool_calls_and_their_results(local, client, server):
     """A conversation with a call and its result (Ollama's: arguments as an object,
     no ids, the result named by its tool) is the prompt the OpenAI route makes of

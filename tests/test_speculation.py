@@ -559,6 +559,7 @@ def test_an_out_of_range_draft_length_is_a_400_in_the_apis_shape(server, path, b
     assert ok.status_code == 200  # and the next request is served
 
 
+@pytest.mark.slow  # a code edit answered on the shared server; drafts are counted in the engine tests
 def test_metrics_and_stats_count_drafts(server):
     body = {"messages": SHORT_EDIT, "max_tokens": 64, "temperature": 0}
     assert httpx.post(server.v1 + "/chat/completions", json=body, timeout=300).status_code == 200
