@@ -181,8 +181,7 @@ def test_route_and_blas_can_be_turned_off():
 
 def cpu_has(feature: str) -> bool:
     """What the CPU itself reports, whatever TIERLM_MAX_CPU_ISA this run is under."""
-    number = isa.FEATURES.index(feature)
-    return bool(STATE.lib.tierlm_cpu_has(number) or STATE.lib.tierlm_cpu_hidden(number))
+    return isa.reported(STATE.lib, feature)
 
 
 ISA_JSON = """

@@ -53,6 +53,12 @@ def hiding(lib: ctypes.CDLL, feature: str) -> str:
     return f" ({VARIABLE}={cap(lib)})" if lib.tierlm_cpu_hidden(FEATURES.index(feature)) else ""
 
 
+def reported(lib: ctypes.CDLL, feature: str) -> bool:
+    """Whether the CPU itself reports `feature` (a FEATURES name), whatever the cap."""
+    number = FEATURES.index(feature)
+    return bool(lib.tierlm_cpu_has(number) or lib.tierlm_cpu_hidden(number))
+
+
 def lacks(lib: ctypes.CDLL, feature: str, name: str) -> str:
     """Why a part that needs `feature` is off, with the feature called `name`:
     the CPU lacks it, or the cap hides it, or the cap is a value it does not take."""
