@@ -131,7 +131,7 @@ def _decode_a_few(model, stream, batch: int, prompt_len: int, prefill_step: int,
         sampled = make_request_sampler(SamplingParams(temperature=0.7, seed=0), lambda message: None)
         greedy = make_request_sampler(SamplingParams(temperature=0), lambda message: None)
         prompts = prompts_of_two_lengths(batch, prompt_len)
-        caches = [None if kv_bits == 16 else quantized_slots(make_prompt_cache(model), kv_bits) for _ in prompts]
+        caches = None if kv_bits == 16 else [quantized_slots(make_prompt_cache(model), kv_bits) for _ in prompts]
         samplers = [sampled if i % 2 else greedy for i in range(batch)]
         if drafts:
             gen.speculation.draft_always()
@@ -140,7 +140,7 @@ def _decode_a_few(model, stream, batch: int, prompt_len: int, prefill_step: int,
         pending = 0
         for n, wave in enumerate([range(first), range(first, batch)][: 1 + (batch > 1)]):
             uids = gen.insert([prompts[i] for i in wave], max_tokens=[DECODE_STEPS + n] * len(wave),
-                              caches=None if kv_bits == 16 else [caches[i] for i in wave],
+                              caches=caches and [caches[i] for i in wave],
                               samplers=[samplers[i] for i in wave])
             if drafts:
                 for uid in uids:
