@@ -103,7 +103,7 @@ class Settings:
                                        "(from the sequence's own prompt and output: copies, edits, quoted "
                                        "context), off, or auto (prompt-lookup where the backend's products "
                                        "are batch-invariant, so greedy answers stay the same: MLX's CPU "
-                                       "backend with AVX-512; off elsewhere, and on a GPU, where it does "
+                                       "backend with AVX2 or AVX-512; off elsewhere, and on a GPU, where it does "
                                        "not pay yet)",
                                per_model=True, check=lambda v: _one_of(v, ("auto", "prompt-lookup", "off")))
     draft_model: str | None = setting(None, "a smaller model of the same tokenizer that drafts tokens where "
@@ -206,7 +206,7 @@ class Settings:
                                              "memory", per_model=True)
     # ---- MLX's CPU backend
     cpu_weights_dtype: str = setting("auto", "weights' dtype on the CPU backend: auto (quantized ones kept "
-                                             "quantized where tierlm's AVX-512 kernels take them, else float32 "
+                                             "quantized where tierlm's float kernels (AVX-512, AVX2) take them, else float32 "
                                              "when it fits, else quantized), quantized, float32, bfloat16, "
                                              "float16, or stored",
                                      per_model=True)

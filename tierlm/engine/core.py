@@ -188,7 +188,7 @@ class EngineCore:
     def _speculates(self) -> bool:
         """Whether requests draft tokens (`speculation`). `auto`: where the
         backend's products are batch-invariant (MLX's CPU backend with tierlm's
-        AVX-512 kernels), so greedy answers are the same with drafts or
+        AVX-512 or AVX2 kernels), so greedy answers are the same with drafts or
         without; elsewhere verifying several tokens at once moves rounding, and
         on a GPU prompt lookup alone does not pay yet (docs/speculation.md);
         and wherever a draft model is named. Never over several ranks (yet):

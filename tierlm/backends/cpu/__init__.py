@@ -10,13 +10,14 @@ For a model on MLX's CPU backend this room arranges, when the model is loaded:
 - native.py, native/: the C behind it (the route, AMX tiles, attention's
   fixed-order products shared over the cores, softmax, SwiGLU, GELU,
   log-sum-exp), built once into the user's cache;
-- quantized.py: MLX's quantized matmul on tierlm's int8 kernels (qgemm.c,
-  AVX2 / VNNI / plain C, behind MLX's own operation by qmm_hook.cpp);
+- quantized.py: MLX's quantized matmul on tierlm's kernels (qgemm.c and
+  qgemm_float.c: float32 products with AVX-512 or AVX2, int8 ones by name or in
+  plain C; behind MLX's own operation by qmm_hook.cpp);
 - weights.py: quantized models kept quantized where those kernels take their
   format, else the weights in float32 when they fit (MLX sends only float32
   matmuls to BLAS);
 - kernels.py: attention, SwiGLU and GELU for float32, in native code where the
-  CPU has AVX-512;
+  CPU has AVX2 or AVX-512 (native/float_kernels.c: one source, both widths);
 - amx.py: bfloat16 copies of the weights on AMX tiles, where the CPU has them;
 - isa.py: TIERLM_MAX_CPU_ISA, which hides the CPU's newer features from the
   native code (an AVX-512 machine choosing its kernels as an AVX2 one would).
@@ -97,8 +98,9 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
         return {"calls": {**state.counts(), **{f"kernel_{k}": v for k, v in python.items()},
                           "quantized_hook": quantized.taken(), "quantized_left_to_mlx": quantized.left_to_mlx()}}
 
-    # tierlm's AVX-512 float32 products of quantized weights and its attention
-    # products sum each output in one fixed order; a BLAS's gemv and gemm do not
+    # tierlm's float32 products of quantized weights (AVX-512 or AVX2) and its
+    # attention products sum each output in one fixed order; a BLAS's gemv and
+    # gemm do not
     invariant = dtype == "quantized" and quantized.float_products() and state.exact_attention.on
     summary["batch_invariant"] = invariant
     return Backend(name="cpu", extra_bytes=packed_bytes, layout_tag=AMX_LAYOUT_TAG if packed else b"",

@@ -1,8 +1,9 @@
 """TIERLM_MAX_CPU_ISA: a cap on the CPU features tierlm's native kernels use.
 
-An AVX-512 machine runs other kernels than an AVX2-only one (the exact attention
-products, the native softmax and SwiGLU, the quantized products in float32), so
-a test can pass on one and fail on the other. The cap makes the native library
+An AVX-512 machine runs other kernels than an AVX2-only one (16 lanes against 8
+in the exact attention products, the native softmax and SwiGLU and the quantized
+products; AMX; VBMI's unpacking), so a test can pass on one and fail on the
+other. The cap makes the native library
 choose every kernel as the smaller CPU would, as oneDNN's ONEDNN_MAX_CPU_ISA and
 MKL's MKL_ENABLE_INSTRUCTIONS do for theirs:
 

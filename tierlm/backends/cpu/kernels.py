@@ -2,9 +2,9 @@
 
 MLX's Linux CPU build computes `exp` one element at a time (~13 ns each here),
 and softmax and SiLU are mostly exp: in a 500-token prefill of SmolLM2 they took
-~60% of the time, more than every matmul. On CPUs with AVX-512 both run in
-native code (native/softmax.c, native/swiglu.c) on evaluated arrays, in place:
-the softmax of a prefill layer ~25 -> ~0.7 ms. Elsewhere attention's softmax
+~60% of the time, more than every matmul. On CPUs with AVX-512 or AVX2 both run
+in native code (native/softmax.c, native/swiglu.c) on evaluated arrays, in place:
+the softmax of a prefill layer ~25 -> ~0.7 ms (AVX-512). Elsewhere attention's softmax
 over many scores (a prefill's) takes numpy's vectorized exp in place, ~5x
 faster than `fast_exp`, and smaller ones and SwiGLU take `fast_exp`, ordinary
 arithmetic that MLX compiles, ~3x faster than MLX's exp, within 3e-5.
@@ -110,7 +110,7 @@ def attention(queries, keys, values, scale: float, mask, native: bool | None = N
 
 
 def native_kernels() -> bool:
-    """Attention's softmax and SwiGLU in native code (CPUs with AVX-512, once the
+    """Attention's softmax and SwiGLU in native code (CPUs with AVX2 or AVX-512, once the
     native library is loaded: route.prepare)."""
     state = route.current()
     return state is not None and state.native_kernels.on

@@ -26,9 +26,11 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent / "native"
-SOURCES = [HERE / name for name in ("sgemm_route.c", "amx_bf16.c", "exact_gemm.c", "softmax.c", "swiglu.c", "qgemm.c",
-                                        "qgemm_avx512.c", "threads.c", "cpu_features.c")]
-HEADERS = [HERE / name for name in ("exp512.h", "counters.h", "threads.h", "unpack.h", "cpu_features.h")]
+SOURCES = [HERE / name for name in ("sgemm_route.c", "amx_bf16.c", "float_kernels.c", "float_avx512.c", "float_avx2.c",
+                                        "qgemm.c", "threads.c", "cpu_features.c")]
+# included, not compiled alone: the float kernels' sources are compiled once per width (float_avx*.c)
+HEADERS = [HERE / name for name in ("simd.h", "exact_gemm.c", "softmax.c", "swiglu.c", "qgemm_float.c", "counters.h",
+                                    "threads.h", "unpack.h", "cpu_features.h")]
 
 # The order of counters.h's enum: what each tierlm_counts slot counts.
 COUNTERS = ("sgemm", "sgemm_amx", "sgemm_exact", "sgemm_gemv", "sgemm_blas", "softmax", "swiglu", "logsumexp", "gelu",
@@ -99,6 +101,7 @@ def load() -> ctypes.CDLL:
     lib.tierlm_qmm_supports.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long]
     lib.tierlm_qmm_select.argtypes = [ctypes.c_int]
     lib.tierlm_qmm_available.argtypes = [ctypes.c_int]
+    lib.tierlm_float_select.argtypes = [ctypes.c_int]
     lib.tierlm_cpu_has.argtypes = [ctypes.c_int]
     lib.tierlm_cpu_hidden.argtypes = [ctypes.c_int]
     lib.tierlm_cpu_cap.restype = ctypes.c_char_p

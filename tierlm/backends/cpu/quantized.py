@@ -6,14 +6,15 @@ eight times the memory, and decode bound by reading it. native/qgemm.c computes
 the same product on the weights as MLX stores them (affine, 4, 5 or 8 bits,
 groups of 32, 64 or 128):
 
-- with AVX-512 (qgemm_avx512.c), in float32: each block of weights is unpacked
-  in registers and multiplied into the float activations; a prompt's (or a
-  large batch's) weights are dequantized once into cache-sized panels;
-- with AVX-VNNI or AVX2, as llama.cpp computes its quantized products: the
-  activations are quantized to int8 per 32 values and each block is an integer
-  dot product (vpdpbusd, vpmaddubsw), which on 8-lane CPUs costs half the
-  instructions of its float form;
-- anywhere else, the same integer products in plain C.
+- with AVX-512 or AVX2 + FMA (qgemm_float.c, one source built for 16 and for 8
+  lanes), in float32: each block of weights is unpacked in registers and
+  multiplied into the float activations; a prompt's (or a large batch's)
+  weights are dequantized once into cache-sized panels;
+- by name only (avx-vnni, avx2-int8), as llama.cpp computes its quantized
+  products: the activations are quantized to int8 per 32 values and each block
+  is an integer dot product (vpdpbusd, vpmaddubsw): fewer instructions, but
+  the int8 activations move a small model's answers;
+- anywhere else, the integer products in plain C.
 
 Every row has the same bits alone or batched.
 
@@ -26,9 +27,10 @@ bfloat16 activations, strided inputs) go to MLX's own code. Scales and biases
 must be float32 for it: weights.py converts them when it keeps a model
 quantized.
 
-TIERLM_QUANT_KERNEL picks the path: auto (the fastest the CPU reports),
-avx512, avx-vnni, avx2, portable (plain C, any CPU), or off (MLX's own).
-TIERLM_MAX_CPU_ISA caps what the CPU reports (isa.py): with avx2, auto is avx2.
+TIERLM_QUANT_KERNEL picks the path: auto (avx512, else avx2, else portable),
+avx512, avx2, avx-vnni, avx2-int8, portable (plain C, any CPU), or off (MLX's
+own). TIERLM_MAX_CPU_ISA caps what the CPU reports (isa.py): with avx2, auto is
+avx2.
 """
 
 from __future__ import annotations
@@ -46,10 +48,11 @@ from tierlm.backends.cpu import isa, native
 from tierlm.backends.cpu.route import Feature
 
 HOOK_SOURCE = native.HERE / "qmm_hook.cpp"
-# qgemm.c's path numbers, fastest first, by the names TIERLM_QUANT_KERNEL takes
-PATHS = {"avx512": 3, "avx-vnni": 2, "avx2": 1, "portable": 0}
-FLOAT_PATHS = ("avx512",)  # float32 activations; the others quantize them to int8 per 32 values
-NEEDS = {"avx512": "avx512f", "avx-vnni": "avx-vnni", "avx2": "avx2"}  # each path's feature (isa.FEATURES)
+# qgemm.c's path numbers, by the names TIERLM_QUANT_KERNEL takes
+PATHS = {"avx512": 3, "avx2": 4, "avx-vnni": 2, "avx2-int8": 1, "portable": 0}
+FLOAT_PATHS = ("avx512", "avx2")  # float32 activations; the others quantize them to int8 per 32 values
+# each path's feature (isa.FEATURES)
+NEEDS = {"avx512": "avx512f", "avx2": "avx2", "avx-vnni": "avx-vnni", "avx2-int8": "avx2"}
 NAMES = {number: name for name, number in PATHS.items()}
 BITS = (4, 5, 8)  # what qgemm.c multiplies; MLX's own code takes the rest
 GROUP_SIZES = (32, 64, 128)
@@ -110,7 +113,7 @@ def on() -> bool:
 
 
 def float_products() -> bool:
-    """The kernels in use multiply in float32 (AVX-512), not with int8 activations."""
+    """The kernels in use multiply in float32 (avx512, avx2), not with int8 activations."""
     return on() and _path in FLOAT_PATHS
 
 

@@ -9,8 +9,8 @@ BLAS, which is why the CPU fast path also runs the weights in float32
 In front of the BLAS sits native/sgemm_route.c (built by native.py). It takes
 MLX's `cblas_sgemm` calls and sends
 - products by a weight packed for AMX (amx.py) to the tile unit;
-- attention's small products, with AVX-512, to kernels that sum in one fixed
-  order, so batching changes no bit (native/exact_gemm.c);
+- attention's small products, with AVX-512 or AVX2, to kernels that sum in one
+  fixed order, so batching changes no bit (native/exact_gemm.c);
 - the one-row products of decoding a single sequence to `cblas_sgemv`: OpenBLAS's
   sgemm reads that shape at a third of the memory bandwidth its sgemv reaches
   (SmolLM2 decode at batch 1: 86 -> 50 ms a step);
@@ -83,9 +83,9 @@ class State:
     blas: Feature  # on: the library's path
     route: Feature  # tierlm's sgemm route in MLX's slot, proved by the self-check
     gemv: Feature  # one-row products to cblas_sgemv
-    exact_attention: Feature  # attention's products summed in a fixed order (AVX-512)
+    exact_attention: Feature  # attention's products summed in a fixed order (AVX-512 or AVX2)
     amx: Feature  # AMX-BF16 tiles for packed weights
-    native_kernels: Feature  # softmax, SwiGLU and log-sum-exp in native code (AVX-512)
+    native_kernels: Feature  # softmax, SwiGLU and log-sum-exp in native code (AVX-512 or AVX2)
     self_check: str  # what the start-up product showed
     lib: ctypes.CDLL | None = field(default=None, repr=False, compare=False)
     warning: str | None = None  # a part that should have worked and did not (an upgraded MLX, ...)
@@ -196,7 +196,7 @@ def _prepare() -> State:
     if not proved:
         _restore()
         return _nothing(f"MLX's matmuls do not reach it: {check}", lib, check, warn=True)
-    kernels = _native_kernels(lib)  # exact attention products are AVX-512 kernels too
+    kernels = _native_kernels(lib)  # the exact attention products are float kernels too
     bad_cap = isa.bad_value(lib)
     return State(
         blas=Feature(True, path),
@@ -279,9 +279,15 @@ def _restore() -> None:
 
 
 def _native_kernels(lib: ctypes.CDLL) -> Feature:
-    if lib.tierlm_avx512_available():
+    """The float kernels (native/float_kernels.c): AVX-512's where the CPU has
+    it, else AVX2's (with FMA), else none."""
+    lanes = lib.tierlm_float_lanes()
+    if lanes == 16:
         return Feature(True, "AVX-512")
-    return _off(isa.lacks(lib, "avx512f", "AVX-512"))
+    if lanes == 8:
+        hidden = f", AVX-512 hidden{isa.under(lib)}" if isa.hiding(lib, "avx512f") else ""
+        return Feature(True, f"AVX2{hidden}")
+    return _off(isa.lacks(lib, "avx2", "AVX2 and FMA"))
 
 
 def _amx(lib: ctypes.CDLL) -> Feature:

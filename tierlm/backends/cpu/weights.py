@@ -1,10 +1,11 @@
 """The weights' dtype on MLX's CPU backend.
 
 A quantized model stays quantized ("quantized") when tierlm's kernels multiply
-its format (quantized.py: affine 4, 5 or 8 bits) in float32 (AVX-512): its
-scales and biases become float32, which the kernels read, and any layer in
-another format is dequantized to float32. The int8 kernels (AVX2, AVX-VNNI)
-take a model only when its float32 weights do not fit. Otherwise, with a real
+its format (quantized.py: affine 4, 5 or 8 bits) in float32 (AVX-512, or AVX2
+with FMA): its scales and biases become float32, which the kernels read, and
+any layer in another format is dequantized to float32. The int8 kernels
+(chosen by name: avx-vnni, avx2-int8) take a model only when its float32
+weights do not fit. Otherwise, with a real
 BLAS loaded, float32 weights
 decode ~2-15x faster than the stored ones (MLX's own CPU quantized matmul does
 not get faster with batch size), and 16-bit weights never win (MLX's CPU matmul
@@ -57,9 +58,9 @@ def choose_dtype(setting: str, model: nn.Module, memory_bytes: int) -> str:
     kernels_take = quantized.on() and any(_kernels_take(m) for _, m in model.named_modules())
     if kernels_take and quantized.float_products():
         return "quantized"
-    # The int8 products (CPUs without AVX-512) move a small model's answers:
-    # with attention and SwiGLU outside the AVX-512 kernels too, SmolLM2's
-    # greedy answers changed, so they take only models float32 does not fit.
+    # The int8 products (avx-vnni, avx2-int8) move a small model's answers:
+    # SmolLM2's greedy answers changed under them, so they take only models
+    # float32 does not fit.
     state = route.current()
     if state is not None and state.blas.on:
         # On AMX machines the float32 weights get bfloat16 copies too (amx.py).

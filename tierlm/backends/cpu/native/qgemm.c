@@ -3,14 +3,16 @@
  *
  * Paths, chosen at run time by what the CPU reports, under TIERLM_MAX_CPU_ISA
  * (cpu_features.c; tierlm_qmm_select can name one, for tests and benchmarks):
- *   - AVX-512: float32 products of the weights unpacked in registers
- *     (qgemm_avx512.c);
- *   - AVX-VNNI and AVX2+FMA: this file's integer products, computed as llama.cpp
- *     computes its quantized ones: the activations are quantized to int8 per
- *     block of 32 values, each block's product with the weights is an integer
- *     dot product (vpmaddubsw with AVX2, vpdpbusd with VNNI), scaled back in
- *     float. With 8 lanes of float32 a block costs twice the instructions of
- *     its integer product, so for these CPUs the integers are the faster form;
+ *   - AVX-512, and AVX2 with FMA: float32 products of the weights unpacked in
+ *     registers (qgemm_float.c, one source built for 16 and for 8 lanes): the
+ *     activations stay float32, so the product is the dequantized weights' own;
+ *   - AVX-VNNI and AVX2+FMA by name only (TIERLM_QUANT_KERNEL=avx-vnni or
+ *     avx2-int8): this file's integer products, computed as llama.cpp computes
+ *     its quantized ones: the activations are quantized to int8 per block of
+ *     32 values, each block's product with the weights is an integer dot
+ *     product (vpmaddubsw with AVX2, vpdpbusd with VNNI), scaled back in float.
+ *     Fewer instructions a block than 8 lanes of float32, but the int8
+ *     activations move a small model's answers (docs/cpu-backend.md);
  *   - portable C that any CPU runs (the integer products).
  *
  *   out[m][n] = sum_k x[m][k] * (scale[n][k/g] * q[n][k] + bias[n][k/g])
@@ -36,11 +38,13 @@
 
 #define BLOCK 32
 
-enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX_VNNI = 2, PATH_AVX512 = 3 };
+enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX_VNNI = 2, PATH_AVX512 = 3, PATH_AVX2_FLOAT = 4 };
 
-/* qgemm_avx512.c */
-void tierlm_qmm_avx512(const float *x, long M, long K, const void *w, const float *scales, const float *biases,
-                       long N, int bits, int group, float *out);
+/* qgemm_float.c, built by float_avx512.c and float_avx2.c */
+void tierlm_qmm_float_avx512(const float *x, long M, long K, const void *w, const float *scales,
+                             const float *biases, long N, int bits, int group, float *out);
+void tierlm_qmm_float_avx2(const float *x, long M, long K, const void *w, const float *scales, const float *biases,
+                           long N, int bits, int group, float *out);
 
 static int path_in_use = -1;
 
@@ -51,6 +55,7 @@ int tierlm_qmm_available(int path) {
     case PATH_AVX2: return tierlm_cpu_has(CPU_AVX2) && tierlm_cpu_has(CPU_FMA);
     case PATH_AVX_VNNI: return tierlm_qmm_available(PATH_AVX2) && tierlm_cpu_has(CPU_AVX_VNNI);
     case PATH_AVX512: return tierlm_qmm_available(PATH_AVX2) && tierlm_cpu_has(CPU_AVX512F);
+    case PATH_AVX2_FLOAT: return tierlm_qmm_available(PATH_AVX2);
   }
   return 0;
 }
@@ -61,10 +66,9 @@ int tierlm_qmm_select(int path) {
     if (!tierlm_qmm_available(path)) return -1;
     path_in_use = path;
   } else {
-    path_in_use = tierlm_qmm_available(PATH_AVX512)     ? PATH_AVX512
-                  : tierlm_qmm_available(PATH_AVX_VNNI) ? PATH_AVX_VNNI
-                  : tierlm_qmm_available(PATH_AVX2)     ? PATH_AVX2
-                                                        : PATH_SCALAR;
+    path_in_use = tierlm_qmm_available(PATH_AVX512)       ? PATH_AVX512
+                  : tierlm_qmm_available(PATH_AVX2_FLOAT) ? PATH_AVX2_FLOAT
+                                                          : PATH_SCALAR;
   }
   return path_in_use;
 }
@@ -396,8 +400,9 @@ void tierlm_qmm(const float *x, long M, long K, const void *w, const float *scal
                 int bits, int group, float *out) {
   if (path_in_use < 0) tierlm_qmm_select(-1);
   int path = path_in_use;
-  if (path == PATH_AVX512) {
-    tierlm_qmm_avx512(x, M, K, w, scales, biases, N, bits, group, out);
+  if (path == PATH_AVX512 || path == PATH_AVX2_FLOAT) {
+    (path == PATH_AVX512 ? tierlm_qmm_float_avx512 : tierlm_qmm_float_avx2)(x, M, K, w, scales, biases, N, bits,
+                                                                            group, out);
     TIERLM_COUNT(COUNT_QMM);
     return;
   }

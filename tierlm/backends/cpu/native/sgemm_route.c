@@ -5,7 +5,7 @@
  * - to amx_bf16.c when B is a weight packed there (CPUs with AMX; the weight is
  *   read as bfloat16, half the bytes, on the tile unit);
  * - products with a small k after a transposed B, or a small n (attention's
- *   scores and weighted values), to exact_gemm.c (CPUs with AVX-512), which sums
+ *   scores and weighted values), to exact_gemm.c (CPUs with AVX2 or AVX-512), which sums
  *   each element in one fixed order: batching and padding then change no bit;
  * - for one-row products (decoding one sequence), to cblas_sgemv: OpenBLAS's
  *   sgemm handles 1 x K by K x N far below memory bandwidth, its sgemv reads the
@@ -31,7 +31,7 @@ typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const fl
 
 int tierlm_amx_sgemm(int m, int n, int k, float alpha, const float *a, int lda, const float *w,
                      float beta, float *c, int ldc);
-int tierlm_avx512_available(void);
+int tierlm_float_lanes(void);
 int tierlm_exact_sgemm(int trans_b, int m, int n, int k, float alpha, const float *a, int lda,
                        const float *b, int ldb, float beta, float *c, int ldc);
 
@@ -46,7 +46,7 @@ int tierlm_route_open(const char *path, int route_one_row, int route_exact) {
   real_sgemm = (sgemm_fn)dlsym(handle, "cblas_sgemm");
   real_sgemv = (sgemv_fn)dlsym(handle, "cblas_sgemv");
   one_row_route = route_one_row;
-  exact_route = route_exact && tierlm_avx512_available();
+  exact_route = route_exact && tierlm_float_lanes();
   return real_sgemm != 0 && real_sgemv != 0;
 }
 

@@ -1,22 +1,24 @@
-/* MLX's affine-quantized matmul with AVX-512, in float32 (qgemm.c's fastest
- * path; it calls tierlm_qmm_avx512 when the CPU has AVX-512F):
+/* MLX's affine-quantized matmul in float32 (qgemm.c's float paths), written
+ * once over simd.h's vectors and compiled for AVX-512 (16 lanes) and for AVX2
+ * with FMA (8 lanes) by float_avx512.c and float_avx2.c; qgemm.c calls
+ * tierlm_qmm_float_avx512 or tierlm_qmm_float_avx2:
  *
  *   out[m][n] = sum_k x[m][k] * (scale[n][k/g] * q[n][k] + bias[n][k/g])
  *
- * Each 32-value block of a weight row is unpacked (unpack.h), turned into two
- * vectors of 16 floats (q * scale + bias, one fused multiply-add) and multiplied
+ * Each 32-value block of a weight row is unpacked (unpack.h), turned into
+ * vectors of floats (q * scale + bias, one fused multiply-add) and multiplied
  * into the accumulators of every activation row of its tile. A tile of R
  * activation rows x C weight rows unpacks each block once for its R rows; with
  * many activation rows (prompts, large batches) a block of weight rows is
  * dequantized once into a panel that every tile of rows then reads, so the
  * unpacking is paid once per product instead of once per R rows. The
  * activations stay float32: the product is the dequantized weights' own.
+ * The tiles are sized for the registers: AVX-512 has 32, AVX2 16.
  *
  * Every output element is one chain of fused multiply-adds over K in one order
- * (16 lanes), then the same horizontal sum, whether its weights came unpacked
+ * (VL lanes), then the same horizontal sum, whether its weights came unpacked
  * or from a panel and whatever the tile or the split over the cores: a row has
  * the same bits alone or batched. */
-#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -25,12 +27,10 @@
 #include "unpack.h"
 
 #define BLOCK 32
-#define LANES 16
-#define ISA __attribute__((target("avx2,fma,avx512f")))
-#define ISA_VBMI UNPACK_VBMI_TARGET
-#define INLINE static inline __attribute__((always_inline)) ISA
+#define INLINE static inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 16")
 
+#if VL == 16
 /* Whether 5-bit blocks are unpacked with AVX-512 VBMI: on CPUs that have it,
  * unless turned off (tests compare the two). */
 static int vbmi = -1;
@@ -46,19 +46,29 @@ int tierlm_qmm_avx512_vbmi(int on) {
 }
 
 /* Half v of an unpacked block as float32 q * scale + bias. */
-INLINE __m512 dequantized(__m256i u, int v, __m512 scale, __m512 bias) {
+INLINE vf dequantized(__m256i u, int v, vf scale, vf bias) {
   __m512i lanes = _mm512_cvtepu8_epi32(v ? _mm256_extracti128_si256(u, 1) : _mm256_castsi256_si128(u));
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), scale, bias);
 }
 
 /* The lanes' sum, as one pairwise tree. */
-INLINE float lanes_sum(__m512 v) {
+INLINE float lanes_sum(vf v) {
   __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+#else
+/* Quarter v of an unpacked block as float32 q * scale + bias. */
+INLINE vf dequantized(__m256i u, int v, vf scale, vf bias) {
+  __m128i half = v < 2 ? _mm256_castsi256_si128(u) : _mm256_extracti128_si256(u, 1);
+  __m256i lanes = _mm256_cvtepu8_epi32(v & 1 ? _mm_srli_si128(half, 8) : half);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), scale, bias);
+}
+
+INLINE float lanes_sum(vf v) { return vf_reduce_add(v); }
+#endif
 
 #define SHORT 8 /* up to this many activation rows make one tile: each weight block unpacked once */
 
@@ -92,13 +102,13 @@ static float *pack_rows(const float *x, long M, long K, int bits, int R) {
   long per_group = group / BLOCK, step = BLOCK * bits / 8, groups = K / group, blocks = K / BLOCK;      \
   const char *ahead = (const char *)wrow + C * row_bytes; /* a prefetch past the end never faults */    \
   long lines = (C * row_bytes + 63) / 64, share = 0;                                                     \
-  __m512 acc[R][C];                                                                                      \
-  UNROLL for (int r = 0; r < R; r++) UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps(); \
+  vf acc[R][C];                                                                                      \
+  UNROLL for (int r = 0; r < R; r++) UNROLL for (int c = 0; c < C; c++) acc[r][c] = vf_zero(); \
   for (long g = 0, b = 0; g < groups; g++) {                                                             \
-    __m512 scale[C], bias_of[C];                                                                         \
+    vf scale[C], bias_of[C];                                                                         \
     UNROLL for (int c = 0; c < C; c++) if (!PANEL) {                                                     \
-      scale[c] = _mm512_set1_ps(s[c * groups + g]);                                                      \
-      bias_of[c] = _mm512_set1_ps(bias[c * groups + g]);                                                 \
+      scale[c] = vf_set1(s[c * groups + g]);                                                      \
+      bias_of[c] = vf_set1(bias[c * groups + g]);                                                 \
     }                                                                                                    \
     for (long bb = 0; bb < per_group; bb++, b++, x += R * BLOCK) {                                       \
       __m256i u[C];                                                                                      \
@@ -106,14 +116,14 @@ static float *pack_rows(const float *x, long M, long K, int bits, int R) {
         for (share += lines; share >= blocks; share -= blocks, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0); \
         UNROLL for (int c = 0; c < C; c++) u[c] = UNPACK(wrow + c * row_bytes + b * step, bits);         \
       }                                                                                                  \
-      UNROLL for (int v = 0; v < BLOCK / LANES; v++) {                                                   \
-        __m512 w[C];                                                                                     \
+      UNROLL for (int v = 0; v < BLOCK / VL; v++) {                                                   \
+        vf w[C];                                                                                     \
         UNROLL for (int c = 0; c < C; c++)                                                               \
-          w[c] = PANEL ? _mm512_loadu_ps(panel + (b * C + c) * BLOCK + v * LANES)                        \
+          w[c] = PANEL ? vf_load(panel + (b * C + c) * BLOCK + v * VL)                        \
                        : dequantized(u[c], v, scale[c], bias_of[c]);                                     \
         UNROLL for (int r = 0; r < R; r++) {                                                             \
-          __m512 xv = _mm512_loadu_ps(x + r * BLOCK + v * LANES);                                        \
-          UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(w[c], xv, acc[r][c]);           \
+          vf xv = vf_load(x + r * BLOCK + v * VL);                                        \
+          UNROLL for (int c = 0; c < C; c++) acc[r][c] = vf_fmadd(w[c], xv, acc[r][c]);           \
         }                                                                                                \
       }                                                                                                  \
     }                                                                                                    \
@@ -145,25 +155,26 @@ typedef void (*dequantize_fn)(const uint8_t *wrow, long row_bytes, const float *
     for (long c = 0; c < rows; c++)                                                                      \
       for (long b = 0; b < K / BLOCK; b++) {                                                             \
         long g = b * BLOCK / group;                                                                      \
-        __m512 scale = _mm512_set1_ps(s[c * groups + g]), shift = _mm512_set1_ps(bias[c * groups + g]);  \
+        vf scale = vf_set1(s[c * groups + g]), shift = vf_set1(bias[c * groups + g]);  \
         __m256i u = UNPACK(wrow + c * row_bytes + b * step, bits);                                       \
         float *to = panel + c / C * C * K + (b * C + c % C) * BLOCK;                                     \
-        UNROLL for (int v = 0; v < BLOCK / LANES; v++)                                                   \
-          _mm512_storeu_ps(to + v * LANES, dequantized(u, v, scale, shift));                             \
+        UNROLL for (int v = 0; v < BLOCK / VL; v++) vf_store(to + v * VL, dequantized(u, v, scale, shift)); \
       }                                                                                                  \
   }
 
-/* The tiles: R x C (prompts and batches; 4 x 4 keeps 16 accumulators, 4
- * weight vectors and the scales in the 32 registers), R x 1 (the columns those
- * leave), and for the 1 to 3 rows after the last full tile (one row decoding,
- * a few verifying draft tokens) r x 4 and r x 1, each weight block unpacked
- * once for all of them (one row: four independent chains, ~5% faster than
- * eight here); and the panel's dequantizer. */
+/* The tiles: R x C (prompts and batches), R x 1 (the columns those leave),
+ * and for the rows after the last full tile (one row decoding, a few verifying
+ * draft tokens) r x FEW_C and r x 1, each weight block unpacked once for all of
+ * them; and the panel's dequantizer. With AVX-512's 32 registers, 4 x 4 keeps
+ * 16 accumulators, 4 weight vectors and the scales in registers (one row: four
+ * independent chains, ~5% faster than eight there); with AVX2's 16, 4 x 3 and
+ * for one to three rows r x 2. */
+#define ISA
+#if VL == 16
 #define R 4
 #define C 4
-#define WIDTH(b, name, isa, UNPACK)                  \
-  TILE(big_##name, isa, UNPACK, b, R, C, 0)           \
-  TILE(rx1_##name, isa, UNPACK, b, R, 1, 0)           \
+#define FEW_C 4 /* the columns of a tile of 1 to 3 rows; 5 to 8 rows take 2 */
+#define FEW(b, name, isa, UNPACK)                    \
   TILE(r1x4_##name, isa, UNPACK, b, 1, 4, 0)          \
   TILE(r2x4_##name, isa, UNPACK, b, 2, 4, 0)          \
   TILE(r3x4_##name, isa, UNPACK, b, 3, 4, 0)          \
@@ -171,6 +182,22 @@ typedef void (*dequantize_fn)(const uint8_t *wrow, long row_bytes, const float *
   TILE(r6x2_##name, isa, UNPACK, b, 6, 2, 0)          \
   TILE(r7x2_##name, isa, UNPACK, b, 7, 2, 0)          \
   TILE(r8x2_##name, isa, UNPACK, b, 8, 2, 0)          \
+  static const tile_fn few_##name[SHORT + 1] = {0, r1x4_##name, r2x4_##name, r3x4_##name, big_##name, \
+                                                r5x2_##name, r6x2_##name, r7x2_##name, r8x2_##name};
+#else
+#define R 4
+#define C 3 /* 12 accumulators, 3 weight vectors and the activations' in 16 registers: 4 x 2 was ~1.4x slower */
+#define FEW_C 2 /* the columns of a tile of 1 to 3 rows (more were slower); 5 to 8 rows take 1 */
+#define FEW(b, name, isa, UNPACK)                    \
+  TILE(r1x2_##name, isa, UNPACK, b, 1, 2, 0)          \
+  TILE(r2x2_##name, isa, UNPACK, b, 2, 2, 0)          \
+  TILE(r3x2_##name, isa, UNPACK, b, 3, 2, 0)          \
+  static const tile_fn few_##name[SHORT + 1] = {0, r1x2_##name, r2x2_##name, r3x2_##name, big_##name, \
+                                                r5x1_##name, r6x1_##name, r7x1_##name, r8x1_##name};
+#endif
+#define WIDTH(b, name, isa, UNPACK)                  \
+  TILE(big_##name, isa, UNPACK, b, R, C, 0)           \
+  TILE(rx1_##name, isa, UNPACK, b, R, 1, 0)           \
   TILE(r1x1_##name, isa, UNPACK, b, 1, 1, 0)          \
   TILE(r2x1_##name, isa, UNPACK, b, 2, 1, 0)          \
   TILE(r3x1_##name, isa, UNPACK, b, 3, 1, 0)          \
@@ -178,17 +205,18 @@ typedef void (*dequantize_fn)(const uint8_t *wrow, long row_bytes, const float *
   TILE(r6x1_##name, isa, UNPACK, b, 6, 1, 0)          \
   TILE(r7x1_##name, isa, UNPACK, b, 7, 1, 0)          \
   TILE(r8x1_##name, isa, UNPACK, b, 8, 1, 0)          \
-  static const tile_fn few_##name[SHORT + 1] = {0, r1x4_##name, r2x4_##name, r3x4_##name, big_##name, \
-                                                r5x2_##name, r6x2_##name, r7x2_##name, r8x2_##name}; \
+  FEW(b, name, isa, UNPACK)                           \
   static const tile_fn few1_##name[SHORT + 1] = {0, r1x1_##name, r2x1_##name, r3x1_##name, rx1_##name, \
                                                  r5x1_##name, r6x1_##name, r7x1_##name, r8x1_##name};
 WIDTH(4, 4, ISA, unpack)
 WIDTH(5, 5, ISA, unpack)
 WIDTH(8, 8, ISA, unpack)
+#if VL == 16
 /* CPUs with AVX-512 VBMI unpack 5-bit blocks in 4 instructions: the same
  * values, one row's product ~20% faster; their panels are filled the plain
  * way, which measured faster there (53-62 against 69-79 ms at 16 rows) */
-WIDTH(5, 5_vbmi, ISA_VBMI, unpack_vbmi)
+WIDTH(5, 5_vbmi, UNPACK_VBMI_TARGET, unpack_vbmi)
+#endif
 DEQUANTIZE(dequantize_4, ISA, unpack, 4)
 DEQUANTIZE(dequantize_5, ISA, unpack, 5)
 DEQUANTIZE(dequantize_8, ISA, unpack, 8)
@@ -200,18 +228,21 @@ typedef struct {
   dequantize_fn dequantize;
 } tiles;
 
-/* the columns a tile of `rows` rows (up to SHORT) covers: accumulators for
- * 16 outputs at most */
-static int columns_of_few(long rows) { return rows <= R ? C : 2; }
+/* the columns a tile of `rows` rows (up to SHORT) covers */
+static int columns_of_few(long rows) { return rows < R ? FEW_C : rows == R ? C : FEW_C / 2; }
 
 static tiles tiles_for(int bits) {
-  static const tiles table[4] = {
+  static const tiles table[] = {
       {big_4, rx1_4, few_4, few1_4, dequantize_4},
       {big_5, rx1_5, few_5, few1_5, dequantize_5},
       {big_8, rx1_8, few_8, few1_8, dequantize_8},
+#if VL == 16
       {big_5_vbmi, rx1_5_vbmi, few_5_vbmi, few1_5_vbmi, dequantize_5},
+#endif
   };
+#if VL == 16
   if (bits == 5 && tierlm_qmm_avx512_vbmi(-1)) return table[3];
+#endif
   return table[bits == 4 ? 0 : bits == 5 ? 1 : 2];
 }
 
@@ -274,7 +305,7 @@ static void columns_of(void *arg, int part, int parts) {
 }
 
 /* out (M x N) = x (M x K) times the quantized W (N x K) transposed. */
-void tierlm_qmm_avx512(const float *x, long M, long K, const void *w, const float *scales, const float *biases,
+void SIMD_NAME(tierlm_qmm_float)(const float *x, long M, long K, const void *w, const float *scales, const float *biases,
                        long N, int bits, int group, float *out) {
   float *packed = pack_rows(x, M, K, bits, R);
   job j = {M, K, N, bits, group, w, scales, biases, packed, out};
