@@ -98,46 +98,46 @@ static float *pack_rows(const float *x, long M, long K, int bits, int R) {
  * apart, unpacked here block by block, the next tile's rows prefetched a share a
  * block), or (PANEL) dequantized, from panel (see dequantize). `bits` is a
  * constant in each instance. */
-#define TILE_BODY(UNPACK, R, C, PANEL)                                                                           \
-  long per_group = group / BLOCK, step = BLOCK * bits / 8, groups = K / group, blocks = K / BLOCK;      \
-  const char *ahead = (const char *)wrow + C * row_bytes; /* a prefetch past the end never faults */    \
-  long lines = (C * row_bytes + 63) / 64, share = 0;                                                     \
-  vf acc[R][C];                                                                                      \
-  UNROLL for (int r = 0; r < R; r++) UNROLL for (int c = 0; c < C; c++) acc[r][c] = vf_zero(); \
-  for (long g = 0, b = 0; g < groups; g++) {                                                             \
-    vf scale[C], bias_of[C];                                                                         \
-    UNROLL for (int c = 0; c < C; c++) if (!PANEL) {                                                     \
-      scale[c] = vf_set1(s[c * groups + g]);                                                      \
-      bias_of[c] = vf_set1(bias[c * groups + g]);                                                 \
-    }                                                                                                    \
-    for (long bb = 0; bb < per_group; bb++, b++, x += R * BLOCK) {                                       \
-      __m256i u[C];                                                                                      \
-      if (!PANEL) {                                                                                      \
-        for (share += lines; share >= blocks; share -= blocks, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0); \
-        UNROLL for (int c = 0; c < C; c++) u[c] = UNPACK(wrow + c * row_bytes + b * step, bits);         \
-      }                                                                                                  \
-      UNROLL for (int v = 0; v < BLOCK / VL; v++) {                                                   \
-        vf w[C];                                                                                     \
-        UNROLL for (int c = 0; c < C; c++)                                                               \
-          w[c] = PANEL ? vf_load(panel + (b * C + c) * BLOCK + v * VL)                        \
-                       : dequantized(u[c], v, scale[c], bias_of[c]);                                     \
-        UNROLL for (int r = 0; r < R; r++) {                                                             \
-          vf xv = vf_load(x + r * BLOCK + v * VL);                                        \
-          UNROLL for (int c = 0; c < C; c++) acc[r][c] = vf_fmadd(w[c], xv, acc[r][c]);           \
-        }                                                                                                \
-      }                                                                                                  \
-    }                                                                                                    \
-  }                                                                                                      \
+#define TILE_BODY(UNPACK, R, C, PANEL)                                                                          \
+  long per_group = group / BLOCK, step = BLOCK * bits / 8, groups = K / group, blocks = K / BLOCK;              \
+  const char *ahead = (const char *)wrow + C * row_bytes; /* a prefetch past the end never faults */            \
+  long lines = (C * row_bytes + 63) / 64, share = 0;                                                            \
+  vf acc[R][C];                                                                                                 \
+  UNROLL for (int r = 0; r < R; r++) UNROLL for (int c = 0; c < C; c++) acc[r][c] = vf_zero();                  \
+  for (long g = 0, b = 0; g < groups; g++) {                                                                    \
+    vf scale[C], bias_of[C];                                                                                    \
+    UNROLL for (int c = 0; c < C; c++) if (!PANEL) {                                                            \
+      scale[c] = vf_set1(s[c * groups + g]);                                                                    \
+      bias_of[c] = vf_set1(bias[c * groups + g]);                                                               \
+    }                                                                                                           \
+    for (long bb = 0; bb < per_group; bb++, b++, x += R * BLOCK) {                                              \
+      __m256i u[C];                                                                                             \
+      if (!PANEL) {                                                                                             \
+        for (share += lines; share >= blocks; share -= blocks, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);   \
+        UNROLL for (int c = 0; c < C; c++) u[c] = UNPACK(wrow + c * row_bytes + b * step, bits);                \
+      }                                                                                                         \
+      UNROLL for (int v = 0; v < BLOCK / VL; v++) {                                                             \
+        vf w[C];                                                                                                \
+        UNROLL for (int c = 0; c < C; c++)                                                                      \
+          w[c] = PANEL ? vf_load(panel + (b * C + c) * BLOCK + v * VL)                                          \
+                       : dequantized(u[c], v, scale[c], bias_of[c]);                                            \
+        UNROLL for (int r = 0; r < R; r++) {                                                                    \
+          vf xv = vf_load(x + r * BLOCK + v * VL);                                                              \
+          UNROLL for (int c = 0; c < C; c++) acc[r][c] = vf_fmadd(w[c], xv, acc[r][c]);                         \
+        }                                                                                                       \
+      }                                                                                                         \
+    }                                                                                                           \
+  }                                                                                                             \
   UNROLL for (int r = 0; r < R; r++) UNROLL for (int c = 0; c < C; c++) out[r * C + c] = lanes_sum(acc[r][c]);
 
 typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const float *s, const float *bias,
                         const float *panel, const float *x, long K, int group, float *out);
 
-#define TILE(name, isa, UNPACK, bits_, R, C, PANEL)                                                    \
-  static isa void name(const uint8_t *wrow, long row_bytes, const float *s, const float *bias,          \
-                       const float *panel, const float *x, long K, int group, float *out) {             \
-    const int bits = bits_;                                                                             \
-    TILE_BODY(UNPACK, R, C, PANEL)                                                                      \
+#define TILE(name, isa, UNPACK, bits_, R, C, PANEL)                                                             \
+  static isa void name(const uint8_t *wrow, long row_bytes, const float *s, const float *bias,                  \
+                       const float *panel, const float *x, long K, int group, float *out) {                     \
+    const int bits = bits_;                                                                                     \
+    TILE_BODY(UNPACK, R, C, PANEL)                                                                              \
   }
 
 /* `rows` weight rows from wrow (a multiple of C) dequantized into panel: the
@@ -147,19 +147,19 @@ typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const float *s, con
 typedef void (*dequantize_fn)(const uint8_t *wrow, long row_bytes, const float *s, const float *bias, long K,
                               int group, long rows, float *panel);
 
-#define DEQUANTIZE(name, isa, UNPACK, bits_)                                                             \
-  static isa void name(const uint8_t *wrow, long row_bytes, const float *s, const float *bias, long K,    \
-                       int group, long rows, float *panel) {                                             \
-    const int bits = bits_;                                                                              \
-    long groups = K / group, step = BLOCK * bits / 8;                                                    \
-    for (long c = 0; c < rows; c++)                                                                      \
-      for (long b = 0; b < K / BLOCK; b++) {                                                             \
-        long g = b * BLOCK / group;                                                                      \
-        vf scale = vf_set1(s[c * groups + g]), shift = vf_set1(bias[c * groups + g]);  \
-        __m256i u = UNPACK(wrow + c * row_bytes + b * step, bits);                                       \
-        float *to = panel + c / C * C * K + (b * C + c % C) * BLOCK;                                     \
-        UNROLL for (int v = 0; v < BLOCK / VL; v++) vf_store(to + v * VL, dequantized(u, v, scale, shift)); \
-      }                                                                                                  \
+#define DEQUANTIZE(name, isa, UNPACK, bits_)                                                                    \
+  static isa void name(const uint8_t *wrow, long row_bytes, const float *s, const float *bias, long K,          \
+                       int group, long rows, float *panel) {                                                    \
+    const int bits = bits_;                                                                                     \
+    long groups = K / group, step = BLOCK * bits / 8;                                                           \
+    for (long c = 0; c < rows; c++)                                                                             \
+      for (long b = 0; b < K / BLOCK; b++) {                                                                    \
+        long g = b * BLOCK / group;                                                                             \
+        vf scale = vf_set1(s[c * groups + g]), shift = vf_set1(bias[c * groups + g]);                           \
+        __m256i u = UNPACK(wrow + c * row_bytes + b * step, bits);                                              \
+        float *to = panel + c / C * C * K + (b * C + c % C) * BLOCK;                                            \
+        UNROLL for (int v = 0; v < BLOCK / VL; v++) vf_store(to + v * VL, dequantized(u, v, scale, shift));     \
+      }                                                                                                         \
   }
 
 /* The tiles: R x C (prompts and batches), R x 1 (the columns those leave),
@@ -174,39 +174,39 @@ typedef void (*dequantize_fn)(const uint8_t *wrow, long row_bytes, const float *
 #define R 4
 #define C 4
 #define FEW_C 4 /* the columns of a tile of 1 to 3 rows; 5 to 8 rows take 2 */
-#define FEW(b, name, isa, UNPACK)                    \
-  TILE(r1x4_##name, isa, UNPACK, b, 1, 4, 0)          \
-  TILE(r2x4_##name, isa, UNPACK, b, 2, 4, 0)          \
-  TILE(r3x4_##name, isa, UNPACK, b, 3, 4, 0)          \
-  TILE(r5x2_##name, isa, UNPACK, b, 5, 2, 0)          \
-  TILE(r6x2_##name, isa, UNPACK, b, 6, 2, 0)          \
-  TILE(r7x2_##name, isa, UNPACK, b, 7, 2, 0)          \
-  TILE(r8x2_##name, isa, UNPACK, b, 8, 2, 0)          \
-  static const tile_fn few_##name[SHORT + 1] = {0, r1x4_##name, r2x4_##name, r3x4_##name, big_##name, \
+#define FEW(b, name, isa, UNPACK)                                                                               \
+  TILE(r1x4_##name, isa, UNPACK, b, 1, 4, 0)                                                                    \
+  TILE(r2x4_##name, isa, UNPACK, b, 2, 4, 0)                                                                    \
+  TILE(r3x4_##name, isa, UNPACK, b, 3, 4, 0)                                                                    \
+  TILE(r5x2_##name, isa, UNPACK, b, 5, 2, 0)                                                                    \
+  TILE(r6x2_##name, isa, UNPACK, b, 6, 2, 0)                                                                    \
+  TILE(r7x2_##name, isa, UNPACK, b, 7, 2, 0)                                                                    \
+  TILE(r8x2_##name, isa, UNPACK, b, 8, 2, 0)                                                                    \
+  static const tile_fn few_##name[SHORT + 1] = {0, r1x4_##name, r2x4_##name, r3x4_##name, big_##name,           \
                                                 r5x2_##name, r6x2_##name, r7x2_##name, r8x2_##name};
 #else
 #define R 4
 #define C 3 /* 12 accumulators, 3 weight vectors and the activations' in 16 registers: 4 x 2 was ~1.4x slower */
 #define FEW_C 2 /* the columns of a tile of 1 to 3 rows (more were slower); 5 to 8 rows take 1 */
-#define FEW(b, name, isa, UNPACK)                    \
-  TILE(r1x2_##name, isa, UNPACK, b, 1, 2, 0)          \
-  TILE(r2x2_##name, isa, UNPACK, b, 2, 2, 0)          \
-  TILE(r3x2_##name, isa, UNPACK, b, 3, 2, 0)          \
-  static const tile_fn few_##name[SHORT + 1] = {0, r1x2_##name, r2x2_##name, r3x2_##name, big_##name, \
+#define FEW(b, name, isa, UNPACK)                                                                               \
+  TILE(r1x2_##name, isa, UNPACK, b, 1, 2, 0)                                                                    \
+  TILE(r2x2_##name, isa, UNPACK, b, 2, 2, 0)                                                                    \
+  TILE(r3x2_##name, isa, UNPACK, b, 3, 2, 0)                                                                    \
+  static const tile_fn few_##name[SHORT + 1] = {0, r1x2_##name, r2x2_##name, r3x2_##name, big_##name,           \
                                                 r5x1_##name, r6x1_##name, r7x1_##name, r8x1_##name};
 #endif
-#define WIDTH(b, name, isa, UNPACK)                  \
-  TILE(big_##name, isa, UNPACK, b, R, C, 0)           \
-  TILE(rx1_##name, isa, UNPACK, b, R, 1, 0)           \
-  TILE(r1x1_##name, isa, UNPACK, b, 1, 1, 0)          \
-  TILE(r2x1_##name, isa, UNPACK, b, 2, 1, 0)          \
-  TILE(r3x1_##name, isa, UNPACK, b, 3, 1, 0)          \
-  TILE(r5x1_##name, isa, UNPACK, b, 5, 1, 0)          \
-  TILE(r6x1_##name, isa, UNPACK, b, 6, 1, 0)          \
-  TILE(r7x1_##name, isa, UNPACK, b, 7, 1, 0)          \
-  TILE(r8x1_##name, isa, UNPACK, b, 8, 1, 0)          \
-  FEW(b, name, isa, UNPACK)                           \
-  static const tile_fn few1_##name[SHORT + 1] = {0, r1x1_##name, r2x1_##name, r3x1_##name, rx1_##name, \
+#define WIDTH(b, name, isa, UNPACK)                                                                             \
+  TILE(big_##name, isa, UNPACK, b, R, C, 0)                                                                     \
+  TILE(rx1_##name, isa, UNPACK, b, R, 1, 0)                                                                     \
+  TILE(r1x1_##name, isa, UNPACK, b, 1, 1, 0)                                                                    \
+  TILE(r2x1_##name, isa, UNPACK, b, 2, 1, 0)                                                                    \
+  TILE(r3x1_##name, isa, UNPACK, b, 3, 1, 0)                                                                    \
+  TILE(r5x1_##name, isa, UNPACK, b, 5, 1, 0)                                                                    \
+  TILE(r6x1_##name, isa, UNPACK, b, 6, 1, 0)                                                                    \
+  TILE(r7x1_##name, isa, UNPACK, b, 7, 1, 0)                                                                    \
+  TILE(r8x1_##name, isa, UNPACK, b, 8, 1, 0)                                                                    \
+  FEW(b, name, isa, UNPACK)                                                                                     \
+  static const tile_fn few1_##name[SHORT + 1] = {0, r1x1_##name, r2x1_##name, r3x1_##name, rx1_##name,          \
                                                  r5x1_##name, r6x1_##name, r7x1_##name, r8x1_##name};
 WIDTH(4, 4, ISA, unpack)
 WIDTH(5, 5, ISA, unpack)
@@ -305,8 +305,8 @@ static void columns_of(void *arg, int part, int parts) {
 }
 
 /* out (M x N) = x (M x K) times the quantized W (N x K) transposed. */
-void SIMD_NAME(tierlm_qmm_float)(const float *x, long M, long K, const void *w, const float *scales, const float *biases,
-                       long N, int bits, int group, float *out) {
+void SIMD_NAME(tierlm_qmm_float)(const float *x, long M, long K, const void *w, const float *scales,
+                                 const float *biases, long N, int bits, int group, float *out) {
   float *packed = pack_rows(x, M, K, bits, R);
   job j = {M, K, N, bits, group, w, scales, biases, packed, out};
   /* a part per core, but not for products too small to share */
