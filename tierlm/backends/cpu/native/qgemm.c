@@ -38,7 +38,7 @@
 
 #define BLOCK 32
 
-enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX_VNNI = 2, PATH_AVX512 = 3, PATH_AVX2_FLOAT = 4 };
+enum { PATH_SCALAR = 0, PATH_AVX2_INT8 = 1, PATH_AVX_VNNI = 2, PATH_AVX512 = 3, PATH_AVX2_FLOAT = 4 };
 
 /* qgemm_float.c, built by float_avx512.c and float_avx2.c */
 void tierlm_qmm_float_avx512(const float *x, long M, long K, const void *w, const float *scales,
@@ -52,10 +52,10 @@ static int path_in_use = -1;
 int tierlm_qmm_available(int path) {
   switch (path) {
     case PATH_SCALAR: return 1;
-    case PATH_AVX2: return tierlm_cpu_has(CPU_AVX2) && tierlm_cpu_has(CPU_FMA);
-    case PATH_AVX_VNNI: return tierlm_qmm_available(PATH_AVX2) && tierlm_cpu_has(CPU_AVX_VNNI);
-    case PATH_AVX512: return tierlm_qmm_available(PATH_AVX2) && tierlm_cpu_has(CPU_AVX512F);
-    case PATH_AVX2_FLOAT: return tierlm_qmm_available(PATH_AVX2);
+    case PATH_AVX2_INT8: return tierlm_cpu_has(CPU_AVX2) && tierlm_cpu_has(CPU_FMA);
+    case PATH_AVX_VNNI: return tierlm_qmm_available(PATH_AVX2_INT8) && tierlm_cpu_has(CPU_AVX_VNNI);
+    case PATH_AVX512: return tierlm_qmm_available(PATH_AVX2_INT8) && tierlm_cpu_has(CPU_AVX512F);
+    case PATH_AVX2_FLOAT: return tierlm_qmm_available(PATH_AVX2_INT8);
   }
   return 0;
 }
@@ -96,7 +96,7 @@ typedef struct {
 static inline int centre(int bits) { return 1 << (bits - 1); }
 
 static inline int centred_products(int path, int bits) {
-  return path == PATH_SCALAR || (path == PATH_AVX2 && bits == 8);
+  return path == PATH_SCALAR || (path == PATH_AVX2_INT8 && bits == 8);
 }
 
 
