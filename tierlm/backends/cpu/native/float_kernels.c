@@ -9,10 +9,17 @@
 
 static int lanes = -1;
 
+/* 1 when the CPU (under the cap) runs the build of `width` lanes: 16 needs
+ * AVX-512F, and both builds are compiled with AVX2 and FMA. qgemm.c asks the
+ * same for its float paths. */
+int tierlm_float_width_available(int width) {
+  int avx2 = tierlm_cpu_has(CPU_AVX2) && tierlm_cpu_has(CPU_FMA);
+  return width == 8 ? avx2 : width == 16 ? avx2 && tierlm_cpu_has(CPU_AVX512F) : 0;
+}
+
 /* 16 (AVX-512F), 8 (AVX2 and FMA) or 0 (neither): the lanes the kernels use. */
 int tierlm_float_lanes(void) {
-  if (lanes < 0)
-    lanes = tierlm_cpu_has(CPU_AVX512F) ? 16 : tierlm_cpu_has(CPU_AVX2) && tierlm_cpu_has(CPU_FMA) ? 8 : 0;
+  if (lanes < 0) lanes = tierlm_float_width_available(16) ? 16 : tierlm_float_width_available(8) ? 8 : 0;
   return lanes;
 }
 
@@ -20,12 +27,9 @@ int tierlm_float_lanes(void) {
  * has them, the CPU's own choice for -1; returns the width in use, or -1 (and
  * changes nothing) when the CPU lacks it. */
 int tierlm_float_select(int width) {
-  lanes = -1;
-  int best = tierlm_float_lanes();
-  if (width < 0) return best;
-  if (width != 16 && width != 8) return -1;
-  if (width > best) return -1;
-  return lanes = width;
+  if (width >= 0 && !tierlm_float_width_available(width)) return -1;
+  lanes = width; /* -1: chosen again below */
+  return tierlm_float_lanes();
 }
 
 #if defined(__x86_64__)

@@ -40,7 +40,8 @@
 
 enum { PATH_SCALAR = 0, PATH_AVX2_INT8 = 1, PATH_AVX_VNNI = 2, PATH_AVX512 = 3, PATH_AVX2_FLOAT = 4 };
 
-/* qgemm_float.c, built by float_avx512.c and float_avx2.c */
+/* qgemm_float.c, built by float_avx512.c and float_avx2.c; whether this CPU runs each (float_kernels.c) */
+int tierlm_float_width_available(int width);
 void tierlm_qmm_float_avx512(const float *x, long M, long K, const void *w, const float *scales,
                              const float *biases, long N, int bits, int group, float *out);
 void tierlm_qmm_float_avx2(const float *x, long M, long K, const void *w, const float *scales, const float *biases,
@@ -54,8 +55,8 @@ int tierlm_qmm_available(int path) {
     case PATH_SCALAR: return 1;
     case PATH_AVX2_INT8: return tierlm_cpu_has(CPU_AVX2) && tierlm_cpu_has(CPU_FMA);
     case PATH_AVX_VNNI: return tierlm_qmm_available(PATH_AVX2_INT8) && tierlm_cpu_has(CPU_AVX_VNNI);
-    case PATH_AVX512: return tierlm_qmm_available(PATH_AVX2_INT8) && tierlm_cpu_has(CPU_AVX512F);
-    case PATH_AVX2_FLOAT: return tierlm_qmm_available(PATH_AVX2_INT8);
+    case PATH_AVX512: return tierlm_float_width_available(16);
+    case PATH_AVX2_FLOAT: return tierlm_float_width_available(8);
   }
   return 0;
 }
