@@ -137,11 +137,12 @@ def test_loads_and_unloads_are_counted_per_model(srv):
     assert value(samples, "tierlm:model_loaded", model="second") == 1
     assert value(samples, "tierlm:generation_tokens_total", model="second") == 0
     # /stats: the second model's batch keeps 8-bit KV (3.5x fewer bytes a token than
-    # the CPU's float32), and it answers with it
+    # the CPU's float32), its keys scaled per channel, and it answers with it
     kv = {e["model"]: e["kv"] for e in httpx.get(srv.base_url + "/stats", timeout=30).json()["engines"]}
     second = kv.pop("second")
     (default,) = kv.values()
     assert (second["batch_bits"], default["batch_bits"]) == (8, 16)
+    assert (second["keys_scaled"], default["keys_scaled"]) == (True, False)
     assert default["bytes_per_token"] / second["bytes_per_token"] >= 3.5
     answer = srv.client().chat.completions.create(model="second", max_tokens=8, temperature=0,
                                                   messages=[{"role": "user", "content": "Say hello."}])

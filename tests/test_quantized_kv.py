@@ -1,9 +1,10 @@
 """The running batch's KV at 8 or 4 bits (tierlm/engine/quantized_kv.py), on a
 tiny random model: every row of a batch that sequences join, leave and enter
 with a cache hit computes what mlx-lm's own single-sequence QuantizedKVCache
-computes; a sequence leaves the batch as plain KV of its tokens;
-and the BatchKVCache fields the module reaches into are still there.
-(The default model's answers at 8 bits: tests/test_kv_bits.py.)"""
+computes, with its keys scaled per channel (tierlm/engine/key_scaling.py) or
+not; a sequence leaves the batch as plain KV of its tokens; and the
+BatchKVCache fields the module reaches into are still there. (The default
+model's and Qwen2.5-Coder's answers at 8 bits: tests/test_kv_bits.py.)"""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_map
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models import base
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from tierlm.backends.cpu import route
+from tierlm.engine import key_scaling
 from tierlm.engine.quantized_kv import QuantizedBatchKVCache, QuantizedSlot, dequantized, quantized_slots, \
     why_not_quantized
 from tierlm.models.random_model import TINY, build_model, tiny_model
@@ -23,23 +26,38 @@ JOINING = [5, 6, 7] * 9  # enters the batch after a few steps
 HIT = list(range(100, 170))  # its first 40 tokens come from a "cache hit"
 
 
-def _model():
+def _model(outliers: bool = False):
     """A tiny Llama whose heads hold 64 values (a group's width); its weights
-    scaled up so that greedy answers do not loop on one token."""
+    scaled up so that greedy answers do not loop on one token. `outliers`: two
+    key channels of each layer (a RoPE pair) 30x the others, as Qwen2's are."""
     mx.random.seed(0)
     model = build_model(dict(TINY["llama"], hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                              head_dim=64, vocab_size=512))
     model.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, model.parameters()))
+    if outliers:
+        for layer in model.layers:
+            weight = layer.self_attn.k_proj.weight
+            layer.self_attn.k_proj.weight = weight * _channels(5, 37, 30.0)[:, None]
     mx.eval(model.parameters())
     return model
 
 
-def _alone(model, bits: int, prompt: list[int], forced: list[int], hit: int = 0) -> list[mx.array]:
-    """mlx-lm's QuantizedKVCache, one sequence: the log-probabilities before each
+def _channels(a: int, b: int, value: float) -> mx.array:
+    """64 ones, channels a and b set to `value`."""
+    return mx.where((mx.arange(64) == a) | (mx.arange(64) == b), value, 1.0)
+
+
+def _scales(model, scaled: bool) -> list | None:
+    return key_scaling.calibrate(model, list(range(3, 300))) if scaled else None
+
+
+def _alone(model, bits: int, prompt: list[int], forced: list[int], hit: int = 0, scales=None) -> list[mx.array]:
+    """One sequence through mlx-lm's QuantizedKVCache (a QuantizedSlot, which
+    divides the keys by `scales` where given): the log-probabilities before each
     of `forced`; the first `hit` tokens' KV taken from `_hit_slots`."""
-    cache = [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers]
+    cache = quantized_slots(make_prompt_cache(model), bits, scales)
     if hit:
-        for c, slot in zip(cache, _hit_slots(model, bits)):
+        for c, slot in zip(cache, _hit_slots(model, bits, scales)):
             c.keys, c.values, c.offset = slot.keys, slot.values, slot.offset
     logits = model(mx.array([prompt[hit:]]), cache=cache)[:, -1]
     out = []
@@ -60,40 +78,39 @@ def _batching_keeps_bits() -> bool:
     return state is None or not state.blas.on or state.exact_attention.on
 
 
-def _hit_slots(model, bits: int) -> list[QuantizedSlot]:
+def _hit_slots(model, bits: int, scales=None) -> list[QuantizedSlot]:
     """HIT's first 40 tokens as a hit brings them: computed alone, kept as plain
     KV (as the prefix cache keeps it), quantized again as they enter (which
     moves some scales: a hit's KV is not bit for bit the KV it was made from)."""
-    cache = [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers]
+    cache = quantized_slots(make_prompt_cache(model), bits, scales)
     mx.eval(model(mx.array([HIT[:40]]), cache=cache))
-    slots = []
-    for c in cache:
-        slot = QuantizedSlot(group_size=64, bits=bits)
-        slot.keys, slot.values, slot.offset = c.keys, c.values, c.offset
-        slots.append(slot)
-    return quantized_slots(dequantized(slots), bits)
+    return quantized_slots(dequantized(cache), bits, scales)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_each_row_computes_what_mlx_lms_quantized_cache_computes_alone(bits):
+@pytest.mark.parametrize("bits, scaled", [(8, False), (4, False), (8, True)])
+def test_each_row_computes_what_mlx_lms_quantized_cache_computes_alone(bits, scaled):
     """Rows of three lengths (left-padded), one that ends early (the batch is
     filtered), one that joins after four steps (extended) and one that starts
     from a hit: every token and log-probability of every step is the
-    sequence's own run through QuantizedKVCache (to the bit, on its own)."""
-    model = _model()
+    sequence's own run through QuantizedKVCache (to the bit, on its own);
+    `scaled`: keys divided per channel, on a model with large key channels."""
+    model = _model(outliers=scaled)
+    scales = _scales(model, scaled)
     gen = BatchGenerator(model, prefill_batch_size=8, completion_batch_size=8)
     wanted = {}
     for prompt, n in zip(PROMPTS, (20, 6, 20)):
-        (uid,) = gen.insert([prompt], max_tokens=[n], caches=[quantized_slots(make_prompt_cache(model), bits)])
+        (uid,) = gen.insert([prompt], max_tokens=[n], caches=[quantized_slots(make_prompt_cache(model), bits, scales)])
         wanted[uid] = (prompt, n, 0)
-    (uid,) = gen.insert([HIT[40:]], max_tokens=[12], caches=[_hit_slots(model, bits)], all_tokens=[HIT[:40]])
+    (uid,) = gen.insert([HIT[40:]], max_tokens=[12], caches=[_hit_slots(model, bits, scales)],
+                        all_tokens=[HIT[:40]])
     wanted[uid] = (HIT, 12, 40)
     tokens, logprobs = {uid: [] for uid in wanted}, {uid: [] for uid in wanted}
     steps = 0
     while any(len(tokens[uid]) < n for uid, (_, n, _) in wanted.items()):
         steps += 1
         if steps == 4:
-            (uid,) = gen.insert([JOINING], max_tokens=[10], caches=[quantized_slots(make_prompt_cache(model), bits)])
+            (uid,) = gen.insert([JOINING], max_tokens=[10],
+                                caches=[quantized_slots(make_prompt_cache(model), bits, scales)])
             wanted[uid] = (JOINING, 10, 0)
             tokens[uid], logprobs[uid] = [], []
         for r in gen.next()[1]:
@@ -101,7 +118,7 @@ def test_each_row_computes_what_mlx_lms_quantized_cache_computes_alone(bits):
             logprobs[r.uid].append(r.logprobs)
     assert len(set(tokens[0])) > 3  # not a loop on one token: the rows really differ step by step
     for uid, (prompt, n, hit) in wanted.items():
-        reference = _alone(model, bits, prompt, tokens[uid], hit)
+        reference = _alone(model, bits, prompt, tokens[uid], hit, scales)
         assert [int(mx.argmax(r).item()) for r in reference] == tokens[uid], uid  # greedy: the same tokens
         # the same values; not always the same bits, as tierlm's CPU kernels may stand in for
         # MLX's log-sum-exp in the batch (tierlm.backends.cpu) once a test has loaded a model.
@@ -131,6 +148,49 @@ def test_a_sequence_leaves_the_batch_as_plain_kv_close_to_its_16_bit_kv():
     for q, full in zip(plain, extracted[16][0]):
         step = (full.keys.max() - full.keys.min()) / 255
         assert float(mx.abs(q.keys - full.keys[..., : q.offset, :]).max()) < 4 * float(step)
+
+
+def _outlier_keys() -> tuple[mx.array, mx.array, mx.array]:
+    """Queries of 4 heads over keys and values of 2 KV heads, 256 tokens; key
+    channels 3 and 35 (a RoPE pair) 40x the others in the first head, 8 in the second."""
+    q, k, v = (mx.random.normal(shape, key=mx.random.key(i))
+               for i, shape in enumerate([(1, 4, 5, 64), (1, 2, 256, 64), (1, 2, 256, 64)]))
+    return q, k * mx.stack([_channels(3, 35, 40.0), _channels(3, 35, 8.0)])[None, :, None], v
+
+
+def test_key_factors_are_per_head_and_channel_tied_within_rope_pairs():
+    """Each channel's largest |k| over its head's median channel's, at least 1;
+    the channels RoPE rotates together (i, i + 32) share one factor."""
+    _, keys, _ = _outlier_keys()
+    factors = key_scaling.factors_of(keys).factors
+    assert factors.shape == (1, 2, 1, 64)
+    assert mx.array_equal(factors[..., :32], factors[..., 32:]) and float(factors.min()) >= 1
+    assert 25 < float(factors[0, 0, 0, 3]) < 60 and 4 < float(factors[0, 1, 0, 35]) < 15
+    assert float(mx.median(factors[0, 0, 0])) < 1.5  # most channels keep (nearly) their scale
+
+
+def test_scaled_keys_leave_attention_as_computed_with_a_fraction_of_the_error():
+    """8-bit keys divided by their factors, queries multiplied in mlx-lm's own
+    quantized attention (`key_scaling.install`): the output is that of the keys
+    as computed to within a third of the error of unscaled 8-bit keys, and the
+    keys come back multiplied (their small channels within a third of the
+    unscaled error). Fails loudly if mlx-lm's attention stops going through the
+    function `install` wraps (the queries would not be multiplied)."""
+    q, k, v = _outlier_keys()
+    exact = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=None)
+    errors, key_errors = {}, {}
+    for scaled in (False, True):
+        scales = key_scaling.factors_of(k) if scaled else None
+        cache = QuantizedSlot.merge([QuantizedSlot.of(None, 8, scales)])
+        qk, qv = cache.update_and_fetch(k, v)
+        # a copy of the queries: mlx-lm's quantized attention scales its queries in place
+        out = base.scaled_dot_product_attention(mx.array(q), qk, qv, cache=cache, scale=0.125, mask=None)
+        errors[scaled] = float(mx.abs(out - exact).max())
+        back = dequantized([cache.extract(0)])[0].keys
+        small = _channels(3, 35, 0.0)
+        key_errors[scaled] = float(mx.abs(mx.where(small, back - k, 0)).max())
+    assert errors[True] < errors[False] / 3, errors
+    assert key_errors[True] < key_errors[False] / 3, key_errors
 
 
 def test_the_batch_keeps_fewer_bytes_and_names_its_bits():

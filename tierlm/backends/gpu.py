@@ -27,7 +27,8 @@ strided view, and MLX's CUDA quantized products take neither ("no
 implementation for problem shape"). Here the query heads are folded into
 rows, and the products read the cache's whole buffers with the keys past its
 end masked (the buffers grow 256 keys at a time: a new shape per 256 tokens,
-not per step).
+not per step); the queries are multiplied by the factors the keys are kept
+divided by (engine.key_scaling).
 
 `install(model)` puts the wrapper into the mlx-lm modules `model` is built from,
 only where MLX's default device is a CUDA GPU.
@@ -70,6 +71,8 @@ def _wrap(original, few_queries: bool = True):
         if isinstance(mask, str) and mask != "causal" or sinks is not None:
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         if hasattr(cache, "bits"):  # mlx-lm's own broadcasts KV heads, which CUDA's quantized products refuse
+            if getattr(cache, "key_scales", None) is not None:  # keys kept divided by them (engine.key_scaling)
+                queries = cache.key_scales.queries(queries)
             keys, values, mask = _whole_buffers(cache, keys, values, mask, queries.shape[2])
             return attention_products(queries, keys, values, scale, mask, quantized=(cache.group_size, cache.bits))
         if few_queries and 1 < queries.shape[2] <= MAX_QUERIES:

@@ -27,7 +27,7 @@ from tierlm import backends
 from tierlm.cache.codecs import codecs_for
 from tierlm.cache.prefix_cache import PrefixCache
 from tierlm.config import Settings
-from tierlm.engine import allocator, ownership, warmup, workers
+from tierlm.engine import allocator, key_scaling, ownership, warmup, workers
 from tierlm.engine.collector import OutputCollector
 from tierlm.engine.lockstep import Lockstep
 from tierlm.engine.draft_model import load_draft_model
@@ -77,6 +77,7 @@ class EngineCore:
         self.config = settings or Settings()
         self.profile: ModelProfile | None = None
         self.kv_bits = 16  # what the batch keeps attention KV at, once loaded (`batch_kv_bits`)
+        self.key_scales: list | None = None  # per layer, what quantized keys are divided by (engine.key_scaling)
         # warming before ready, where `warmup_wait_s` is not set: a model loaded on
         # request has one waiting; the default model at a server's start has none,
         # and warms every shape (serving.assembly)
@@ -139,6 +140,7 @@ class EngineCore:
         ownership.claim(self.model, self.name)
         with mx.stream(stream):
             self.kv_bits = self._batch_kv_bits()
+            self.key_scales = self._key_scales()
             self.profile = profile_model(self.model, self.kv_bits)
         draft = self._load_draft()
         limit = self.config.memory_limit_bytes() or default_memory_limit()
@@ -151,6 +153,7 @@ class EngineCore:
             speculative_tokens=self.config.speculative_tokens if self._speculates() else 0,
             draft_model=draft,
             kv_bits=self.kv_bits,
+            key_scales=self.key_scales,
         )
         log.info(
             "engine %s ready: weights %.0f MiB, KV %.1f KiB/token, memory limit %.0f MiB",
@@ -213,6 +216,18 @@ class EngineCore:
         log.info("engine %s: KV kept at %d bits in the batch (no speculation)", self.name, bits)
         return bits
 
+    def _key_scales(self) -> list | None:
+        """Worker thread: per layer, the factors quantized keys are kept divided
+        by (engine.key_scaling), from a calibration prompt; None at 16 bits."""
+        if self.kv_bits == 16:
+            return None
+        tic = time.perf_counter()
+        scales = key_scaling.calibrate(self.model, key_scaling.calibration_tokens(self.tokenizer))
+        largest = max((float(s.factors.max()) for s in scales if s is not None), default=1.0)
+        log.info("engine %s: key channels scaled for %d-bit KV (largest factor %g), calibrated in %.1f s",
+                 self.name, self.kv_bits, largest, time.perf_counter() - tic)
+        return scales
+
     def _load_draft(self):
         """The draft model (`draft_model`), where one is named and requests
         draft: loaded beside the model, its weights and KV counted in the
@@ -262,7 +277,8 @@ class EngineCore:
         batch, prompt_len = self._warm_jobs.pop(0)
         try:
             seconds = warmup.run_shape(self.model, self._stream, batch, prompt_len, prefill_step,
-                                       self.config.speculative_tokens if self._speculates() else 0, self.kv_bits)
+                                       self.config.speculative_tokens if self._speculates() else 0, self.kv_bits,
+                                       self.key_scales)
         except Exception:
             log.exception("engine %s: warming batch %d failed; warming stops", self.name, batch)
             self._warm_jobs.clear()
@@ -686,7 +702,8 @@ class EngineCore:
             "request_stages": self.scheduler.stage_log.summary(),
             "warmup": {"shapes_left": len(self._warm_jobs), "seconds": round(self.warm_seconds, 3)},
             # what the running batch keeps attention KV at, and its bytes a token (batch_kv_bits)
-            "kv": {"batch_bits": self.kv_bits, "bytes_per_token": self.profile.kv_bytes_per_token},
+            "kv": {"batch_bits": self.kv_bits, "bytes_per_token": self.profile.kv_bytes_per_token,
+                   "keys_scaled": self.key_scales is not None},
             # MLX's allocator counters (no array is touched): what the memory guard holds to its limit
             "memory_active_bytes": mx.get_active_memory(),
             "memory_peak_bytes": mx.get_peak_memory(),

@@ -15,9 +15,13 @@ merges, extends, filters and extracts them as it does its own caches: the
 methods here mirror BatchKVCache's over three arrays instead of one.
 Sliding-window and recurrent layers keep their own caches as computed.
 
+Keys are kept divided by per-channel factors where the engine calibrated
+them (`key_scales`, tierlm/engine/key_scaling.py): a few large channels no
+longer size every group's step.
+
 The cache tiers keep blocks in their own layout (`cache_kv_bits`,
 tierlm/cache/kv_quant.py): a sequence's KV leaves the batch dequantized
-(`dequantized`) and a hit enters it quantized again.
+(`dequantized`, the keys multiplied back) and a hit enters it quantized again.
 
 These classes reach into BatchKVCache's fields (`_idx`, `left_padding`,
 `offset`, `_right_padding`); tests/test_quantized_kv.py fails loudly if they
@@ -30,6 +34,8 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, dynamic_roll, make_prompt_cache
 
+from tierlm.engine.key_scaling import KeyScales, scaled_keys
+
 GROUP = 64  # values per scale and bias, along a head's vector
 
 
@@ -40,16 +46,28 @@ def supports(head_dim: int) -> bool:
 class QuantizedSlot(QuantizedKVCache):
     """One sequence's quantized KV of one layer, as mlx-lm's batching takes it."""
 
+    key_scales: KeyScales | None = None  # what its keys are kept divided by
+
     @classmethod
-    def of(cls, cache: KVCache | None, bits: int) -> QuantizedSlot:
+    def of(cls, cache: KVCache | None, bits: int, key_scales: KeyScales | None = None) -> QuantizedSlot:
         """A slot holding `cache`'s KV (none: empty), quantized."""
         slot = cls(group_size=GROUP, bits=bits)
+        slot.key_scales = key_scales
         if cache is not None and cache.keys is not None and cache.offset:
             keys, values = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+            if key_scales is not None:
+                keys = key_scales.divide(keys)
             slot.keys = mx.quantize(keys, group_size=GROUP, bits=bits)
             slot.values = mx.quantize(values, group_size=GROUP, bits=bits)
             slot.offset = cache.offset
         return slot
+
+    def update_and_fetch(self, keys, values):
+        """As mlx-lm's, the keys divided by `key_scales` (a slot used alone)."""
+        if self.key_scales is not None:
+            keys = self.key_scales.divide(keys)
+        keys, values = super().update_and_fetch(keys, values)
+        return scaled_keys(keys, self.key_scales), values
 
     @classmethod
     def merge(cls, caches: list[QuantizedSlot]) -> QuantizedBatchKVCache:
@@ -60,6 +78,8 @@ class QuantizedSlot(QuantizedKVCache):
         if self.keys is not None and self.offset:
             keys, values = self.keys_and_values()
             cache.keys = mx.dequantize(*keys, group_size=self.group_size, bits=self.bits)
+            if self.key_scales is not None:
+                cache.keys = self.key_scales.multiply(cache.keys)
             cache.values = mx.dequantize(*values, group_size=self.group_size, bits=self.bits)
             cache.offset = self.offset
         return cache
@@ -69,9 +89,10 @@ class QuantizedBatchKVCache(BatchKVCache):
     """BatchKVCache with `keys` and `values` each a (values, scales, biases)
     triple of arrays (batch, heads, tokens, ...), quantized at `bits`."""
 
-    def __init__(self, left_padding: list[int], bits: int, group_size: int = GROUP):
+    def __init__(self, left_padding: list[int], bits: int, group_size: int = GROUP,
+                 key_scales: KeyScales | None = None):
         super().__init__(left_padding)
-        self.bits, self.group_size = bits, group_size
+        self.bits, self.group_size, self.key_scales = bits, group_size, key_scales
 
     def update_and_fetch(self, keys, values):
         prev, n = self._idx, keys.shape[2]
@@ -79,12 +100,15 @@ class QuantizedBatchKVCache(BatchKVCache):
             self._grow(keys, values, prev, n)
         self.offset = self.offset + n
         self._idx += n
+        if self.key_scales is not None:
+            keys = self.key_scales.divide(keys)
         new_keys = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
         new_values = mx.quantize(values, group_size=self.group_size, bits=self.bits)
         for part in range(3):
             self.keys[part][..., prev : self._idx, :] = new_keys[part]
             self.values[part][..., prev : self._idx, :] = new_values[part]
-        return self.keys_and_values()
+        keys, values = self.keys_and_values()
+        return scaled_keys(keys, self.key_scales), values
 
     def _grow(self, keys, values, prev: int, n: int) -> None:
         """Room for `n` more tokens, in steps of `step` (as BatchKVCache grows)."""
@@ -166,6 +190,7 @@ class QuantizedBatchKVCache(BatchKVCache):
         mx.eval(self.left_padding)
         start = self.left_padding.tolist()[idx]
         slot = QuantizedSlot(group_size=self.group_size, bits=self.bits)
+        slot.key_scales = self.key_scales
         slot.keys, slot.values = tree_map(lambda x: mx.contiguous(x[idx : idx + 1, :, start : self._idx]),
                                           (self.keys, self.values))
         slot.offset = self._idx - start
@@ -174,11 +199,11 @@ class QuantizedBatchKVCache(BatchKVCache):
     @classmethod
     def merge(cls, caches: list[QuantizedSlot]) -> QuantizedBatchKVCache:
         """One batch of these sequences, right-aligned (shorter ones padded on the left)."""
-        bits, group = caches[0].bits, caches[0].group_size
+        bits, group, scales = caches[0].bits, caches[0].group_size, caches[0].key_scales
         lengths = [c.offset for c in caches]
         longest = max(lengths)
         if longest == 0:
-            return cls([0] * len(caches), bits, group)
+            return cls([0] * len(caches), bits, group, scales)
         padding = [longest - n for n in lengths]
         first = next(c for c in caches if c.offset)
         buffers = tree_map(lambda x: mx.zeros((len(caches), x.shape[1], longest, x.shape[3]), x.dtype),
@@ -188,7 +213,7 @@ class QuantizedBatchKVCache(BatchKVCache):
                 continue
             for buffer, part in zip(buffers[0] + buffers[1], c.keys + c.values):
                 buffer[row : row + 1, :, pad:] = part[..., : c.offset, :]
-        batch = cls(padding, bits, group)
+        batch = cls(padding, bits, group, scales)
         batch.keys, batch.values = buffers
         batch.offset = batch.offset + longest
         batch._idx = longest
@@ -209,10 +234,12 @@ def _empty(batch: int, heads: int, length: int, dim: int, dtype, bits: int, grou
             mx.zeros((*shape, dim // group), dtype=dtype))
 
 
-def quantized_slots(caches: list, bits: int) -> list:
+def quantized_slots(caches: list, bits: int, key_scales: list[KeyScales | None] | None = None) -> list:
     """A sequence's per-layer caches for a batch kept at `bits`: attention KV
-    layers as QuantizedSlots, the others (windows, recurrent state) as they are."""
-    return [QuantizedSlot.of(c, bits) if type(c) is KVCache else c for c in caches]
+    layers as QuantizedSlots (keys divided by the layer's `key_scales`, where
+    given), the others (windows, recurrent state) as they are."""
+    scales = key_scales or [None] * len(caches)
+    return [QuantizedSlot.of(c, bits, s) if type(c) is KVCache else c for c, s in zip(caches, scales)]
 
 
 def dequantized(caches: list) -> list:

@@ -54,6 +54,7 @@ class SchedulerConfig:
     speculative_tokens: int = 0  # draft tokens a sequence verifies a step at most by default (0: no drafting)
     draft_model: Any = None  # a smaller model of the same tokenizer drafting too (engine.draft_model)
     kv_bits: int = 16  # what the batch keeps attention KV at (engine.quantized_kv)
+    key_scales: list | None = None  # per layer, what quantized keys are kept divided by (engine.key_scaling)
 
 
 @dataclass
@@ -489,7 +490,8 @@ class Scheduler:
             processors = [] if self.following else make_request_processors(params, on_fault)
             caches = [self.cache.rebuild(lookup.blocks)] if hit else None
             if self.config.kv_bits != 16:
-                caches = [quantized_slots(caches[0] if caches else make_prompt_cache(self.model), self.config.kv_bits)]
+                caches = [quantized_slots(caches[0] if caches else make_prompt_cache(self.model), self.config.kv_bits,
+                                          self.config.key_scales)]
             text = IncrementalText(self.tokenizer.detokenizer, params.stop, self._bytes_table,
                                    params.keep_leading_space)
         except Exception as e:

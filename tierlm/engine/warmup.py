@@ -86,17 +86,18 @@ class RepeatDrafts(PromptLookup):
 
 
 def run_shape(model, stream, batch: int, prompt_len: int, prefill_step: int, drafts: int = 0,
-              kv_bits: int = 16) -> float:
+              kv_bits: int = 16, key_scales: list | None = None) -> float:
     """Worker thread: `batch` requests of `prompt_len` tokens, a few tokens each,
     every other one sampled at a temperature, then again verifying drafts at each
     width a step may take with up to `drafts` draft tokens; the seconds it took.
-    `kv_bits`: what the batch keeps attention KV at (engine.quantized_kv)."""
+    `kv_bits`: what the batch keeps attention KV at (engine.quantized_kv), its
+    keys divided by `key_scales` (engine.key_scaling)."""
     tic = time.perf_counter()
     widths = [1, *draft_widths(drafts)] if pads_widths() else [drafts + 1]  # a CPU compiles nothing
     if prompt_len > LONG_PROMPT:  # the long prompt is for its prefill: once
         widths = widths[:1]
     for width in widths:
-        _decode_a_few(model, stream, batch, prompt_len, prefill_step, width - 1, kv_bits)
+        _decode_a_few(model, stream, batch, prompt_len, prefill_step, width - 1, kv_bits, key_scales)
     return time.perf_counter() - tic
 
 
@@ -123,7 +124,7 @@ def _step(gen) -> int:
 
 
 def _decode_a_few(model, stream, batch: int, prompt_len: int, prefill_step: int, drafts: int,
-                  kv_bits: int) -> None:
+                  kv_bits: int, key_scales: list | None) -> None:
     options = dict(completion_batch_size=batch, prefill_batch_size=min(8, batch),
                    prefill_step_size=prefill_step, stream=stream)
     gen = SpeculativeGenerator(model, lookup=RepeatDrafts, **options) if drafts else BatchGenerator(model, **options)
@@ -131,7 +132,8 @@ def _decode_a_few(model, stream, batch: int, prompt_len: int, prefill_step: int,
         sampled = make_request_sampler(SamplingParams(temperature=0.7, seed=0), lambda message: None)
         greedy = make_request_sampler(SamplingParams(temperature=0), lambda message: None)
         prompts = prompts_of_two_lengths(batch, prompt_len)
-        caches = None if kv_bits == 16 else [quantized_slots(make_prompt_cache(model), kv_bits) for _ in prompts]
+        caches = None if kv_bits == 16 else \
+            [quantized_slots(make_prompt_cache(model), kv_bits, key_scales) for _ in prompts]
         samplers = [sampled if i % 2 else greedy for i in range(batch)]
         if drafts:
             gen.speculation.draft_always()
