@@ -194,8 +194,9 @@ class Settings:
                                      "hit's KV approximate; models of plain attention layers)",
                                  per_model=True, check=lambda v: _one_of(str(v), ("16", "8", "4")))
     batch_kv_bits: int = setting(16, "bits a KV value keeps in the running batch: 16 (as computed), 8 or 4 "
-                                     "(quantized in groups of 64 along a head's vector: about 1.9x or 3.5x "
-                                     "the tokens memory holds, answers approximate; no speculation then)",
+                                     "(quantized in groups of 64 along a head's vector, keys scaled per "
+                                     "channel from a calibration prompt at load: about 1.9x or 3.5x the "
+                                     "tokens memory holds, answers approximate; no speculation then)",
                                  per_model=True, check=lambda v: _one_of(str(v), ("16", "8", "4")))
     hot_cache_size: str = setting("10%", "memory for cached blocks (bytes, 4GB, or 10% of memory)",
                                   per_model=True)
