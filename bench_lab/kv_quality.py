@@ -7,8 +7,14 @@ that rows of different lengths share the quantized batch; each answer ends at
 the model's end of turn or at --max-tokens. "16" is the KV as computed (float32
 on the CPU, bfloat16 on a GPU).
 
+`--tiers`: the cache tiers' bits instead (`cache_kv_bits`), the batch's KV as
+computed. Every prompt comes after one long system message (a ~1,500-token
+source file, as an agent's system prompt and context), stored by a first
+request; each prompt then takes it from the hot tier's blocks (64 tokens a
+block), alone.
+
     python -m bench_lab.kv_quality                      # the default model
-    python -m bench_lab.kv_quality --model ~/.tierlm/models/qwen2.5-coder-0.5b-instruct
+    python -m bench_lab.kv_quality --model ~/.tierlm/models/qwen2.5-coder-0.5b-instruct [--tiers]
 """
 
 from __future__ import annotations
@@ -39,34 +45,50 @@ PROMPTS = [
 
 
 def title(result: dict) -> str:
-    return f"Greedy answers with the batch's KV at 8 and 4 bits against 16: {Path(result['model']).name}"
+    where = "a hit's blocks in the tiers after a shared system message" if result.get("tiers") else "the batch's KV"
+    return f"Greedy answers with {where} at 8 and 4 bits against 16: {Path(result['model']).name}"
+
+
+def system_message() -> str:
+    """The shared system message of `--tiers`: a standard-library source file."""
+    import inspect
+    import json.decoder
+
+    return "You are a coding assistant. The user's project has this file:\n\n" + inspect.getsource(json.decoder)[:6000]
 
 
 def table(result: dict) -> str:
     rows = ["| KV bits | answers equal to 16-bit (alone / batched) | median first difference (tokens) "
             "| largest log-prob move while equal |", "|---|---|---|---|"]
     for bits, r in result["bits"].items():
-        rows.append(f"| {bits} | {r['equal_alone']}/{r['prompts']} / {r['equal_batched']}/{r['prompts']} "
+        batched = "-" if r["equal_batched"] is None else f"{r['equal_batched']}/{r['prompts']}"
+        rows.append(f"| {bits} | {r['equal_alone']}/{r['prompts']} / {batched} "
                     f"| {r['median_first_difference']} | {r['max_logprob_move']:.3f} |")
+    if result.get("tiers"):
+        rows.append(f"\nEach prompt took {result['cached_tokens']} tokens or more from the tiers (asked alone only).")
     return "\n".join(rows)
 
 
-async def _answers(loaded, bits: int, max_tokens: int) -> tuple[list, list]:
+async def _answers(loaded, bits: int, max_tokens: int, tiers: bool = False) -> tuple[list, list]:
     from tierlm.config import Settings
     from tierlm.engine.core import EngineCore
     from tierlm.engine.request import Request, SamplingParams
 
-    engine = EngineCore(f"kv-quality-{bits}", lambda: loaded,
-                        Settings(ssd_cache=False, prefix_cache=False, batch_kv_bits=bits))
+    settings = Settings(ssd_cache=False, cache_kv_bits=bits, cache_block_size=64) if tiers else \
+        Settings(ssd_cache=False, prefix_cache=False, batch_kv_bits=bits)
+    engine = EngineCore(f"kv-quality-{bits}", lambda: loaded, settings)
     await engine.start()
     tokenizer = loaded[1]
+    system = [{"role": "system", "content": system_message()}] if tiers else []
 
-    def request(text: str) -> Request:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        return Request(engine.new_request_id(), ids,
-                       SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0))
+    def request(text: str, tokens: int = max_tokens) -> Request:
+        ids = tokenizer.apply_chat_template(system + [{"role": "user", "content": text}], add_generation_prompt=True)
+        return Request(engine.new_request_id(), ids, SamplingParams(max_tokens=tokens, temperature=0, logprobs=0))
 
     try:
+        if tiers:  # the system message's blocks stored, then each prompt a hit on them
+            await engine.generate(request("Hello.", 1))
+            return [await engine.generate(request(p)) for p in PROMPTS], []
         alone = [await engine.generate(request(p)) for p in PROMPTS]
         batched = await asyncio.gather(*(engine.generate(request(p)) for p in PROMPTS))
     finally:
@@ -94,6 +116,7 @@ def main(argv=None) -> int:
     p = lab_parser("bench_lab.kv_quality", __doc__)
     p.add_argument("--model", default=None, help="model folder (default: the built-in default model)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--tiers", action="store_true", help="the cache tiers' bits, on hits of a shared system message")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import statistics
@@ -103,14 +126,16 @@ def main(argv=None) -> int:
 
     path = Path(args.model).expanduser() if args.model else default_model_folder()
     loaded = load_model(path)
-    full = asyncio.run(_answers(loaded, 16, args.max_tokens))
-    result = {"model": str(path), "max_tokens": args.max_tokens, "prompts": PROMPTS, "bits": {}}
+    full = asyncio.run(_answers(loaded, 16, args.max_tokens, args.tiers))
+    result = {"model": str(path), "max_tokens": args.max_tokens, "prompts": PROMPTS, "tiers": args.tiers,
+              "bits": {}}
     for bits in (8, 4):
-        alone, batched = asyncio.run(_answers(loaded, bits, args.max_tokens))
+        alone, batched = asyncio.run(_answers(loaded, bits, args.max_tokens, args.tiers))
         a, b = compare(alone, full[0]), compare(batched, full[1])
         firsts = a["first_differences"] + b["first_differences"]
+        result["cached_tokens"] = min(o.cached_tokens for o in alone)
         result["bits"][str(bits)] = {
-            "prompts": len(PROMPTS), "equal_alone": a["equal"], "equal_batched": b["equal"],
+            "prompts": len(PROMPTS), "equal_alone": a["equal"], "equal_batched": None if args.tiers else b["equal"],
             "first_differences": firsts, "median_first_difference": statistics.median(firsts) if firsts else None,
             "max_logprob_move": max(a["max_logprob_move"], b["max_logprob_move"])}
     print(title(result))
