@@ -190,8 +190,9 @@ class Settings:
     prefix_cache: bool = setting(True, "reuse the KV of prompt prefixes seen before", per_model=True)
     cache_block_size: int = setting(256, "tokens per prefix-cache block", per_model=True)
     cache_kv_bits: int = setting(16, "bits a KV value keeps in the cache tiers: 16 (as computed), 8 or 4 "
-                                     "(quantized in groups: about 2x or 3.5x the tokens a GB holds, a "
-                                     "hit's KV approximate; models of plain attention layers)",
+                                     "(quantized in groups, keys scaled per channel as in the batch: about "
+                                     "2x or 3.5x the tokens a GB holds, a hit's KV approximate; models of "
+                                     "plain attention layers)",
                                  per_model=True, check=lambda v: _one_of(str(v), ("16", "8", "4")))
     batch_kv_bits: int = setting(16, "bits a KV value keeps in the running batch: 16 (as computed), 8 or 4 "
                                      "(quantized in groups of 64 along a head's vector, keys scaled per "

@@ -57,15 +57,13 @@ class PrefixCacheStats:
     ssd_hit_tokens: int = 0
 
 
-def kv_root(fingerprint: bytes, kv_bits: int) -> bytes:
+def kv_root(fingerprint: bytes, kv_bits: int, keys_tag: str = "") -> bytes:
     """The root of the block keys: the model's fingerprint, and the KV's bits
-    where they are not 16 (16-bit blocks keep the keys they always had)."""
-    return fingerprint if kv_bits == 16 else hashlib.sha256(fingerprint + f"kv{kv_bits}".encode()).digest()
-
-
-def _unpacked(packed):
-    """A packed block's array, dequantized if it was kept quantized."""
-    return kv_quant.dequantize(packed) if kv_quant.is_quantized(packed) else packed
+    where they are not 16 (16-bit blocks keep the keys they always had), and the
+    key factors' digest where blocks are scaled (kv_quant.factors_tag)."""
+    if kv_bits == 16:
+        return fingerprint
+    return hashlib.sha256(fingerprint + f"kv{kv_bits}".encode() + keys_tag.encode()).digest()
 
 
 def _copied_on_device(packed):
@@ -89,17 +87,22 @@ def rebuild_packed(packed: list) -> list:
 
 class PrefixCache:
     def __init__(self, fingerprint: bytes, codecs: list, block_size: int, hot_bytes: int,
-                 ssd_dir=None, ssd_bytes: int = 0, write_through: bool = False, kv_bits: int = 16):
+                 ssd_dir=None, ssd_bytes: int = 0, write_through: bool = False, kv_bits: int = 16,
+                 key_scales: list | None = None):
         """`kv_bits`: what packed blocks are kept at, 16 (as computed), 8 or 4
         (kv_quant.py); with 8 or 4 they have keys of their own (`fingerprint`
-        is the caller's, `kv_root` makes it theirs)."""
-        self.root, self.codecs, self.block_size = kv_root(fingerprint, kv_bits), codecs, block_size
+        is the caller's, `kv_root` makes it theirs), and their keys are divided
+        by `key_scales` (per layer, engine.key_scaling) where given."""
+        self.key_factors = kv_quant.packed_factors(key_scales) if kv_bits != 16 else None
+        keys_tag = kv_quant.factors_tag(self.key_factors)
+        self.root, self.codecs, self.block_size = kv_root(fingerprint, kv_bits, keys_tag), codecs, block_size
         self.kv_bits = kv_bits
         self.hot = HotTier(hot_bytes)
         self.stats = PrefixCacheStats()
         self.sliceable = all(c.sliceable for c in codecs)
         self.all_kv = all(isinstance(c, KVCodec) for c in codecs)
-        self.signature = f"{signature(codecs)};block={block_size}" + (f";kv={kv_bits}" if kv_bits != 16 else "")
+        self.signature = f"{signature(codecs)};block={block_size}" + (f";kv={kv_bits}" if kv_bits != 16 else "") \
+            + (f";{keys_tag}" if keys_tag else "")
         self.ssd = SSDTier(ssd_dir, ssd_bytes, fingerprint, self.signature) if ssd_dir else None
         self.write_through = write_through
         if self.ssd is not None and not write_through:
@@ -190,7 +193,7 @@ class PrefixCache:
 
     def rebuild(self, blocks: list[Block]) -> list:
         """The model's per-layer cache objects holding these blocks' tokens."""
-        packed = [_unpacked(b.packed) for b in blocks]
+        packed = [self._unpacked(b.packed) for b in blocks]
         if mx.default_device() == mx.gpu and packed and all(p is not None for p in packed) \
                 and len({(p.shape[:2], p.shape[3:], p.dtype) for p in packed}) == 1:
             return rebuild_packed(packed)
@@ -201,8 +204,12 @@ class PrefixCache:
         """A block's per-layer payloads (a packed block's as views of its array)."""
         if block.packed is None:
             return block.layers
-        p = _unpacked(block.packed)
+        p = self._unpacked(block.packed)
         return [(p[2 * i : 2 * i + 1], p[2 * i + 1 : 2 * i + 2]) for i in range(p.shape[0] // 2)]
+
+    def _unpacked(self, packed):
+        """A packed block's array, dequantized if it was kept quantized."""
+        return kv_quant.dequantize(packed, self.key_factors) if kv_quant.is_quantized(packed) else packed
 
     # ---- store ------------------------------------------------------------
 
@@ -260,7 +267,7 @@ class PrefixCache:
         if self._packable(layer_caches):
             packed = mx.concatenate([a[..., start:end, :] for c in layer_caches for a in (c.keys, c.values)])
             if self.kv_bits != 16 and kv_quant.fits(packed, self.kv_bits):
-                packed = kv_quant.quantize(packed, self.kv_bits)
+                packed = kv_quant.quantize(packed, self.kv_bits, self.key_factors)
             return Block(keys[i], parent, tuple(tokens[start:end]), None, payload_bytes(self.codecs, packed),
                          packed=packed)
         layers = [

@@ -218,14 +218,16 @@ class EngineCore:
 
     def _key_scales(self) -> list | None:
         """Worker thread: per layer, the factors quantized keys are kept divided
-        by (engine.key_scaling), from a calibration prompt; None at 16 bits."""
-        if self.kv_bits == 16:
+        by (engine.key_scaling), in the batch and in the tiers' blocks, from a
+        calibration prompt; None where both keep 16 bits."""
+        tiers = self.config.cache_kv_bits if self.config.prefix_cache else 16
+        if self.kv_bits == 16 and tiers == 16:
             return None
         tic = time.perf_counter()
         scales = key_scaling.calibrate(self.model, key_scaling.calibration_tokens(self.tokenizer))
         largest = max((float(s.factors.max()) for s in scales if s is not None), default=1.0)
-        log.info("engine %s: key channels scaled for %d-bit KV (largest factor %g), calibrated in %.1f s",
-                 self.name, self.kv_bits, largest, time.perf_counter() - tic)
+        log.info("engine %s: key channels scaled for quantized KV (largest factor %g), calibrated in %.1f s",
+                 self.name, largest, time.perf_counter() - tic)
         return scales
 
     def _load_draft(self):
@@ -317,7 +319,7 @@ class EngineCore:
         c = self.config
         hot_bytes, (ssd_dir, ssd_bytes) = c.hot_cache_bytes(), c.ssd_tier()
         cache = PrefixCache(root, codecs, c.cache_block_size, hot_bytes, ssd_dir, ssd_bytes, c.ssd_write_through,
-                            c.cache_kv_bits)
+                            c.cache_kv_bits, self.key_scales)
         ssd = "off" if cache.ssd is None else f"{ssd_dir} ({ssd_bytes / 2**30:.1f} GiB, " + (
             "write-through)" if c.ssd_write_through else "write-back)")
         log.info("prefix cache for %s: blocks of %d tokens, layout %s, hot tier %.0f MiB, SSD tier %s",
