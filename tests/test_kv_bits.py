@@ -214,3 +214,27 @@ def test_qwen_coders_answers_over_8_bit_kv_with_scaled_keys_stay_those_of_its_ow
     scaled = sum(a == b for a, b in zip(answers(scales), full))
     unscaled = sum(a == b for a, b in zip(answers(), full))
     assert scaled >= 6 and unscaled < scaled, (scaled, unscaled)
+
+
+@pytest.mark.slow  # an engine of the default model
+def test_a_calibration_that_fails_leaves_the_keys_unscaled_and_the_model_serving(loaded, monkeypatch, caplog):
+    """A fault not caused for real here (the calibration prompt failing, as for
+    memory): the engine starts and says why, its 8-bit KV unscaled, and answers."""
+    from tierlm.engine import key_scaling
+
+    def fail(model, tokens):
+        raise RuntimeError("no memory for the calibration prompt")
+
+    monkeypatch.setattr(key_scaling, "calibrate", fail)
+
+    async def go():
+        engine = await _engine(loaded, batch_kv_bits=8)
+        out = await engine.generate(Request(engine.new_request_id(), loaded[1].encode(DOCS[0][:200]),
+                                            SamplingParams(max_tokens=4, temperature=0)))
+        kv = engine.get_stats()["kv"]
+        await engine.close()
+        return out, kv
+
+    out, kv = run(go())
+    assert (kv["batch_bits"], kv["keys_scaled"]) == (8, False) and len(out.token_ids) == 4
+    assert "key channels not scaled (the calibration prompt failed: no memory" in caplog.text

@@ -224,7 +224,12 @@ class EngineCore:
         if self.kv_bits == 16 and tiers == 16:
             return None
         tic = time.perf_counter()
-        scales = key_scaling.calibrate(self.model, key_scaling.calibration_tokens(self.tokenizer))
+        context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
+        try:
+            scales = key_scaling.calibrate(self.model, key_scaling.calibration_tokens(self.tokenizer, context))
+        except Exception as e:  # quantized KV still works, unscaled: answers move more
+            log.warning("engine %s: key channels not scaled (the calibration prompt failed: %s)", self.name, e)
+            return None
         largest = max((float(s.factors.max()) for s in scales if s is not None), default=1.0)
         log.info("engine %s: key channels scaled for quantized KV (largest factor %g), calibrated in %.1f s",
                  self.name, largest, time.perf_counter() - tic)

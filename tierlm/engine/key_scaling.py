@@ -94,12 +94,13 @@ def factors_of(keys: mx.array) -> KeyScales:
     return KeyScales(factors)
 
 
-def calibration_tokens(tokenizer) -> list[int]:
-    """CALIBRATION_TOKENS tokens of source code and prose (the keys of what agents send)."""
+def calibration_tokens(tokenizer, context: int | None = None) -> list[int]:
+    """CALIBRATION_TOKENS tokens of Python source (what agents send most), or
+    the model's `context` where shorter."""
     ids = tokenizer.encode(_calibration_text())
     while len(ids) < CALIBRATION_TOKENS:
         ids = ids + ids
-    return ids[:CALIBRATION_TOKENS]
+    return ids[: min(CALIBRATION_TOKENS, context or CALIBRATION_TOKENS)]
 
 
 @lru_cache(maxsize=1)
