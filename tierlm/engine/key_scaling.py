@@ -1,13 +1,14 @@
-"""Per-channel key scales for KV kept at 8 or 4 bits in the batch (SmoothAttention).
+"""Per-channel key scales for KV kept at 8 or 4 bits (SmoothAttention).
 
 A few channels of a model's keys are many times larger than the rest (Qwen2's
 key projection has a bias that puts some at 10-50x the median channel). MLX's
 quantization gives a group of 64 channels one step, sized by its largest, so
 the small channels, most of q·k, keep a few levels of it: at 8 bits Qwen2.5-
-Coder-0.5B kept 6 of 16 greedy answers. Each key channel is divided by a
+Coder-0.5B kept 5 of 16 greedy answers. Each key channel is divided by a
 factor before it is quantized, and the queries' same channel is multiplied by
-it in attention, which leaves q·k as it was (QServe's SmoothAttention; the
-tiers get the keys back multiplied, as computed).
+it in attention, which leaves q·k as it was (QServe's SmoothAttention). The
+cache tiers' quantized blocks divide and multiply back by the same factors
+(cache/kv_quant.py).
 
 The factors, per layer and KV head: each channel's largest |k| over a
 calibration prompt (source code), over the head's median channel's, at least
@@ -41,6 +42,7 @@ class KeyScales:
         install()  # mlx-lm's quantized attention must multiply the queries
         self.factors = factors  # (1, kv_heads, 1, head_dim), float32, >= 1
         self.inverse = 1.0 / factors
+        self._by_heads: dict[int, mx.array] = {}  # the factors repeated over each KV head's query heads
 
     def divide(self, keys: mx.array) -> mx.array:
         return keys * self.inverse.astype(keys.dtype)
@@ -54,8 +56,9 @@ class KeyScales:
         return queries * self._for_heads(queries.shape[1]).astype(queries.dtype)
 
     def _for_heads(self, heads: int) -> mx.array:
-        kv_heads = self.factors.shape[1]
-        return self.factors if heads == kv_heads else mx.repeat(self.factors, heads // kv_heads, axis=1)
+        if heads not in self._by_heads:
+            self._by_heads[heads] = mx.repeat(self.factors, heads // self.factors.shape[1], axis=1)
+        return self._by_heads[heads]
 
 
 class ScaledKeys(tuple):
