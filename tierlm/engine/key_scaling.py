@@ -26,6 +26,7 @@ a scaled cache hands it (`ScaledKeys`); and tierlm's CUDA attention
 
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 
 import mlx.core as mx
@@ -78,11 +79,19 @@ def scaled_keys(triple, key_scales: KeyScales | None):
 
 def calibrate(model, tokens: list[int]) -> list[KeyScales | None]:
     """Each layer's factors from `tokens` run through `model` (None for a layer
-    whose cache is not plain attention KV)."""
-    cache = make_prompt_cache(model)
-    model(mx.array([tokens]), cache=cache)
-    return [factors_of(c.keys[..., : c.offset, :]) if type(c) is KVCache and c.keys is not None else None
-            for c in cache]
+    whose cache is not plain attention KV); kept while the model lives, so an
+    engine started again on a loaded model does not run the prompt again."""
+    key = (id(model), hash(tuple(tokens)))
+    if key not in _calibrated:
+        cache = make_prompt_cache(model)
+        model(mx.array([tokens]), cache=cache)
+        _calibrated[key] = [factors_of(c.keys[..., : c.offset, :]) if type(c) is KVCache and c.keys is not None
+                            else None for c in cache]
+        weakref.finalize(model, _calibrated.pop, key, None)
+    return _calibrated[key]
+
+
+_calibrated: dict[tuple[int, int], list] = {}  # (id(model), hash of the tokens) -> its factors
 
 
 def factors_of(keys: mx.array) -> KeyScales:
