@@ -176,8 +176,7 @@ class EngineCore:
         batch keeps KV quantized: its attention builds no graphs (backends.gpu)."""
         if self.kv_bits != 16:
             return 0
-        context = [n for n in (getattr(getattr(self.model, "args", None), "max_position_embeddings", None),
-                               self.config.context_limit) if n]
+        context = [n for n in (self._model_context(), self.config.context_limit) if n]
 
         def fits(tokens: int) -> bool:
             try:
@@ -187,6 +186,10 @@ class EngineCore:
             return True
 
         return warmup.long_context_tokens(min(context, default=None), prefill_step, fits)
+
+    def _model_context(self) -> int | None:
+        """The positions the loaded model's arguments say it takes (None: not said)."""
+        return getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
 
     def _speculates(self) -> bool:
         """Whether requests draft tokens (`speculation`). `auto`: where the
@@ -224,9 +227,9 @@ class EngineCore:
         if self.kv_bits == 16 and tiers == 16:
             return None
         tic = time.perf_counter()
-        context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
         try:
-            scales = key_scaling.calibrate(self.model, key_scaling.calibration_tokens(self.tokenizer, context))
+            scales = key_scaling.calibrate(self.model,
+                                           key_scaling.calibration_tokens(self.tokenizer, self._model_context()))
         except Exception as e:  # quantized KV still works, unscaled: answers move more
             log.warning("engine %s: key channels not scaled (the calibration prompt failed: %s)", self.name, e)
             return None
