@@ -93,14 +93,17 @@ async def _answers(loaded, **settings) -> tuple[list, dict]:
     """`_turns` on an engine of these settings, closed after, and its sizes: the
     batch's KV bytes a token and the hot tier's."""
     engine = await _engine(loaded, **settings)
-    outs = await _turns(engine, loaded[1])
-    cache = engine.scheduler.cache
-    kv = engine.get_stats()["kv"]  # what /stats shows
-    sizes = {"batch": kv["bytes_per_token"], "bits": kv["batch_bits"],
-             "hot": cache.hot.nbytes / (cache.stats.stored_blocks * 64),
-             "scaled blocks": any(kv_quant.is_quantized(b.packed) and b.packed[0] == kv_quant.SCALED
-                                  for b in cache.hot.blocks())}
-    await engine.close()
+    try:  # closed whatever happens: the model is owned by one engine at a time
+        outs = await _turns(engine, loaded[1])
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        cache = engine.scheduler.cache
+        kv = engine.get_stats()["kv"]  # what /stats shows
+        sizes = {"batch": kv["bytes_per_token"], "bits": kv["batch_bits"],
+                 "hot": cache.hot.nbytes / (cache.stats.stored_blocks * 64),
+                 "scaled blocks": any(kv_quant.is_quantized(b.packed) and b.packed[0] == kv_quant.SCALED
+                                      for b in cache.hot.blocks())}
+    finally:
+        await engine.close()
     return outs, sizes
 
 

@@ -169,6 +169,33 @@ def test_key_factors_are_per_head_and_channel_tied_within_rope_pairs():
     assert float(mx.median(factors[0, 0, 0])) < 1.5  # most channels keep (nearly) their scale
 
 
+def test_factors_calibrated_on_one_worker_serve_an_engine_on_another():
+    """`calibrate` keeps a model's factors for the next engine on it, which may
+    run on another worker thread and stream: nothing in them may be a lazy
+    array tied to the first thread's stream (MLX: "There is no Stream(cpu, 1)
+    in current thread", which failed every step of the second engine)."""
+    from tierlm.engine import workers
+
+    model = _model()
+    first, second = workers.lend("calibrates"), workers.lend("serves")
+    try:
+        def on(worker, fn):
+            def run_on_its_stream():
+                with mx.stream(worker.stream):
+                    return fn()
+            return worker.submit(run_on_its_stream).result()
+
+        scales = on(first, lambda: key_scaling.calibrate(model, list(range(3, 300))))
+        keys = mx.random.normal((1, 1, 4, 64), key=mx.random.key(1))
+        mx.eval(keys)
+        back = on(second, lambda: mx.eval(out := scales[0].multiply(scales[0].divide(keys)),
+                                          scales[0].queries(mx.ones((1, 2, 4, 64)))) or out)
+        assert mx.allclose(back, keys, atol=1e-5)
+    finally:
+        workers.give_back(first)
+        workers.give_back(second)
+
+
 def test_scaled_keys_leave_attention_as_computed_with_a_fraction_of_the_error():
     """8-bit keys divided by their factors, queries multiplied in mlx-lm's own
     quantized attention (`key_scaling.install`): the output is that of the keys

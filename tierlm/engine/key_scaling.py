@@ -43,6 +43,10 @@ class KeyScales:
         install()  # mlx-lm's quantized attention must multiply the queries
         self.factors = factors  # (1, kv_heads, 1, head_dim), float32, >= 1
         self.inverse = 1.0 / factors
+        # Computed now: a lazy array is tied to the stream of the thread that
+        # made it, and the factors outlive that engine (`calibrate` keeps them
+        # for the next engine on the model, which runs on another worker).
+        mx.eval(self.factors, self.inverse)
         self._by_heads: dict[int, mx.array] = {}  # the factors repeated over each KV head's query heads
 
     def divide(self, keys: mx.array) -> mx.array:
@@ -58,7 +62,9 @@ class KeyScales:
 
     def _for_heads(self, heads: int) -> mx.array:
         if heads not in self._by_heads:
-            self._by_heads[heads] = mx.repeat(self.factors, heads // self.factors.shape[1], axis=1)
+            repeated = mx.repeat(self.factors, heads // self.factors.shape[1], axis=1)
+            mx.eval(repeated)  # as in __init__: another engine's thread may read it
+            self._by_heads[heads] = repeated
         return self._by_heads[heads]
 
 
@@ -101,9 +107,7 @@ def factors_of(keys: mx.array) -> KeyScales:
     pair = mx.maximum(peak[..., :half], peak[..., half:])  # RoPE's pairs (i, i + D/2)
     peak = mx.concatenate([pair, pair], axis=-1)
     median = mx.sort(peak, axis=-1)[..., peak.shape[-1] // 2 :][..., :1]
-    factors = mx.maximum(peak / mx.maximum(median, 1e-6), 1.0)
-    mx.eval(factors)
-    return KeyScales(factors)
+    return KeyScales(mx.maximum(peak / mx.maximum(median, 1e-6), 1.0))
 
 
 def calibration_tokens(tokenizer, context: int | None = None) -> list[int]:
