@@ -43,8 +43,6 @@ from tierlm.models.random_model import make_random_model, tiny_model
 from tierlm.structured.grammar import ModelGrammars, json_schema_grammar
 
 SOURCE = inspect.getsource(colorsys)  # a real module of 166 lines, on every Python
-EDIT = [{"role": "user", "content": f"Here is colorsys.py:\n\n```python\n{SOURCE}```\n\nRename the function "
-                                    "rgb_to_yiq to rgb_to_ntsc and return the whole file."}]
 PROSE = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 SHORT = SOURCE[: SOURCE.index("def rgb_to_hls")]  # its first 70 lines: a shorter prompt for the fast run
 SHORT_EDIT = [{"role": "user", "content": f"```python\n{SHORT}```\nRename rgb_to_yiq to rgb_to_ntsc and return "
@@ -411,10 +409,12 @@ def test_answers_of_the_default_model_equal_with_and_without_speculation(loaded,
     sampled = {"max_tokens": 64, "temperature": 0.3, "top_p": 0.95}
 
     def batches():  # a grammar's state is a request's own: fresh ones for each engine
-        return [[(EDIT, {"max_tokens": 72})], [(PROSE, {"max_tokens": 48})],
+        # the edits share one ~770-token source with the listing (prefix-cache hits)
+        return [[(SHORT_EDIT, {"max_tokens": 72})], [(PROSE, {"max_tokens": 48})],
                 [(listing, {"max_tokens": 60, "constraint": grammars.constraint(json_schema_grammar(schema))})],
-                [(EDIT, {"max_tokens": 37, "stop": ["def rgb_to_hls"]}), (EDIT, {"max_tokens": 40, "logprobs": 2}),
-                 (EDIT, {"max_tokens": 40, "presence_penalty": 0.5, "repetition_penalty": 1.1}),
+                [(SHORT_EDIT, {"max_tokens": 40, "stop": ["0.30*r"]}),  # mid-copy, where drafts run long
+                 (SHORT_EDIT, {"max_tokens": 40, "logprobs": 2}),
+                 (SHORT_EDIT, {"max_tokens": 40, "presence_penalty": 0.5, "repetition_penalty": 1.1}),
                  (PROSE, {"max_tokens": 30})],
                 [(SHORT_EDIT, {**sampled, "seed": 2}), (SHORT_EDIT, {**sampled, "seed": 3, "top_k": 40}),
                  (SHORT_EDIT, {"max_tokens": 64})]]
@@ -424,27 +424,28 @@ def test_answers_of_the_default_model_equal_with_and_without_speculation(loaded,
     assert counters.accepted_tokens > 0  # it did speculate
     for a, b in zip(on, off):
         assert (a.token_ids, a.text, a.finish_reason, a.logprobs) == (b.token_ids, b.text, b.finish_reason, b.logprobs)
-    assert on[2].text.startswith('{"functions"')
+    assert on[2].text.startswith('{"functions"') and on[3].finish_reason == "stop"
     assert len({tuple(a.token_ids) for a in on[-3:]}) > 1  # the seeds do sample
 
 
 @pytest.mark.slow  # Gemma 3 270M loaded, two engines
 def test_gemma_answers_equal_with_and_without_speculation_past_its_sliding_window(gemma_path, drafts_every_step):
-    """Gemma 3's local layers see 512 tokens; these prompts are ~2.5k tokens
-    and the answers run past them, with drafts the windows' ragged rows give
+    """Gemma 3's local layers see 512 tokens; these prompts are ~900 tokens
+    and the answers run on past them, with drafts the windows' ragged rows give
     back, greedy and seeded, alone and batched."""
     from tierlm.models.loader import load_model
 
     gemma = load_model(str(gemma_path))
     if not backends.describe(gemma[0]).batch_invariant:
         pytest.skip("this backend's products are not batch-invariant: batching itself moves rounding")
-    copy = gemma[1].encode(f"{SOURCE}\n\n# colorsys.py, once more:\n{SOURCE[:300]}")
-    story = gemma[1].encode(f"{SOURCE}\n\nOnce upon a time, a lighthouse keeper")
+    copy = gemma[1].encode(f"{SHORT}\n\n# colorsys.py, once more:\n{SHORT[:300]}")
+    story = gemma[1].encode(f"{SHORT}\n\nOnce upon a time, a lighthouse keeper")
+    assert len(story) > 512 + 256  # past the window by more than a prefill chunk
 
     def batches():
         return [[(copy, {"max_tokens": 120})],
                 [(copy, {"max_tokens": 64, "temperature": 0.5, "seed": 4}), (story, {"max_tokens": 40}),
-                 (copy, {"max_tokens": 64, "stop": ["def rgb_to_hsv"]})]]
+                 (copy, {"max_tokens": 64, "stop": ["RGB: Red"]})]]  # ~35 tokens into the copy
 
     async def answers(**settings):
         engine = await started(gemma, **{"speculation": "prompt-lookup", **settings})
@@ -458,7 +459,7 @@ def test_gemma_answers_equal_with_and_without_speculation_past_its_sliding_windo
 
     on, counters = run(answers())
     off, _ = run(answers(speculation="off"))
-    assert counters.accepted_tokens > 100
+    assert counters.accepted_tokens > 100 and on[-1].finish_reason == "stop", on[-1].text
     for a, b in zip(on, off):
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
 

@@ -35,7 +35,7 @@ import numpy as np
 from mlx import nn
 
 from tierlm.backends import mlx_lm_modules
-from tierlm.backends.cpu import route
+from tierlm.backends.cpu import rope, route
 
 # times each replacement ran in this process: "attention", "swiglu" (either way),
 # "logsumexp" (the native one, through mlx_lm.generate's proxy), "gelu" (native
@@ -367,6 +367,8 @@ def install(model: nn.Module) -> list[str]:
     if native_kernels():
         _generate_module().mx = GenerateMx()
         replaced.append("generate.logsumexp")
+    if rope.install(model)[0]:
+        replaced.append("nn.RoPE")
     return replaced
 
 
@@ -380,6 +382,7 @@ def _calls_gelu(module) -> bool:
 def uninstall(model: nn.Module) -> None:
     """Put mlx-lm's own functions back (for comparisons)."""
     _generate_module().mx = mx
+    rope.uninstall(model)
     for module in mlx_lm_modules(model):
         if isinstance(getattr(module, "nn", None), ModelNn):
             module.nn = nn
