@@ -443,7 +443,7 @@ def test_gemma_answers_equal_with_and_without_speculation_past_its_sliding_windo
     assert len(story) > 512 + 256  # past the window by more than a prefill chunk
 
     def batches():
-        return [[(copy, {"max_tokens": 120})],
+        return [[(copy, {"max_tokens": 80})],
                 [(copy, {"max_tokens": 64, "temperature": 0.5, "seed": 4}), (story, {"max_tokens": 40}),
                  (copy, {"max_tokens": 64, "stop": ["RGB: Red"]})]]  # ~35 tokens into the copy
 
@@ -476,8 +476,8 @@ def test_the_default_model_drafting_for_itself_answers_as_without_drafts(loaded,
     without."""
     if not backends.describe(loaded[0]).batch_invariant:
         pytest.skip("this backend's products are not batch-invariant: batching itself moves rounding")
-    batches = [[(PROSE, {"max_tokens": 40})],
-               [(PROSE, {"max_tokens": 40, "temperature": 0.6, "seed": 2}), (SHORT_EDIT, {"max_tokens": 40})]]
+    batches = [[(PROSE, {"max_tokens": 24})],
+               [(PROSE, {"max_tokens": 24, "temperature": 0.6, "seed": 2}), (SHORT_EDIT, {"max_tokens": 24})]]
     on, counters = run(_answers(loaded, batches, draft_model=str(model_path)))
     off, _ = run(_answers(loaded, batches, speculation="off"))
     # a draft model as large as the model never pays: drafting is tried, then mostly left (adaptive)
