@@ -522,6 +522,28 @@ def test_attention_is_bit_exact_alone_and_left_padded_in_a_batch(native, float_w
 
 
 @needs_native
+def test_attention_in_blocks_of_queries_gives_the_bits_of_one_block(monkeypatch, float_width):
+    """A long prompt's chunk is computed a block of queries at a time
+    (SCORES_BLOCK_BYTES); each query's scores, softmax and sum are its own, so
+    the blocks give what one call over all the queries gives, bit for bit, under
+    a left-padded batch's mask."""
+    if not STATE.exact_attention.on:
+        pytest.skip(f"exact attention products {STATE.exact_attention}")
+    q, k, v = _qkv(2, 6, 2, 37, 300)
+    visible = (mx.arange(300)[None] <= mx.arange(300 - 37, 300)[:, None])[None, None]
+    mask = mx.concatenate([visible, visible & (mx.arange(300) >= 40)], axis=0)  # the second row left-padded
+    mx.eval(q, k, v, mask)
+    whole = cpu_kernels.attention(q, k, v, 0.2, mask, native=True)
+    mx.eval(whole)
+    monkeypatch.setattr(cpu_kernels, "SCORES_BLOCK_BYTES", 4 * 2 * 6 * 300 * 8)  # blocks of 8 queries, then 5
+    before = counts()
+    blocks = cpu_kernels.attention(q, k, v, 0.2, mask, native=True)
+    mx.eval(blocks)
+    assert ran(before).get("softmax") == 5  # blocks of 8, 8, 8, 8 and 5 queries
+    assert mx.array_equal(blocks, whole).item()
+
+
+@needs_native
 def test_native_logsumexp_matches_mlx_and_serves_mlx_lms_batch_step(float_width):
     from mlx_lm.generate import BatchGenerator
 

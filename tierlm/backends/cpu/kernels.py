@@ -80,16 +80,35 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return gate / (1 + fast_exp(-gate)) * x
 
 
+# The most bytes of scores one native attention call makes: longer prompts' are
+# computed a block of queries at a time. MLX's CPU allocator takes each buffer
+# from malloc, which maps one this large afresh (and faults its pages in) for
+# every layer of every chunk: a 256-token chunk at 8k keys made ~120 MB of scores
+# a layer, and page faults were ~9% of a long prefill.
+SCORES_BLOCK_BYTES = 16 << 20
+
+
 def attention(queries, keys, values, scale: float, mask, native: bool | None = None) -> mx.array:
     """softmax(q kᵀ · scale + mask) v for (B, heads, L, D) queries and (B, kv_heads, S, D) keys;
     the softmax in native code when `native` (by default where the CPU allows)."""
+    batch, heads, length, dim = queries.shape
+    kv_heads, span = keys.shape[1], keys.shape[2]
+    native = native if native is not None else native_kernels()
+    rows = max(1, SCORES_BLOCK_BYTES // (4 * batch * heads * span))
+    if native and length > rows and _foldable(mask, batch, length, span):
+        # each query's scores, softmax and sum are its own: blocks give the same bits
+        return mx.concatenate([_attention(queries[:, :, i : i + rows], keys, values, scale,
+                                          mask[:, :, i : i + rows], True) for i in range(0, length, rows)], axis=2)
+    return _attention(queries, keys, values, scale, mask, native)
+
+
+def _attention(queries, keys, values, scale: float, mask, native: bool) -> mx.array:
     batch, heads, length, dim = queries.shape
     kv_heads, span = keys.shape[1], keys.shape[2]
     group = heads // kv_heads  # query heads h*group .. h*group+group-1 read KV head h
     grouped = (queries * scale).reshape(batch, kv_heads, group * length, dim)
     scores = (grouped @ keys.swapaxes(-1, -2)).reshape(batch, heads, length, span)
     causal = isinstance(mask, str)  # "causal": query i sits at position span - length + i
-    native = native if native is not None else native_kernels()
     if native and _foldable(mask, batch, length, span):
         weights = native_masked_softmax(scores, mask)
         return (weights.reshape(batch, kv_heads, group * length, span) @ values).reshape(batch, heads, length, dim)
