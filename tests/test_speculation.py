@@ -406,7 +406,7 @@ def test_answers_of_the_default_model_equal_with_and_without_speculation(loaded,
     schema = {"type": "object", "properties": {"functions": {"type": "array", "items": {"type": "string"}}},
               "required": ["functions"]}
     listing = [{"role": "user", "content": f"```python\n{SHORT}```\nList the functions of this module as JSON."}]
-    sampled = {"max_tokens": 64, "temperature": 0.3, "top_p": 0.95}
+    sampled = {"max_tokens": 40, "temperature": 0.3, "top_p": 0.95}
 
     def batches():  # a grammar's state is a request's own: fresh ones for each engine
         # the edits share one ~770-token source with the listing (prefix-cache hits)
@@ -417,7 +417,7 @@ def test_answers_of_the_default_model_equal_with_and_without_speculation(loaded,
                  (SHORT_EDIT, {"max_tokens": 40, "presence_penalty": 0.5, "repetition_penalty": 1.1}),
                  (PROSE, {"max_tokens": 30})],
                 [(SHORT_EDIT, {**sampled, "seed": 2}), (SHORT_EDIT, {**sampled, "seed": 3, "top_k": 40}),
-                 (SHORT_EDIT, {"max_tokens": 64})]]
+                 (SHORT_EDIT, {"max_tokens": 40})]]
 
     on, counters = run(_answers(loaded, batches()))
     off, _ = run(_answers(loaded, batches(), speculation="off"))
