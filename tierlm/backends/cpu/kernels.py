@@ -91,8 +91,8 @@ SCORES_BLOCK_BYTES = 16 << 20
 def attention(queries, keys, values, scale: float, mask, native: bool | None = None) -> mx.array:
     """softmax(q kᵀ · scale + mask) v for (B, heads, L, D) queries and (B, kv_heads, S, D) keys;
     the softmax in native code when `native` (by default where the CPU allows)."""
-    batch, heads, length, dim = queries.shape
-    kv_heads, span = keys.shape[1], keys.shape[2]
+    batch, heads, length, _ = queries.shape
+    span = keys.shape[2]
     native = native if native is not None else native_kernels()
     rows = max(1, SCORES_BLOCK_BYTES // (4 * batch * heads * span))
     if native and length > rows and _foldable(mask, batch, length, span):
