@@ -18,6 +18,7 @@ For a model on MLX's CPU backend this room arranges, when the model is loaded:
   matmuls to BLAS);
 - kernels.py: attention, SwiGLU and GELU for float32, in native code where the
   CPU has AVX2 or AVX-512 (native/float_kernels.c: one source, both widths);
+- rope.py: mlx-lm's RoPE in fewer MLX operations, bit for bit mx.fast.rope's;
 - amx.py: bfloat16 copies of the weights on AMX tiles, where the CPU has them;
 - isa.py: TIERLM_MAX_CPU_ISA, which hides the CPU's newer features from the
   native code (an AVX-512 machine choosing its kernels as an AVX2 one would).
