@@ -21,7 +21,7 @@ from mlx import nn
 from tierlm import backends
 from tierlm.backends.cpu import amx as cpu_amx
 from tierlm.backends.cpu import dequantize as cpu_dequantize
-from tierlm.backends.cpu import got, isa, native, route
+from tierlm.backends.cpu import got, graph_ops, isa, native, route
 from tierlm.backends.cpu import kernels as cpu_kernels
 from tierlm.backends.cpu import weights as cpu_weights
 from tierlm.engine.core import parameter_layout
@@ -632,11 +632,13 @@ def test_installed_kernels_give_the_models_own_logits(name, replaced, monkeypatc
         native = ["generate.logsumexp"] if cpu_kernels.native_kernels() else []
         gelu = [f"{name}.gelu_approx"] if name.startswith("gemma") else []  # native or numpy's
         rope = ["nn.RoPE"] if any(type(m) is nn.RoPE for _, m in model.named_modules()) else []  # backends/cpu/rope.py
-        assert cpu_kernels.install(model) == replaced + gelu + native + rope
-        before = counts()
+        norms = ["nn.RMSNorm"] if native and any(type(m) is nn.RMSNorm for _, m in model.named_modules()) else []
+        assert cpu_kernels.install(model) == replaced + gelu + native + norms + rope
+        before, graph_ops_before = counts(), graph_ops.ran()
         got = _logits_through_a_cache(model)
         mx.eval(got)
         delta = ran(before)
+        assert (graph_ops.ran() > graph_ops_before) == bool(norms or rope and graph_ops.on())
     finally:
         cpu_kernels.uninstall(model)
     for w, g in zip(want, got):

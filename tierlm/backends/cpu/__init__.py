@@ -19,6 +19,8 @@ For a model on MLX's CPU backend this room arranges, when the model is loaded:
 - kernels.py: attention, SwiGLU and GELU for float32, in native code where the
   CPU has AVX2 or AVX-512 (native/float_kernels.c: one source, both widths);
 - rope.py: mlx-lm's RoPE in fewer MLX operations, bit for bit mx.fast.rope's;
+- graph_ops.py: RMSNorm, RoPE's rotation and attention as one MLX operation
+  each (tierlm's own MLX primitives, native/graph_ops.cpp);
 - amx.py: bfloat16 copies of the weights on AMX tiles, where the CPU has them;
 - isa.py: TIERLM_MAX_CPU_ISA, which hides the CPU's newer features from the
   native code (an AVX-512 machine choosing its kernels as an AVX2 one would).
@@ -71,7 +73,7 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
     if not kernels:
         log.append("CPU kernels off (--no-cpu-kernels): mlx-lm's attention and SwiGLU")
     elif replaced:
-        log.append(f"CPU kernels in use for float32: {', '.join(replaced)}")
+        log.append(f"CPU kernels in use for float32: {', '.join(replaced)}; graph operations {graph_ops.state()}")
     if amx_tiles.available() and not amx:
         log.append("AMX off (--no-cpu-amx): float32 matmuls through the BLAS")
     elif packed:
@@ -91,6 +93,7 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
         "native_kernels": str(state.native_kernels),
         "quantized_kernels": str(products),
         "kernels": replaced,
+        "graph_ops": str(graph_ops.state()) if kernels else "off (--no-cpu-kernels)",
         "max_cpu_isa": isa.cap(state.lib) if state.lib is not None else None,  # TIERLM_MAX_CPU_ISA as applied
     }
 

@@ -35,7 +35,7 @@ import numpy as np
 from mlx import nn
 
 from tierlm.backends import mlx_lm_modules
-from tierlm.backends.cpu import rope, route
+from tierlm.backends.cpu import graph_ops, rope, route
 
 # times each replacement ran in this process: "attention", "swiglu" (either way),
 # "logsumexp" (the native one, through mlx_lm.generate's proxy), "gelu" (native
@@ -95,6 +95,8 @@ def attention(queries, keys, values, scale: float, mask, native: bool | None = N
     span = keys.shape[2]
     native = native if native is not None else native_kernels()
     rows = max(1, SCORES_BLOCK_BYTES // (4 * batch * heads * span))
+    if native and length <= rows and (out := graph_ops.attention(queries, keys, values, scale, mask)) is not None:
+        return out  # one operation in MLX's graph (graph_ops.py), the same bits as _attention's
     if native and length > rows and _foldable(mask, batch, length, span):
         # each query's scores, softmax and sum are its own: blocks give the same bits
         return mx.concatenate([_attention(queries[:, :, i : i + rows], keys, values, scale,
@@ -386,6 +388,8 @@ def install(model: nn.Module) -> list[str]:
     if native_kernels():
         _generate_module().mx = GenerateMx()
         replaced.append("generate.logsumexp")
+        if graph_ops.install().on and graph_ops.install_norms(model):
+            replaced.append("nn.RMSNorm")
     if rope.install(model)[0]:
         replaced.append("nn.RoPE")
     return replaced
@@ -402,6 +406,7 @@ def uninstall(model: nn.Module) -> None:
     """Put mlx-lm's own functions back (for comparisons)."""
     _generate_module().mx = mx
     rope.uninstall(model)
+    graph_ops.uninstall_norms(model)
     for module in mlx_lm_modules(model):
         if isinstance(getattr(module, "nn", None), ModelNn):
             module.nn = nn

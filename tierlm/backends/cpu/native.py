@@ -80,6 +80,26 @@ def build() -> Path:
                       compile_into)
 
 
+def build_against_mlx(stem: str, source: Path, *flags: str) -> Path:
+    """A C++ source that uses MLX's C++ API (qmm_hook.cpp, graph_ops.cpp),
+    compiled against the installed mlx package's headers and libmlx.so, once
+    per source and mlx version."""
+    import mlx.core as mx
+
+    package = Path(mx.__file__).resolve().parent
+    include, lib = package / "include", package / "lib"
+    if not (include / "mlx" / "primitives.h").exists() or not (lib / "libmlx.so").exists():
+        raise BuildError(f"the mlx package has no headers or libmlx.so under {package}")
+
+    def compile_into(compiler: str, path: Path) -> None:
+        subprocess.run([compiler, "-O2", "-std=c++20", *flags, "-shared", "-fPIC", f"-I{include}", "-o", str(path),
+                        str(source), f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}"],
+                       check=True, capture_output=True, timeout=300)
+
+    inputs = source.read_bytes() + " ".join(flags).encode() + mx.__version__.encode()
+    return build_once(stem, inputs, "C++", "CXX", "c++", compile_into)
+
+
 def load() -> ctypes.CDLL:
     """Builds (when needed) and loads the library, its functions declared."""
     try:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import subprocess
 import threading
 from pathlib import Path
 
@@ -63,24 +62,9 @@ _path: str | None = None  # the path install() put in use, by its PATHS name
 _hook: ctypes.CDLL | None = None
 
 
-def _mlx_dirs() -> tuple[Path, Path]:
-    package = Path(mx.__file__).resolve().parent
-    return package / "include", package / "lib"
-
-
 def build_hook() -> Path:
     """qmm_hook.cpp compiled against the installed mlx, once per source and mlx version."""
-    include, lib = _mlx_dirs()
-    if not (include / "mlx" / "primitives.h").exists() or not (lib / "libmlx.so").exists():
-        raise native.BuildError(f"the mlx package has no headers or libmlx.so under {include.parent}")
-
-    def compile_into(compiler: str, path: Path) -> None:
-        subprocess.run([compiler, "-O2", "-std=c++20", "-shared", "-fPIC", f"-I{include}", "-o", str(path),
-                        str(HOOK_SOURCE), f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}"],
-                       check=True, capture_output=True, timeout=300)
-
-    inputs = HOOK_SOURCE.read_bytes() + mx.__version__.encode()
-    return native.build_once("tierlm_qmm_hook", inputs, "C++", "CXX", "c++", compile_into)
+    return native.build_against_mlx("tierlm_qmm_hook", HOOK_SOURCE)
 
 
 def _load_hook() -> ctypes.CDLL:

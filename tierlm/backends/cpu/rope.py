@@ -30,6 +30,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from tierlm.backends.cpu import graph_ops
+
 log = logging.getLogger(__name__)
 
 
@@ -41,6 +43,8 @@ class FewerOpsRoPE(nn.RoPE):
             return super().__call__(x, offset)
         batch, heads, tokens, _ = x.shape
         cos, sin = self._angles(offset, tokens, batch)
+        if (rotated := graph_ops.rope_rotation(x, cos, sin, self.dims, self.traditional)) is not None:
+            return rotated
         if self.traditional:  # rotated pairs (2i, 2i + 1), interleaved again after
             x1, x2 = x[..., 0 : self.dims : 2], x[..., 1 : self.dims : 2]
         else:  # pairs (i, i + dims / 2)

@@ -1,0 +1,117 @@
+"""tierlm's own MLX operations on the CPU (backends/cpu/graph_ops.py): each one
+node of MLX's graph, with MLX's answers (RMSNorm within rounding, RoPE's
+rotation and attention bit for bit), lazy until evaluated, on any thread."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import pytest
+from mlx import nn
+
+from tierlm.backends.cpu import graph_ops, kernels, route
+from tierlm.backends.cpu.rope import FewerOpsRoPE
+
+STATE = route.prepare()
+ON = graph_ops.install()
+pytestmark = pytest.mark.skipif(not STATE.native_kernels.on, reason=f"native kernels {STATE.native_kernels}")
+
+
+def test_they_are_on_where_the_native_kernels_are():
+    """On fails loudly when nanobind's layout or MLX's primitives move under graph_ops.cpp."""
+    assert ON.on, ON.detail
+
+
+def _random(shape, seed):
+    return mx.random.normal(shape, key=mx.random.key(seed))
+
+
+@pytest.mark.parametrize("shape,view", [((1, 1, 896), None), ((4, 7, 64), None), ((5, 3, 40), "swap")])
+def test_rms_norm_matches_mlx_and_a_row_has_its_bits_alone(shape, view):
+    x, weight = _random(shape, 1), _random((shape[-1],), 2)
+    if view == "swap":
+        x = x.swapaxes(0, 1)
+    got = graph_ops.rms_norm(x, weight, 1e-6)
+    assert mx.allclose(got, mx.fast.rms_norm(x, weight, 1e-6), rtol=1e-5, atol=1e-6).item()
+    alone = graph_ops.rms_norm(x[:1, :1], weight, 1e-6)
+    assert mx.array_equal(alone, got[:1, :1]).item()
+
+
+def test_what_they_do_not_take_is_none():
+    x = _random((2, 8), 3)
+    assert graph_ops.rms_norm(x.astype(mx.float16), _random((8,), 4), 1e-6) is None
+    assert graph_ops.rms_norm(x, _random((7,), 4), 1e-6) is None
+    assert graph_ops.rope_rotation(x, x, x, 8, False) is None  # not (B, H, T, D)
+    q = _random((1, 2, 1, 8), 5)
+    assert graph_ops.attention(q, q, q, 1.0, "sliding") is None
+    assert graph_ops.attention(q, q, q, 1.0, mx.zeros((1, 1, 1, 1))) is None  # not a boolean mask
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("offset", [0, 4093, mx.array([5, 811, 30000])])
+def test_fewer_ops_rope_through_the_rotation_is_mx_fast_ropes_bits(traditional, offset):
+    rope = FewerOpsRoPE(24, traditional=traditional, base=10000.0)
+    x = _random((3, 4, 2, 28), 6).swapaxes(1, 2)  # (B, H, T, D): strided, 4 values past dims
+    before = graph_ops.ran()
+    got = rope(x, offset)
+    mx.eval(got)
+    assert graph_ops.ran() == before + 1  # the rotation ran, not MLX's operations
+    want = mx.fast.rope(x, 24, traditional=traditional, base=10000.0, scale=1.0, offset=offset)
+    assert mx.array_equal(got, want).item()
+
+
+@pytest.mark.parametrize("length,mask", [(1, None), (1, "batched"), (5, "causal"), (5, "batched"), (5, "shared")])
+def test_attention_is_kernels_attention_bit_for_bit(length, mask):
+    keys = _random((2, 30, 2, 64), 7).transpose(0, 2, 1, 3)  # (B, KV, S, D) strided, as a cache's slice is
+    values = _random((2, 2, 40, 64), 8)[:, :, :30]
+    queries = _random((2, length, 14, 64), 9).transpose(0, 2, 1, 3)
+    masks = {"batched": mx.random.uniform(shape=(2, 1, length, 30), key=mx.random.key(10)) > 0.2,
+             "shared": mx.arange(30)[None, None, None] < 25 + mx.arange(length)[None, None, :, None]}
+    mask = masks.get(mask, mask)
+    got = graph_ops.attention(queries, keys, values, 0.125, mask)
+    want = kernels._attention(queries, keys, values, 0.125, mask, True)
+    assert got is not None and mx.array_equal(got, want).item()
+    assert mx.allclose(got, mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=mask),
+                       rtol=1e-4, atol=1e-5).item()
+
+
+def test_they_stay_lazy_until_evaluated():
+    x, weight = _random((2, 16), 11), _random((16,), 12)
+    mx.eval(x, weight)
+    before = graph_ops.ran()
+    out = graph_ops.rms_norm(graph_ops.rms_norm(x, weight, 1e-5), weight, 1e-5)
+    assert graph_ops.ran() == before
+    mx.eval(out)
+    assert graph_ops.ran() == before + 2
+
+
+def test_they_run_on_the_stream_of_the_thread_that_made_them():
+    """Engines run on worker threads, each with its own MLX stream."""
+    results, errors = [], []
+
+    def work():
+        try:
+            x, weight = _random((3, 32), 13), _random((32,), 14)
+            results.append(mx.array_equal(graph_ops.rms_norm(x, weight, 1e-5),
+                                          graph_ops.rms_norm(x, weight, 1e-5)).item())
+        except Exception as e:  # noqa: BLE001  reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == [True, True]
+
+
+def test_native_rms_norm_modules_switch_back():
+    model = nn.Sequential(nn.RMSNorm(16), nn.Linear(16, 16), nn.RMSNorm(16))
+    x = _random((2, 16), 15)
+    want = model(x)
+    assert graph_ops.install_norms(model) == 2
+    assert all(type(m) is graph_ops.NativeRMSNorm for m in (model.layers[0], model.layers[2]))
+    assert mx.allclose(model(x), want, rtol=1e-5, atol=1e-6).item()
+    graph_ops.uninstall_norms(model)
+    assert type(model.layers[0]) is nn.RMSNorm

@@ -1,0 +1,225 @@
+"""tierlm's own MLX operations on the CPU: RMSNorm and RoPE's rotation as one
+node of MLX's graph each (native/graph_ops.cpp).
+
+An MLX operation on this backend costs a few microseconds whatever its size,
+and `mx.fast.rms_norm` and `mx.fast.rope` have no CPU kernel: their fallback
+graphs are many operations, twice a layer each. graph_ops.cpp defines two MLX
+primitives in C++ (built against the installed mlx package, as qmm_hook.cpp
+is) and makes their arrays from the `mx.array` objects Python passes by address;
+the arrays stay lazy, so nothing splits the step's graph.
+
+Finding the C++ array inside a Python `mx.array` reads nanobind's instance
+layout: this is the one place that does. `install()` proves it on arrays of
+known shapes and checks both operations against MLX's own before anything uses
+them; otherwise they stay off and say why.
+
+`rms_norm` and `rope_rotation` return None for what they do not take; the
+callers (`NativeRMSNorm`, rope.FewerOpsRoPE) then compute it MLX's way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import mlx.core as mx
+from mlx import nn
+
+from tierlm.backends.cpu import native, route
+from tierlm.backends.cpu.route import Feature
+
+SOURCE = native.HERE / "graph_ops.cpp"
+
+_lock = threading.Lock()
+_feature: Feature | None = None
+_lib: ctypes.CDLL | None = None
+
+
+def install() -> Feature:
+    """Builds, loads and proves graph_ops.cpp once per process; later calls
+    return the same answer. Never raises: says why it is off.
+    TIERLM_GRAPH_OPS=off keeps MLX's fallback graphs."""
+    global _feature
+    with _lock:
+        if _feature is None:
+            if os.environ.get("TIERLM_GRAPH_OPS", "on") == "off":
+                _feature = Feature(False, "turned off by TIERLM_GRAPH_OPS=off")
+            else:
+                try:
+                    _feature = _install()
+                except Exception as e:  # noqa: BLE001  optional: a bug here must not stop the model
+                    _feature = Feature(False, f"setting it up failed: {type(e).__name__}: {e}")
+        return _feature
+
+
+def state() -> Feature:
+    """What install() found, or why it has not run."""
+    return _feature if _feature is not None else Feature(False, "not set up (the native kernels are off)")
+
+
+def on() -> bool:
+    return _feature is not None and _feature.on
+
+
+def ran() -> int:
+    """Operations graph_ops.cpp computed so far in this process."""
+    return int(_lib.tierlm_graph_ran()) if _lib is not None else 0
+
+
+def _load() -> ctypes.CDLL:
+    path = native.build_against_mlx("tierlm_graph_ops", SOURCE, "-ffp-contract=off")
+    try:
+        lib = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
+    except OSError as e:
+        raise native.BuildError(f"could not load it: {e}") from e
+    lib.tierlm_graph_probe.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int)]
+    lib.tierlm_graph_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float]
+    lib.tierlm_graph_rope.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int]
+    lib.tierlm_graph_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float, ctypes.c_int]
+    lib.tierlm_graph_set_kernels.argtypes = [ctypes.c_void_p] * 3
+    lib.tierlm_graph_ran.restype = ctypes.c_ulong
+    return lib
+
+
+def _install() -> Feature:
+    global _lib
+    try:
+        lib = _load()
+    except native.BuildError as e:
+        return Feature(False, f"could not build or load graph_ops.cpp: {e}")
+    if (why := _finds_arrays(lib)) is not None:
+        return Feature(False, why)
+    state = route.current()
+    if state is None or state.lib is None or not state.native_kernels.on:
+        return Feature(False, "the native kernels are off")
+    lib.tierlm_graph_set_kernels(*(native.function_address(state.lib, name) for name in (
+        "cblas_sgemm", "tierlm_softmax_rows", "tierlm_softmax_rows_masked")))
+    _lib = lib
+    if (why := _computes_mlx_answers()) is not None:
+        _lib = None
+        return Feature(False, why)
+    return Feature(True, "RMSNorm, RoPE's rotation and attention as one MLX operation each")
+
+
+def _finds_arrays(lib: ctypes.CDLL) -> str | None:
+    """Why the C++ arrays inside Python's mx.array objects are not where
+    graph_ops.cpp reads them (nanobind's layout), or None: an evaluated array
+    and a lazy one, of known shapes and dtypes."""
+    for a in (mx.zeros((3, 5, 7), mx.int16), mx.ones((2, 9)) * 2):
+        shape, size = (ctypes.c_int64 * 8)(), ctypes.c_int()
+        ndim = lib.tierlm_graph_probe(id(a), shape, ctypes.byref(size))
+        if ndim != a.ndim or tuple(shape[:ndim]) != a.shape or size.value != a.itemsize:
+            return "the C++ array inside an mx.array is not where nanobind 2.x keeps it"
+    return None
+
+
+def _computes_mlx_answers() -> str | None:
+    """Why these operations would not give MLX's answers, or None: RMSNorm
+    within float32 rounding, the rotation bit for bit (on a strided view, and
+    with a batch's own angles)."""
+    x = mx.random.normal((2, 3, 40), key=mx.random.key(1))
+    weight = mx.random.normal((40,), key=mx.random.key(2))
+    got = rms_norm(x.swapaxes(0, 1), weight, 1e-5)
+    if got is None or not mx.allclose(got, mx.fast.rms_norm(x.swapaxes(0, 1), weight, 1e-5), rtol=1e-5,
+                                      atol=1e-6).item():
+        return "its RMSNorm differs from mx.fast.rms_norm's"
+    x = mx.random.normal((2, 5, 3, 16), key=mx.random.key(3)).transpose(0, 2, 1, 3)  # (B, H, T, D), strided
+    angles = mx.random.normal((2, 1, 5, 6), key=mx.random.key(4))
+    cos, sin = mx.cos(angles), mx.sin(angles)
+    for traditional in (False, True):
+        got = rope_rotation(x, cos, sin, 12, traditional)
+        want = _rotation_by_mlx(x, cos, sin, 12, traditional)
+        if got is None or not mx.array_equal(got, want).item():
+            return f"its rotation (traditional={traditional}) differs from MLX's operations"
+    return _attention_differs()
+
+
+def _attention_differs() -> str | None:
+    """Why `attention` would not give kernels.attention's bits, or None:
+    grouped heads, strided keys, with each kind of mask."""
+    from tierlm.backends.cpu.kernels import _attention  # kernels.py imports this module
+
+    keys = mx.random.normal((2, 9, 2, 16), key=mx.random.key(5)).transpose(0, 2, 1, 3)  # (B, KV, S, D), strided
+    values = mx.random.normal((2, 2, 9, 16), key=mx.random.key(6))
+    mask = mx.random.uniform(shape=(2, 1, 3, 9), key=mx.random.key(7)) > 0.3
+    for length, mask_of in ((1, None), (3, "causal"), (3, mask), (3, mask[:1])):
+        queries = mx.random.normal((2, 6, length, 16), key=mx.random.key(length))
+        got = attention(queries, keys, values, 0.25, mask_of)
+        if got is None or not mx.array_equal(got, _attention(queries, keys, values, 0.25, mask_of, True)).item():
+            return f"its attention differs from kernels.attention's ({length} queries, mask {type(mask_of).__name__})"
+    return None
+
+
+def _rotation_by_mlx(x, cos, sin, dims: int, traditional: bool) -> mx.array:
+    """What rope.FewerOpsRoPE computes with MLX's own operations."""
+    if traditional:
+        x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
+    else:
+        x1, x2 = x[..., : dims // 2], x[..., dims // 2 : dims]
+    first, second = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+    rotated = [mx.stack([first, second], axis=-1).reshape(*x.shape[:3], dims)] if traditional else [first, second]
+    return mx.concatenate([*rotated, x[..., dims:]], axis=-1)
+
+
+def _result(code: int, out: mx.array) -> mx.array | None:
+    return out if code == 0 else None
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
+    """mx.fast.rms_norm(x, weight, eps) of float32 arrays as one operation, or
+    None (off, or inputs it does not take)."""
+    if _lib is None:
+        return None
+    out = mx.array(0.0)  # its array becomes the result
+    return _result(_lib.tierlm_graph_rms_norm(id(x), id(weight), id(out), eps), out)
+
+
+def rope_rotation(x: mx.array, cos: mx.array, sin: mx.array, dims: int, traditional: bool) -> mx.array | None:
+    """RoPE's rotation of float32 (B, H, T, D) `x` by its angles' cosines and
+    sines ((T, dims / 2), or (B, 1, T, dims / 2)) as one operation, bit for bit
+    what MLX's element-wise operations give; or None."""
+    if _lib is None:
+        return None
+    out = mx.array(0.0)
+    return _result(_lib.tierlm_graph_rope(id(x), id(cos), id(sin), id(out), dims, int(traditional)), out)
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array | None:
+    """softmax(q kᵀ · scale + mask) v of float32 (B, H, L, D) queries and (B,
+    KV, S, D) keys and values as one operation, bit for bit what
+    kernels.attention computes with the native kernels; `mask` None, "causal"
+    or a boolean (B or 1, 1, L, S) array. None for anything else."""
+    if _lib is None or isinstance(mask, str) and mask != "causal":
+        return None
+    array_mask = mask if isinstance(mask, mx.array) else None
+    out = mx.array(0.0)
+    code = _lib.tierlm_graph_attention(id(queries), id(keys), id(values), id(array_mask) if array_mask is not None
+                                       else None, id(out), scale, int(mask == "causal" if isinstance(mask, str) else 0))
+    return _result(code, out)
+
+
+class NativeRMSNorm(nn.RMSNorm):
+    """An `nn.RMSNorm` whose instances `install_norms` switched to this class: same fields."""
+
+    def __call__(self, x):
+        out = rms_norm(x, self["weight"], self.eps)
+        return out if out is not None else super().__call__(x)
+
+
+def install_norms(model: nn.Module) -> int:
+    """Switches the model's `nn.RMSNorm` modules (that class exactly) to
+    NativeRMSNorm where these operations are on; returns how many."""
+    if not on():
+        return 0
+    norms = [m for _, m in model.named_modules() if type(m) is nn.RMSNorm]
+    for norm in norms:
+        norm.__class__ = NativeRMSNorm
+    return len(norms)
+
+
+def uninstall_norms(model: nn.Module) -> None:
+    for _, m in model.named_modules():
+        if type(m) is NativeRMSNorm:
+            m.__class__ = nn.RMSNorm
+

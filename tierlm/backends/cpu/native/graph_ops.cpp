@@ -1,0 +1,353 @@
+// tierlm's own MLX operations for the CPU: RMSNorm and RoPE's rotation, each
+// one node of MLX's graph instead of many.
+//
+// On MLX's CPU device every operation costs a few microseconds whatever its
+// size (perf: malloc, and MLX's stream thread woken through a futex for each
+// task), and neither `mx.fast.rms_norm` nor `mx.fast.rope` has a CPU kernel:
+// MLX builds their fallback graphs, 7 and 32 operations a call. A decode step
+// of a small model is mostly that overhead. Here each is one primitive whose
+// `eval_cpu` enqueues a plain loop on the stream's CPU encoder, as MLX's own
+// primitives do; the graph stays lazy (no evaluation splits it).
+//
+// Python reaches these functions through ctypes with the addresses of its
+// `mx.array` objects; `array_of` finds the C++ array inside one (nanobind's
+// instance layout), and graph_ops.py proves that on known arrays at load, or
+// leaves these operations off. The result goes into an array object the
+// caller made (`*out = ...`), so no Python object is made here.
+//
+// Built against the headers and library of the installed mlx package
+// (graph_ops.py), with floating-point contraction off: the rotation's products
+// and sums are rounded one by one, as MLX's separate operations round them.
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+
+using namespace mlx::core;
+
+namespace {
+
+// nanobind's instance header (nb_internals.h, nanobind 2.x): PyObject_HEAD,
+// then an int32 offset to the C++ object and a word of flags (bits 0-1 its
+// state, 2 = ready; bit 2 "direct": the object sits at the offset, else a
+// pointer to it does).
+array *array_of(void *object) {
+  auto *base = static_cast<char *>(object);
+  int32_t offset;
+  uint32_t flags;
+  std::memcpy(&offset, base + 2 * sizeof(void *), sizeof offset);
+  std::memcpy(&flags, base + 2 * sizeof(void *) + sizeof offset, sizeof flags);
+  if ((flags & 3u) != 2u || offset <= 0 || offset > 4096) return nullptr;
+  void *at = base + offset;
+  return static_cast<array *>((flags & 4u) ? at : *static_cast<void **>(at));
+}
+
+// Element offsets of row r of `a` (every axis but the last), from its strides;
+// `shape` may be wider than a's own (broadcast: a's missing or size-1 axes step 0).
+int64_t row_offset(const array &a, const Shape &shape, int64_t r) {
+  int64_t at = 0;
+  int lead = static_cast<int>(shape.size()) - static_cast<int>(a.ndim());
+  for (int axis = static_cast<int>(shape.size()) - 2; axis >= 0; axis--) {
+    int64_t index = r % shape[axis];
+    r /= shape[axis];
+    int own = axis - lead;
+    if (own >= 0 && a.shape(own) > 1) at += index * a.strides()[own];
+  }
+  return at;
+}
+
+int64_t rows_of(const Shape &shape) {
+  int64_t rows = 1;
+  for (size_t axis = 0; axis + 1 < shape.size(); axis++) rows *= shape[axis];
+  return rows;
+}
+
+std::atomic<unsigned long> ran{0};
+
+// x * rsqrt(mean(x^2) + eps) * weight over the last axis: each row's sum of
+// squares in double, in order, so a row has the same bits alone or batched.
+class RMSNormRows : public UnaryPrimitive {
+ public:
+  RMSNormRows(Stream stream, float eps) : UnaryPrimitive(stream), eps_(eps) {}
+
+  void eval_cpu(const std::vector<array> &inputs, array &out) override {
+    out.set_data(allocator::malloc(out.nbytes()));
+    auto &encoder = cpu::get_command_encoder(stream());
+    encoder.set_input_array(inputs[0]);
+    encoder.set_input_array(inputs[1]);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = array::unsafe_weak_copy(inputs[0]), w = array::unsafe_weak_copy(inputs[1]),
+                      out = array::unsafe_weak_copy(out), eps = eps_]() mutable {
+      const Shape &shape = x.shape();
+      int64_t width = shape.back(), rows = rows_of(shape), step = x.strides().back(), w_step = w.strides()[0];
+      const float *xs = x.data<float>(), *ws = w.data<float>();
+      float *os = out.data<float>();
+      for (int64_t r = 0; r < rows; r++) {
+        const float *row = xs + row_offset(x, shape, r);
+        double squares = 0;
+        for (int64_t i = 0; i < width; i++) squares += static_cast<double>(row[i * step]) * row[i * step];
+        float scale = 1.0f / std::sqrt(static_cast<float>(squares / width) + eps);
+        float *to = os + r * width;
+        for (int64_t i = 0; i < width; i++) to[i] = row[i * step] * scale * ws[i * w_step];
+      }
+      ran.fetch_add(1, std::memory_order_relaxed);
+    });
+  }
+  void eval_gpu(const std::vector<array> &, array &) override { throw std::runtime_error("CPU only"); }
+  const char *name() const override { return "TierlmRMSNorm"; }
+
+ private:
+  float eps_;
+};
+
+// RoPE's rotation of (B, H, T, D) x by the cosines and sines of its angles
+// ((T, dims / 2), or (B, 1, T, dims / 2) for a batch with its own offsets):
+// pairs (i, i + dims / 2), or (2i, 2i + 1) when `traditional`; the values past
+// `dims` copied. Each product and sum rounded on its own, as in the fallback.
+class RopeRotation : public UnaryPrimitive {
+ public:
+  RopeRotation(Stream stream, int dims, bool traditional)
+      : UnaryPrimitive(stream), dims_(dims), traditional_(traditional) {}
+
+  void eval_cpu(const std::vector<array> &inputs, array &out) override {
+    out.set_data(allocator::malloc(out.nbytes()));
+    auto &encoder = cpu::get_command_encoder(stream());
+    for (const array &a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = array::unsafe_weak_copy(inputs[0]), cos = array::unsafe_weak_copy(inputs[1]),
+                      sin = array::unsafe_weak_copy(inputs[2]), out = array::unsafe_weak_copy(out),
+                      dims = dims_, traditional = traditional_]() mutable {
+      const Shape &shape = x.shape();
+      int64_t width = shape.back(), rows = rows_of(shape), step = x.strides().back(), half = dims / 2;
+      Shape angles = shape;
+      angles.back() = static_cast<int>(half);
+      int64_t c_step = cos.strides().back(), s_step = sin.strides().back();
+      const float *xs = x.data<float>(), *cs = cos.data<float>(), *ss = sin.data<float>();
+      float *os = out.data<float>();
+      for (int64_t r = 0; r < rows; r++) {
+        const float *row = xs + row_offset(x, shape, r);
+        const float *c = cs + row_offset(cos, angles, r), *s = ss + row_offset(sin, angles, r);
+        float *to = os + r * width;
+        for (int64_t i = 0; i < half; i++) {
+          int64_t first = traditional ? 2 * i : i, second = traditional ? 2 * i + 1 : i + half;
+          float a = row[first * step], b = row[second * step], ci = c[i * c_step], si = s[i * s_step];
+          float ac = a * ci, bs = b * si, as = a * si, bc = b * ci;
+          to[first] = ac - bs;
+          to[second] = as + bc;
+        }
+        for (int64_t i = dims; i < width; i++) to[i] = row[i * step];
+      }
+      ran.fetch_add(1, std::memory_order_relaxed);
+    });
+  }
+  void eval_gpu(const std::vector<array> &, array &) override { throw std::runtime_error("CPU only"); }
+  const char *name() const override { return "TierlmRopeRotation"; }
+
+ private:
+  int dims_;
+  bool traditional_;
+};
+
+// tierlm_native's functions (set by tierlm_graph_set_kernels): the sgemm route
+// MLX's matmuls reach (native/sgemm_route.c) and the row softmax (softmax.c).
+using Sgemm = void (*)(int, int, int, int, int, int, float, const float *, int, const float *, int, float, float *,
+                       int);
+using SoftmaxRows = void (*)(float *, long, long, long);
+using SoftmaxRowsMasked = void (*)(float *, long, long, const unsigned char *, long, long, long);
+Sgemm sgemm = nullptr;
+SoftmaxRows softmax_rows = nullptr;
+SoftmaxRowsMasked softmax_rows_masked = nullptr;
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+// Rows [0, rows) of the last two axes of (A, B, rows, width) `a` at (i, j), as
+// a pointer and a row stride; copied into `scratch` when its last axis is not
+// contiguous.
+const float *rows_at(const array &a, int i, int j, std::vector<float> &scratch, int64_t *ld) {
+  const float *at = a.data<float>() + (a.shape(0) > 1 ? i * a.strides()[0] : 0) + j * a.strides()[1];
+  int64_t rows = a.shape(2), width = a.shape(3), step = a.strides()[3];
+  if (step == 1 && (rows == 1 || a.strides()[2] >= width)) {
+    *ld = rows == 1 ? width : a.strides()[2];
+    return at;
+  }
+  scratch.resize(rows * width);
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t c = 0; c < width; c++) scratch[r * width + c] = at[r * a.strides()[2] + c * step];
+  *ld = width;
+  return scratch.data();
+}
+
+// softmax(q k^T * scale + mask) v for (B, H, L, D) queries and (B, KV, S, D)
+// keys and values, as kernels.attention computes it where the native kernels
+// run, bit for bit: the queries times the scale, each KV head's group of query
+// heads times its keys through the sgemm route (as MLX's matmul calls it), the
+// native row softmax over all the scores at once (under a (B or 1, 1, L, S)
+// boolean mask, or causal, or neither), the weighted values through the route.
+class Attention : public UnaryPrimitive {
+ public:
+  Attention(Stream stream, float scale, bool causal) : UnaryPrimitive(stream), scale_(scale), causal_(causal) {}
+
+  void eval_cpu(const std::vector<array> &inputs, array &out) override {
+    out.set_data(allocator::malloc(out.nbytes()));
+    auto &encoder = cpu::get_command_encoder(stream());
+    for (const array &a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    std::vector<array> weak;
+    for (const array &a : inputs) weak.push_back(array::unsafe_weak_copy(a));
+    encoder.dispatch([inputs = std::move(weak), out = array::unsafe_weak_copy(out), scale = scale_,
+                      causal = causal_]() mutable { compute(inputs, out, scale, causal); });
+  }
+  void eval_gpu(const std::vector<array> &, array &) override { throw std::runtime_error("CPU only"); }
+  const char *name() const override { return "TierlmAttention"; }
+
+ private:
+  static void compute(std::vector<array> &inputs, array &out, float scale, bool causal) {
+    const array &q = inputs[0], &k = inputs[1], &v = inputs[2];
+    int batch = q.shape(0), heads = q.shape(1), length = q.shape(2), dim = q.shape(3);
+    int kv_heads = k.shape(1), span = k.shape(2), width = v.shape(3), group = heads / kv_heads;
+    // the queries times the scale, row-major (B, H, L, D): MLX's product, element by element
+    std::vector<float> queries(static_cast<size_t>(batch) * heads * length * dim);
+    Shape shape = q.shape();
+    const float *qs = q.data<float>();
+    for (int64_t r = 0, rows = rows_of(shape); r < rows; r++) {
+      const float *row = qs + row_offset(q, shape, r);
+      for (int d = 0; d < dim; d++) queries[r * dim + d] = row[d * q.strides()[3]] * scale;
+    }
+    std::vector<float> scores(static_cast<size_t>(batch) * heads * length * span), scratch;
+    int64_t ld;
+    int m = group * length;
+    for (int b = 0; b < batch; b++)
+      for (int h = 0; h < kv_heads; h++) {
+        const float *keys = rows_at(k, b, h, scratch, &ld);
+        size_t first = (static_cast<size_t>(b) * heads + h * group) * length;
+        sgemm(ROW_MAJOR, NO_TRANS, TRANS, m, span, dim, 1.0f, queries.data() + first * dim, dim, keys,
+              static_cast<int>(ld), 0.0f, scores.data() + first * span, span);
+      }
+    long rows = static_cast<long>(batch) * heads * length;
+    if (inputs.size() == 4) {
+      const array &mask = inputs[3];
+      int mask_batch = mask.shape(0) > 1;
+      std::vector<unsigned char> bits(static_cast<size_t>(mask.shape(0)) * length * span);
+      Shape mask_shape = mask.shape();
+      for (int64_t r = 0, n = rows_of(mask_shape); r < n; r++) {
+        const bool *row = mask.data<bool>() + row_offset(mask, mask_shape, r);
+        for (int c = 0; c < span; c++) bits[r * span + c] = row[c * mask.strides()[3]];
+      }
+      softmax_rows_masked(scores.data(), rows, span, bits.data(), heads, length, mask_batch);
+    } else {
+      softmax_rows(scores.data(), rows, span, causal ? length : 0);
+    }
+    float *to = out.data<float>();
+    for (int b = 0; b < batch; b++)
+      for (int h = 0; h < kv_heads; h++) {
+        const float *values = rows_at(v, b, h, scratch, &ld);
+        size_t first = (static_cast<size_t>(b) * heads + h * group) * length;
+        sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, m, width, span, 1.0f, scores.data() + first * span, span, values,
+              static_cast<int>(ld), 0.0f, to + first * width, width);
+      }
+    ran.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  float scale_;
+  bool causal_;
+};
+
+bool float32_on_cpu(const array *a) { return a != nullptr && a->dtype() == float32 && a->ndim() >= 1; }
+
+}  // namespace
+
+extern "C" {
+
+// The array inside a Python mx.array at `object`: its dimensions into shape
+// (up to 8), its element size in bytes; -1 when none is found there.
+int tierlm_graph_probe(void *object, int64_t *shape, int *element_bytes) {
+  array *a = array_of(object);
+  if (a == nullptr || a->ndim() > 8) return -1;
+  for (size_t i = 0; i < a->ndim(); i++) shape[i] = a->shape(static_cast<int>(i));
+  *element_bytes = static_cast<int>(a->itemsize());
+  return static_cast<int>(a->ndim());
+}
+
+// *out = RMSNorm of x by weight (float32, weight 1-D as wide as x's last
+// axis), lazy, on this thread's default stream. 0: done; 1: inputs it does not
+// take (the caller computes it otherwise); 2: MLX refused.
+int tierlm_graph_rms_norm(void *x_object, void *weight_object, void *out_object, float eps) {
+  array *x = array_of(x_object), *w = array_of(weight_object), *out = array_of(out_object);
+  if (!float32_on_cpu(x) || !float32_on_cpu(w) || out == nullptr || w->ndim() != 1 || w->shape(0) != x->shape(-1))
+    return 1;
+  try {
+    *out = array(x->shape(), float32, std::make_shared<RMSNormRows>(to_stream({}), eps), {*x, *w});
+    return 0;
+  } catch (...) {
+    return 2;
+  }
+}
+
+// *out = x rotated by cos and sin (float32; x (B, H, T, D), cos and sin
+// (T, dims / 2) or (B, 1, T, dims / 2)), lazy. Return codes as above.
+int tierlm_graph_rope(void *x_object, void *cos_object, void *sin_object, void *out_object, int dims,
+                      int traditional) {
+  array *x = array_of(x_object), *cos = array_of(cos_object), *sin = array_of(sin_object),
+        *out = array_of(out_object);
+  if (!float32_on_cpu(x) || !float32_on_cpu(cos) || !float32_on_cpu(sin) || out == nullptr || x->ndim() != 4 ||
+      dims <= 0 || dims % 2 || dims > x->shape(3) || cos->shape() != sin->shape() || cos->shape(-1) != dims / 2 ||
+      cos->ndim() > 4 || (cos->ndim() >= 2 && cos->shape(-2) != x->shape(2)) ||
+      (cos->ndim() == 4 && (cos->shape(1) != 1 || (cos->shape(0) != 1 && cos->shape(0) != x->shape(0)))) ||
+      cos->ndim() == 3 || cos->ndim() == 1)
+    return 1;
+  try {
+    *out = array(x->shape(), float32, std::make_shared<RopeRotation>(to_stream({}), dims, traditional != 0),
+                 {*x, *cos, *sin});
+    return 0;
+  } catch (...) {
+    return 2;
+  }
+}
+
+void tierlm_graph_set_kernels(void *route_sgemm, void *rows, void *rows_masked) {
+  sgemm = reinterpret_cast<Sgemm>(route_sgemm);
+  softmax_rows = reinterpret_cast<SoftmaxRows>(rows);
+  softmax_rows_masked = reinterpret_cast<SoftmaxRowsMasked>(rows_masked);
+}
+
+// *out = attention of float32 q (B, H, L, D), k (B, KV, S, D), v (B, KV, S,
+// Dv) with mask_object a boolean (B or 1, 1, L, S) array, or NULL (then
+// `causal` or no mask), lazy. Return codes as above.
+int tierlm_graph_attention(void *q_object, void *k_object, void *v_object, void *mask_object, void *out_object,
+                           float scale, int causal) {
+  array *q = array_of(q_object), *k = array_of(k_object), *v = array_of(v_object), *out = array_of(out_object);
+  array *mask = mask_object ? array_of(mask_object) : nullptr;
+  if (!sgemm || !float32_on_cpu(q) || !float32_on_cpu(k) || !float32_on_cpu(v) || out == nullptr ||
+      q->ndim() != 4 || k->ndim() != 4 || v->ndim() != 4 || k->shape(1) == 0 || q->shape(1) % k->shape(1) ||
+      k->shape(0) != q->shape(0) || v->shape(0) != q->shape(0) || k->shape(1) != v->shape(1) ||
+      k->shape(2) != v->shape(2) || k->shape(3) != q->shape(3) || (mask_object && mask == nullptr))
+    return 1;
+  std::vector<array> inputs = {*q, *k, *v};
+  if (mask) {
+    if (mask->dtype() != bool_ || mask->ndim() != 4 || (mask->shape(0) != 1 && mask->shape(0) != q->shape(0)) ||
+        mask->shape(1) != 1 || mask->shape(2) != q->shape(2) || mask->shape(3) != k->shape(2))
+      return 1;
+    inputs.push_back(*mask);
+  }
+  Shape shape = q->shape();
+  shape.back() = v->shape(3);
+  try {
+    *out = array(shape, float32, std::make_shared<Attention>(to_stream({}), scale, causal != 0 && !mask),
+                 std::move(inputs));
+    return 0;
+  } catch (...) {
+    return 2;
+  }
+}
+
+// Operations these primitives computed since the process started.
+unsigned long tierlm_graph_ran(void) { return ran.load(); }
+}
