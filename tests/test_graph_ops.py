@@ -1,6 +1,6 @@
 """tierlm's own MLX operations on the CPU (backends/cpu/graph_ops.py): each one
-node of MLX's graph, with MLX's answers (RMSNorm within rounding, RoPE's
-rotation and attention bit for bit), lazy until evaluated, on any thread."""
+node of MLX's graph, with MLX's answers (RMSNorm within rounding, RoPE and
+attention bit for bit), lazy until evaluated, on any thread."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def test_what_they_do_not_take_is_none():
     x = _random((2, 8), 3)
     assert graph_ops.rms_norm(x.astype(mx.float16), _random((8,), 4), 1e-6) is None
     assert graph_ops.rms_norm(x, _random((7,), 4), 1e-6) is None
-    assert graph_ops.rope_rotation(x, x, x, 8, False) is None  # not (B, H, T, D)
+    assert graph_ops.rope(x, mx.ones((4,)), 0, 8, False, 1.0) is None  # not (B, H, T, D)
+    assert graph_ops.rope(x[None, None], mx.ones((4,)), mx.array([1.5]), 8, False, 1.0) is None  # not int32
     q = _random((1, 2, 1, 8), 5)
     assert graph_ops.attention(q, q, q, 1.0, "sliding") is None
     assert graph_ops.attention(q, q, q, 1.0, mx.zeros((1, 1, 1, 1))) is None  # not a boolean mask
@@ -50,14 +51,24 @@ def test_what_they_do_not_take_is_none():
 
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("offset", [0, 4093, mx.array([5, 811, 30000])])
-def test_fewer_ops_rope_through_the_rotation_is_mx_fast_ropes_bits(traditional, offset):
+def test_fewer_ops_rope_is_one_operation_with_mx_fast_ropes_bits(traditional, offset):
     rope = FewerOpsRoPE(24, traditional=traditional, base=10000.0)
     x = _random((3, 4, 2, 28), 6).swapaxes(1, 2)  # (B, H, T, D): strided, 4 values past dims
     before = graph_ops.ran()
     got = rope(x, offset)
     mx.eval(got)
-    assert graph_ops.ran() == before + 1  # the rotation ran, not MLX's operations
+    assert graph_ops.ran() == before + 1  # graph_ops.cpp's RoPE ran, angles included
     want = mx.fast.rope(x, 24, traditional=traditional, base=10000.0, scale=1.0, offset=offset)
+    assert mx.array_equal(got, want).item()
+
+
+@pytest.mark.parametrize("scale,offset", [(1.0, 0), (0.5, 70000), (1.0, mx.array([3, 0, 9])), (2.0, mx.array(4))])
+def test_rope_at_long_positions_and_batches_is_mx_fast_ropes_bits(scale, offset):
+    from tierlm.backends.cpu.rope import inverse_frequencies
+
+    x = _random((3, 2, 7, 64), 16)
+    got = graph_ops.rope(x, inverse_frequencies(64, 1e6), offset, 64, False, scale)
+    want = mx.fast.rope(x, 64, traditional=False, base=1e6, scale=scale, offset=offset)
     assert mx.array_equal(got, want).item()
 
 

@@ -19,7 +19,7 @@ For a model on MLX's CPU backend this room arranges, when the model is loaded:
 - kernels.py: attention, SwiGLU and GELU for float32, in native code where the
   CPU has AVX2 or AVX-512 (native/float_kernels.c: one source, both widths);
 - rope.py: mlx-lm's RoPE in fewer MLX operations, bit for bit mx.fast.rope's;
-- graph_ops.py: RMSNorm, RoPE's rotation and attention as one MLX operation
+- graph_ops.py: RMSNorm, RoPE and attention as one MLX operation
   each (tierlm's own MLX primitives, native/graph_ops.cpp);
 - amx.py: bfloat16 copies of the weights on AMX tiles, where the CPU has them;
 - isa.py: TIERLM_MAX_CPU_ISA, which hides the CPU's newer features from the
@@ -55,7 +55,7 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
     --cpu-kernels and --cpu-amx."""
     from tierlm.backends.cpu import amx as amx_tiles
     from tierlm.backends.cpu import kernels as cpu_kernels
-    from tierlm.backends.cpu import isa, quantized, route, weights
+    from tierlm.backends.cpu import graph_ops, isa, quantized, route, weights
 
     state = route.prepare()
     products = quantized.install(state.lib)

@@ -1,4 +1,4 @@
-"""tierlm's own MLX operations on the CPU: RMSNorm and RoPE's rotation as one
+"""tierlm's own MLX operations on the CPU: RMSNorm, RoPE and attention as one
 node of MLX's graph each (native/graph_ops.cpp).
 
 An MLX operation on this backend costs a few microseconds whatever its size,
@@ -13,8 +13,9 @@ layout: this is the one place that does. `install()` proves it on arrays of
 known shapes and checks both operations against MLX's own before anything uses
 them; otherwise they stay off and say why.
 
-`rms_norm` and `rope_rotation` return None for what they do not take; the
-callers (`NativeRMSNorm`, rope.FewerOpsRoPE) then compute it MLX's way.
+`rms_norm`, `rope` and `attention` return None for what they do not take; the
+callers (`NativeRMSNorm`, rope.FewerOpsRoPE, kernels.attention) then compute
+it MLX's way.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _load() -> ctypes.CDLL:
         raise native.BuildError(f"could not load it: {e}") from e
     lib.tierlm_graph_probe.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int)]
     lib.tierlm_graph_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float]
-    lib.tierlm_graph_rope.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int]
+    lib.tierlm_graph_rope.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
     lib.tierlm_graph_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float, ctypes.c_int]
     lib.tierlm_graph_set_kernels.argtypes = [ctypes.c_void_p] * 3
     lib.tierlm_graph_ran.restype = ctypes.c_ulong
@@ -99,7 +100,7 @@ def _install() -> Feature:
     if (why := _computes_mlx_answers()) is not None:
         _lib = None
         return Feature(False, why)
-    return Feature(True, "RMSNorm, RoPE's rotation and attention as one MLX operation each")
+    return Feature(True, "RMSNorm, RoPE and attention as one MLX operation each")
 
 
 def _finds_arrays(lib: ctypes.CDLL) -> str | None:
@@ -116,23 +117,34 @@ def _finds_arrays(lib: ctypes.CDLL) -> str | None:
 
 def _computes_mlx_answers() -> str | None:
     """Why these operations would not give MLX's answers, or None: RMSNorm
-    within float32 rounding, the rotation bit for bit (on a strided view, and
-    with a batch's own angles)."""
+    within float32 rounding, RoPE and attention bit for bit."""
     x = mx.random.normal((2, 3, 40), key=mx.random.key(1))
     weight = mx.random.normal((40,), key=mx.random.key(2))
     got = rms_norm(x.swapaxes(0, 1), weight, 1e-5)
     if got is None or not mx.allclose(got, mx.fast.rms_norm(x.swapaxes(0, 1), weight, 1e-5), rtol=1e-5,
                                       atol=1e-6).item():
         return "its RMSNorm differs from mx.fast.rms_norm's"
-    x = mx.random.normal((2, 5, 3, 16), key=mx.random.key(3)).transpose(0, 2, 1, 3)  # (B, H, T, D), strided
-    angles = mx.random.normal((2, 1, 5, 6), key=mx.random.key(4))
-    cos, sin = mx.cos(angles), mx.sin(angles)
-    for traditional in (False, True):
-        got = rope_rotation(x, cos, sin, 12, traditional)
-        want = _rotation_by_mlx(x, cos, sin, 12, traditional)
-        if got is None or not mx.array_equal(got, want).item():
-            return f"its rotation (traditional={traditional}) differs from MLX's operations"
+    if (why := _rope_differs()) is not None:
+        return why
     return _attention_differs()
+
+
+def _rope_differs() -> str | None:
+    """Why `rope` would not give mx.fast.rope's bits (MLX's CPU fallback), or
+    None: a strided prefill chunk and decode steps, one offset or one per batch
+    entry, both pairings, a scale, a head wider than the rotated part."""
+    from tierlm.backends.cpu.rope import inverse_frequencies  # rope.py imports this module
+
+    x = mx.random.normal((3, 5, 2, 20), key=mx.random.key(3)).transpose(0, 2, 1, 3)  # (B, H, T, D) strided
+    for traditional, scale, offset in ((False, 1.0, 0), (True, 1.0, 4093), (False, 0.25, mx.array([5, 811, 30000])),
+                                       (True, 1.0, mx.array([7])), (False, 1.0, mx.array(12))):
+        for tokens in (1, 5):
+            part = x[:, :, :tokens]
+            got = rope(part, inverse_frequencies(16, 10000.0), offset, 16, traditional, scale)
+            want = mx.fast.rope(part, 16, traditional=traditional, base=10000.0, scale=scale, offset=offset)
+            if got is None or not mx.array_equal(got, want).item():
+                return f"its RoPE differs from mx.fast.rope's (traditional={traditional}, scale {scale}, {tokens} tokens)"
+    return None
 
 
 def _attention_differs() -> str | None:
@@ -151,17 +163,6 @@ def _attention_differs() -> str | None:
     return None
 
 
-def _rotation_by_mlx(x, cos, sin, dims: int, traditional: bool) -> mx.array:
-    """What rope.FewerOpsRoPE computes with MLX's own operations."""
-    if traditional:
-        x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
-    else:
-        x1, x2 = x[..., : dims // 2], x[..., dims // 2 : dims]
-    first, second = x1 * cos - x2 * sin, x1 * sin + x2 * cos
-    rotated = [mx.stack([first, second], axis=-1).reshape(*x.shape[:3], dims)] if traditional else [first, second]
-    return mx.concatenate([*rotated, x[..., dims:]], axis=-1)
-
-
 def _result(code: int, out: mx.array) -> mx.array | None:
     return out if code == 0 else None
 
@@ -175,14 +176,21 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
     return _result(_lib.tierlm_graph_rms_norm(id(x), id(weight), id(out), eps), out)
 
 
-def rope_rotation(x: mx.array, cos: mx.array, sin: mx.array, dims: int, traditional: bool) -> mx.array | None:
-    """RoPE's rotation of float32 (B, H, T, D) `x` by its angles' cosines and
-    sines ((T, dims / 2), or (B, 1, T, dims / 2)) as one operation, bit for bit
-    what MLX's element-wise operations give; or None."""
+def rope(x: mx.array, inverse: mx.array, offset: int | mx.array, dims: int, traditional: bool,
+         scale: float) -> mx.array | None:
+    """mx.fast.rope of float32 (B, H, T, D) `x` as one operation, angles
+    included (`inverse`: its float32 inverse frequencies), bit for bit what
+    MLX's fallback gives; `offset` a number or an int32 array (one, or one per
+    batch entry). None for anything else."""
     if _lib is None:
         return None
+    offsets = offset if isinstance(offset, mx.array) else None
+    if offsets is None and not -2**31 <= offset < 2**31:
+        return None
     out = mx.array(0.0)
-    return _result(_lib.tierlm_graph_rope(id(x), id(cos), id(sin), id(out), dims, int(traditional)), out)
+    code = _lib.tierlm_graph_rope(id(x), id(inverse), id(offsets) if offsets is not None else None, id(out), dims,
+                                  int(traditional), scale, 0 if offsets is not None else offset)
+    return _result(code, out)
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array | None:

@@ -1,4 +1,4 @@
-// tierlm's own MLX operations for the CPU: RMSNorm and RoPE's rotation, each
+// tierlm's own MLX operations for the CPU: RMSNorm, RoPE and attention, each
 // one node of MLX's graph instead of many.
 //
 // On MLX's CPU device every operation costs a few microseconds whatever its
@@ -16,8 +16,8 @@
 // caller made (`*out = ...`), so no Python object is made here.
 //
 // Built against the headers and library of the installed mlx package
-// (graph_ops.py), with floating-point contraction off: the rotation's products
-// and sums are rounded one by one, as MLX's separate operations round them.
+// (graph_ops.py), with floating-point contraction off: RoPE's products and sums
+// are rounded one by one, as MLX's separate operations round them.
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -29,6 +29,7 @@
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/backend/cpu/simd/simd.h"
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 
@@ -109,52 +110,84 @@ class RMSNormRows : public UnaryPrimitive {
   float eps_;
 };
 
-// RoPE's rotation of (B, H, T, D) x by the cosines and sines of its angles
-// ((T, dims / 2), or (B, 1, T, dims / 2) for a batch with its own offsets):
-// pairs (i, i + dims / 2), or (2i, 2i + 1) when `traditional`; the values past
-// `dims` copied. Each product and sum rounded on its own, as in the fallback.
-class RopeRotation : public UnaryPrimitive {
+// RoPE of (B, H, T, D) x, angles included, as rope.FewerOpsRoPE computes it
+// with MLX's operations: position t + offset (a number, or one per batch entry
+// from an int32 array), times `scale` unless 1, times each inverse frequency;
+// their cosines and sines by MLX's own functions (simd/math.h, the header its
+// CPU kernels are built from); pairs (i, i + dims / 2), or (2i, 2i + 1) when
+// `traditional`, rotated; the values past `dims` copied. Each product and sum
+// rounded on its own, as in MLX's separate operations.
+class Rope : public UnaryPrimitive {
  public:
-  RopeRotation(Stream stream, int dims, bool traditional)
-      : UnaryPrimitive(stream), dims_(dims), traditional_(traditional) {}
+  Rope(Stream stream, int dims, bool traditional, float scale, int offset)
+      : UnaryPrimitive(stream), dims_(dims), traditional_(traditional), scale_(scale), offset_(offset) {}
 
   void eval_cpu(const std::vector<array> &inputs, array &out) override {
     out.set_data(allocator::malloc(out.nbytes()));
     auto &encoder = cpu::get_command_encoder(stream());
     for (const array &a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
-    encoder.dispatch([x = array::unsafe_weak_copy(inputs[0]), cos = array::unsafe_weak_copy(inputs[1]),
-                      sin = array::unsafe_weak_copy(inputs[2]), out = array::unsafe_weak_copy(out),
-                      dims = dims_, traditional = traditional_]() mutable {
-      const Shape &shape = x.shape();
-      int64_t width = shape.back(), rows = rows_of(shape), step = x.strides().back(), half = dims / 2;
-      Shape angles = shape;
-      angles.back() = static_cast<int>(half);
-      int64_t c_step = cos.strides().back(), s_step = sin.strides().back();
-      const float *xs = x.data<float>(), *cs = cos.data<float>(), *ss = sin.data<float>();
-      float *os = out.data<float>();
-      for (int64_t r = 0; r < rows; r++) {
-        const float *row = xs + row_offset(x, shape, r);
-        const float *c = cs + row_offset(cos, angles, r), *s = ss + row_offset(sin, angles, r);
-        float *to = os + r * width;
-        for (int64_t i = 0; i < half; i++) {
-          int64_t first = traditional ? 2 * i : i, second = traditional ? 2 * i + 1 : i + half;
-          float a = row[first * step], b = row[second * step], ci = c[i * c_step], si = s[i * s_step];
-          float ac = a * ci, bs = b * si, as = a * si, bc = b * ci;
-          to[first] = ac - bs;
-          to[second] = as + bc;
-        }
-        for (int64_t i = dims; i < width; i++) to[i] = row[i * step];
-      }
-      ran.fetch_add(1, std::memory_order_relaxed);
+    std::vector<array> weak;
+    for (const array &a : inputs) weak.push_back(array::unsafe_weak_copy(a));
+    encoder.dispatch([inputs = std::move(weak), out = array::unsafe_weak_copy(out), dims = dims_,
+                      traditional = traditional_, scale = scale_, offset = offset_]() mutable {
+      compute(inputs, out, dims, traditional, scale, offset);
     });
   }
   void eval_gpu(const std::vector<array> &, array &) override { throw std::runtime_error("CPU only"); }
-  const char *name() const override { return "TierlmRopeRotation"; }
+  const char *name() const override { return "TierlmRope"; }
 
  private:
+  static void compute(std::vector<array> &inputs, array &out, int dims, bool traditional, float scale, int offset) {
+    const array &x = inputs[0], &inverse = inputs[1];
+    const Shape &shape = x.shape();
+    int64_t heads = shape[1], tokens = shape[2], width = shape[3], step = x.strides().back(), half = dims / 2;
+    const float *xs = x.data<float>(), *frequencies = inverse.data<float>();
+    float *os = out.data<float>();
+    std::vector<float> cosines(tokens * half), sines(tokens * half);
+    for (int64_t b = 0; b < shape[0]; b++) {
+      float start = static_cast<float>(offset);
+      if (inputs.size() == 3) {  // this entry's own offset
+        const array &offsets = inputs[2];
+        int64_t at = offsets.size() > 1 ? b * offsets.strides()[0] : 0;
+        start = static_cast<float>(offsets.data<int32_t>()[at]);
+      }
+      if (b == 0 || inputs.size() == 3) angles(start, scale, frequencies, tokens, half, cosines, sines);
+      for (int64_t h = 0; h < heads; h++)
+        for (int64_t t = 0; t < tokens; t++) {
+          int64_t r = (b * heads + h) * tokens + t;
+          const float *row = xs + row_offset(x, shape, r), *c = &cosines[t * half], *s = &sines[t * half];
+          float *to = os + r * width;
+          for (int64_t i = 0; i < half; i++) {
+            int64_t first = traditional ? 2 * i : i, second = traditional ? 2 * i + 1 : i + half;
+            float u = row[first * step], v = row[second * step];
+            float ac = u * c[i], bs = v * s[i], as = u * s[i], bc = v * c[i];
+            to[first] = ac - bs;
+            to[second] = as + bc;
+          }
+          for (int64_t i = dims; i < width; i++) to[i] = row[i * step];
+        }
+    }
+    ran.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  static void angles(float start, float scale, const float *frequencies, int64_t tokens, int64_t half,
+                     std::vector<float> &cosines, std::vector<float> &sines) {
+    for (int64_t t = 0; t < tokens; t++) {
+      float position = static_cast<float>(t) + start;
+      if (scale != 1.0f) position = position * scale;
+      for (int64_t i = 0; i < half; i++) {
+        simd::Simd<float, 1> theta(position * frequencies[i]);
+        cosines[t * half + i] = simd::cos(theta).value;
+        sines[t * half + i] = simd::sin(theta).value;
+      }
+    }
+  }
+
   int dims_;
   bool traditional_;
+  float scale_;
+  int offset_;
 };
 
 // tierlm_native's functions (set by tierlm_graph_set_kernels): the sgemm route
@@ -291,21 +324,26 @@ int tierlm_graph_rms_norm(void *x_object, void *weight_object, void *out_object,
   }
 }
 
-// *out = x rotated by cos and sin (float32; x (B, H, T, D), cos and sin
-// (T, dims / 2) or (B, 1, T, dims / 2)), lazy. Return codes as above.
-int tierlm_graph_rope(void *x_object, void *cos_object, void *sin_object, void *out_object, int dims,
-                      int traditional) {
-  array *x = array_of(x_object), *cos = array_of(cos_object), *sin = array_of(sin_object),
-        *out = array_of(out_object);
-  if (!float32_on_cpu(x) || !float32_on_cpu(cos) || !float32_on_cpu(sin) || out == nullptr || x->ndim() != 4 ||
-      dims <= 0 || dims % 2 || dims > x->shape(3) || cos->shape() != sin->shape() || cos->shape(-1) != dims / 2 ||
-      cos->ndim() > 4 || (cos->ndim() >= 2 && cos->shape(-2) != x->shape(2)) ||
-      (cos->ndim() == 4 && (cos->shape(1) != 1 || (cos->shape(0) != 1 && cos->shape(0) != x->shape(0)))) ||
-      cos->ndim() == 3 || cos->ndim() == 1)
+// *out = RoPE of float32 x (B, H, T, D) with `inverse` the float32 inverse
+// frequencies (dims / 2), at `offset`, or at each batch entry's offset in the
+// int32 (B,) array at offsets_object when it is not NULL; lazy. Return codes as above.
+int tierlm_graph_rope(void *x_object, void *inverse_object, void *offsets_object, void *out_object, int dims,
+                      int traditional, float scale, int offset) {
+  array *x = array_of(x_object), *inverse = array_of(inverse_object), *out = array_of(out_object);
+  array *offsets = offsets_object ? array_of(offsets_object) : nullptr;
+  if (!float32_on_cpu(x) || !float32_on_cpu(inverse) || out == nullptr || x->ndim() != 4 || dims <= 0 ||
+      dims % 2 || dims > x->shape(3) || inverse->ndim() != 1 || inverse->shape(0) != dims / 2 ||
+      (offsets_object && offsets == nullptr))
     return 1;
+  std::vector<array> inputs = {*x, *inverse};
+  if (offsets) {
+    if (offsets->dtype() != int32 || offsets->ndim() > 1 || (offsets->size() != 1 && offsets->size() != x->shape(0)))
+      return 1;
+    inputs.push_back(*offsets);
+  }
   try {
-    *out = array(x->shape(), float32, std::make_shared<RopeRotation>(to_stream({}), dims, traditional != 0),
-                 {*x, *cos, *sin});
+    *out = array(x->shape(), float32,
+                 std::make_shared<Rope>(to_stream({}), dims, traditional != 0, scale, offset), std::move(inputs));
     return 0;
   } catch (...) {
     return 2;
