@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -74,39 +75,64 @@ int64_t rows_of(const Shape &shape) {
 
 std::atomic<unsigned long> ran{0};
 
-// x * rsqrt(mean(x^2) + eps) * weight over the last axis: each row's sum of
-// squares in double, in order, so a row has the same bits alone or batched.
-class RMSNormRows : public UnaryPrimitive {
+using Task = std::function<void(std::vector<array> &inputs, array &out)>;
+
+// What each primitive here does in eval_cpu, as MLX's own CPU primitives do:
+// the output's buffer, then its `task` enqueued on the stream's CPU encoder over
+// weak copies of the arrays (the encoder keeps them alive until it has run).
+class NativeOperation : public UnaryPrimitive {
  public:
-  RMSNormRows(Stream stream, float eps) : UnaryPrimitive(stream), eps_(eps) {}
+  using UnaryPrimitive::UnaryPrimitive;
 
   void eval_cpu(const std::vector<array> &inputs, array &out) override {
     out.set_data(allocator::malloc(out.nbytes()));
     auto &encoder = cpu::get_command_encoder(stream());
-    encoder.set_input_array(inputs[0]);
-    encoder.set_input_array(inputs[1]);
+    std::vector<array> weak;
+    for (const array &a : inputs) {
+      encoder.set_input_array(a);
+      weak.push_back(array::unsafe_weak_copy(a));
+    }
     encoder.set_output_array(out);
-    encoder.dispatch([x = array::unsafe_weak_copy(inputs[0]), w = array::unsafe_weak_copy(inputs[1]),
-                      out = array::unsafe_weak_copy(out), eps = eps_]() mutable {
-      const Shape &shape = x.shape();
-      int64_t width = shape.back(), rows = rows_of(shape), step = x.strides().back(), w_step = w.strides()[0];
-      const float *xs = x.data<float>(), *ws = w.data<float>();
-      float *os = out.data<float>();
-      for (int64_t r = 0; r < rows; r++) {
-        const float *row = xs + row_offset(x, shape, r);
-        double squares = 0;
-        for (int64_t i = 0; i < width; i++) squares += static_cast<double>(row[i * step]) * row[i * step];
-        float scale = 1.0f / std::sqrt(static_cast<float>(squares / width) + eps);
-        float *to = os + r * width;
-        for (int64_t i = 0; i < width; i++) to[i] = row[i * step] * scale * ws[i * w_step];
-      }
+    encoder.dispatch([task = task(), inputs = std::move(weak), out = array::unsafe_weak_copy(out)]() mutable {
+      task(inputs, out);
       ran.fetch_add(1, std::memory_order_relaxed);
     });
   }
   void eval_gpu(const std::vector<array> &, array &) override { throw std::runtime_error("CPU only"); }
+
+ protected:
+  // the computation, its parameters captured by value (not `this`: the graph
+  // may drop the primitive before the stream runs the task)
+  virtual Task task() const = 0;
+};
+
+// x * rsqrt(mean(x^2) + eps) * weight over the last axis: each row's sum of
+// squares in double, in order, so a row has the same bits alone or batched.
+class RMSNormRows : public NativeOperation {
+ public:
+  RMSNormRows(Stream stream, float eps) : NativeOperation(stream), eps_(eps) {}
   const char *name() const override { return "TierlmRMSNorm"; }
 
  private:
+  Task task() const override {
+    return [eps = eps_](std::vector<array> &inputs, array &out) { compute(inputs[0], inputs[1], out, eps); };
+  }
+
+  static void compute(const array &x, const array &w, array &out, float eps) {
+    const Shape &shape = x.shape();
+    int64_t width = shape.back(), rows = rows_of(shape), step = x.strides().back(), w_step = w.strides()[0];
+    const float *xs = x.data<float>(), *ws = w.data<float>();
+    float *os = out.data<float>();
+    for (int64_t r = 0; r < rows; r++) {
+      const float *row = xs + row_offset(x, shape, r);
+      double squares = 0;
+      for (int64_t i = 0; i < width; i++) squares += static_cast<double>(row[i * step]) * row[i * step];
+      float scale = 1.0f / std::sqrt(static_cast<float>(squares / width) + eps);
+      float *to = os + r * width;
+      for (int64_t i = 0; i < width; i++) to[i] = row[i * step] * scale * ws[i * w_step];
+    }
+  }
+
   float eps_;
 };
 
@@ -117,27 +143,20 @@ class RMSNormRows : public UnaryPrimitive {
 // CPU kernels are built from); pairs (i, i + dims / 2), or (2i, 2i + 1) when
 // `traditional`, rotated; the values past `dims` copied. Each product and sum
 // rounded on its own, as in MLX's separate operations.
-class Rope : public UnaryPrimitive {
+class Rope : public NativeOperation {
  public:
   Rope(Stream stream, int dims, bool traditional, float scale, int offset)
-      : UnaryPrimitive(stream), dims_(dims), traditional_(traditional), scale_(scale), offset_(offset) {}
-
-  void eval_cpu(const std::vector<array> &inputs, array &out) override {
-    out.set_data(allocator::malloc(out.nbytes()));
-    auto &encoder = cpu::get_command_encoder(stream());
-    for (const array &a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    std::vector<array> weak;
-    for (const array &a : inputs) weak.push_back(array::unsafe_weak_copy(a));
-    encoder.dispatch([inputs = std::move(weak), out = array::unsafe_weak_copy(out), dims = dims_,
-                      traditional = traditional_, scale = scale_, offset = offset_]() mutable {
-      compute(inputs, out, dims, traditional, scale, offset);
-    });
-  }
-  void eval_gpu(const std::vector<array> &, array &) override { throw std::runtime_error("CPU only"); }
+      : NativeOperation(stream), dims_(dims), traditional_(traditional), scale_(scale), offset_(offset) {}
   const char *name() const override { return "TierlmRope"; }
 
  private:
+  Task task() const override {
+    return [dims = dims_, traditional = traditional_, scale = scale_, offset = offset_](std::vector<array> &inputs,
+                                                                                       array &out) {
+      compute(inputs, out, dims, traditional, scale, offset);
+    };
+  }
+
   static void compute(std::vector<array> &inputs, array &out, int dims, bool traditional, float scale, int offset) {
     const array &x = inputs[0], &inverse = inputs[1];
     const Shape &shape = x.shape();
@@ -168,7 +187,6 @@ class Rope : public UnaryPrimitive {
           for (int64_t i = dims; i < width; i++) to[i] = row[i * step];
         }
     }
-    ran.fetch_add(1, std::memory_order_relaxed);
   }
 
   static void angles(float start, float scale, const float *frequencies, int64_t tokens, int64_t half,
@@ -224,24 +242,18 @@ const float *rows_at(const array &a, int i, int j, std::vector<float> &scratch, 
 // heads times its keys through the sgemm route (as MLX's matmul calls it), the
 // native row softmax over all the scores at once (under a (B or 1, 1, L, S)
 // boolean mask, or causal, or neither), the weighted values through the route.
-class Attention : public UnaryPrimitive {
+class Attention : public NativeOperation {
  public:
-  Attention(Stream stream, float scale, bool causal) : UnaryPrimitive(stream), scale_(scale), causal_(causal) {}
-
-  void eval_cpu(const std::vector<array> &inputs, array &out) override {
-    out.set_data(allocator::malloc(out.nbytes()));
-    auto &encoder = cpu::get_command_encoder(stream());
-    for (const array &a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    std::vector<array> weak;
-    for (const array &a : inputs) weak.push_back(array::unsafe_weak_copy(a));
-    encoder.dispatch([inputs = std::move(weak), out = array::unsafe_weak_copy(out), scale = scale_,
-                      causal = causal_]() mutable { compute(inputs, out, scale, causal); });
-  }
-  void eval_gpu(const std::vector<array> &, array &) override { throw std::runtime_error("CPU only"); }
+  Attention(Stream stream, float scale, bool causal) : NativeOperation(stream), scale_(scale), causal_(causal) {}
   const char *name() const override { return "TierlmAttention"; }
 
  private:
+  Task task() const override {
+    return [scale = scale_, causal = causal_](std::vector<array> &inputs, array &out) {
+      compute(inputs, out, scale, causal);
+    };
+  }
+
   static void compute(std::vector<array> &inputs, array &out, float scale, bool causal) {
     const array &q = inputs[0], &k = inputs[1], &v = inputs[2];
     int batch = q.shape(0), heads = q.shape(1), length = q.shape(2), dim = q.shape(3);
@@ -286,7 +298,6 @@ class Attention : public UnaryPrimitive {
         sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, m, width, span, 1.0f, scores.data() + first * span, span, values,
               static_cast<int>(ld), 0.0f, to + first * width, width);
       }
-    ran.fetch_add(1, std::memory_order_relaxed);
   }
 
   float scale_;
