@@ -3,15 +3,17 @@ node of MLX's graph each (native/graph_ops.cpp).
 
 An MLX operation on this backend costs a few microseconds whatever its size,
 and `mx.fast.rms_norm` and `mx.fast.rope` have no CPU kernel: their fallback
-graphs are many operations, twice a layer each. graph_ops.cpp defines two MLX
-primitives in C++ (built against the installed mlx package, as qmm_hook.cpp
-is) and makes their arrays from the `mx.array` objects Python passes by address;
-the arrays stay lazy, so nothing splits the step's graph.
+graphs are many operations, twice a layer each; attention was about ten and
+an evaluation. graph_ops.cpp defines three MLX primitives in C++ (built against
+the installed mlx package, as qmm_hook.cpp is) and makes their arrays from the
+`mx.array` objects Python passes by address; the arrays stay lazy, so nothing
+splits the step's graph.
 
 Finding the C++ array inside a Python `mx.array` reads nanobind's instance
 layout: this is the one place that does. `install()` proves it on arrays of
-known shapes and checks both operations against MLX's own before anything uses
-them; otherwise they stay off and say why.
+known shapes and checks each operation against MLX's own (or, for attention,
+kernels.attention's) before anything uses them; otherwise they stay off and
+say why.
 
 `rms_norm`, `rope` and `attention` return None for what they do not take; the
 callers (`NativeRMSNorm`, rope.FewerOpsRoPE, kernels.attention) then compute

@@ -259,22 +259,24 @@ class Attention : public NativeOperation {
     int batch = q.shape(0), heads = q.shape(1), length = q.shape(2), dim = q.shape(3);
     int kv_heads = k.shape(1), span = k.shape(2), width = v.shape(3), group = heads / kv_heads;
     // the queries times the scale, row-major (B, H, L, D): MLX's product, element by element
-    std::vector<float> queries(static_cast<size_t>(batch) * heads * length * dim);
+    // not zeroed first: every element is written before it is read
+    std::unique_ptr<float[]> queries(new float[static_cast<size_t>(batch) * heads * length * dim]);
     Shape shape = q.shape();
     const float *qs = q.data<float>();
     for (int64_t r = 0, rows = rows_of(shape); r < rows; r++) {
       const float *row = qs + row_offset(q, shape, r);
       for (int d = 0; d < dim; d++) queries[r * dim + d] = row[d * q.strides()[3]] * scale;
     }
-    std::vector<float> scores(static_cast<size_t>(batch) * heads * length * span), scratch;
+    std::unique_ptr<float[]> scores(new float[static_cast<size_t>(batch) * heads * length * span]);
+    std::vector<float> scratch;
     int64_t ld;
     int m = group * length;
     for (int b = 0; b < batch; b++)
       for (int h = 0; h < kv_heads; h++) {
         const float *keys = rows_at(k, b, h, scratch, &ld);
         size_t first = (static_cast<size_t>(b) * heads + h * group) * length;
-        sgemm(ROW_MAJOR, NO_TRANS, TRANS, m, span, dim, 1.0f, queries.data() + first * dim, dim, keys,
-              static_cast<int>(ld), 0.0f, scores.data() + first * span, span);
+        sgemm(ROW_MAJOR, NO_TRANS, TRANS, m, span, dim, 1.0f, queries.get() + first * dim, dim, keys,
+              static_cast<int>(ld), 0.0f, scores.get() + first * span, span);
       }
     long rows = static_cast<long>(batch) * heads * length;
     if (inputs.size() == 4) {
@@ -286,16 +288,16 @@ class Attention : public NativeOperation {
         const bool *row = mask.data<bool>() + row_offset(mask, mask_shape, r);
         for (int c = 0; c < span; c++) bits[r * span + c] = row[c * mask.strides()[3]];
       }
-      softmax_rows_masked(scores.data(), rows, span, bits.data(), heads, length, mask_batch);
+      softmax_rows_masked(scores.get(), rows, span, bits.data(), heads, length, mask_batch);
     } else {
-      softmax_rows(scores.data(), rows, span, causal ? length : 0);
+      softmax_rows(scores.get(), rows, span, causal ? length : 0);
     }
     float *to = out.data<float>();
     for (int b = 0; b < batch; b++)
       for (int h = 0; h < kv_heads; h++) {
         const float *values = rows_at(v, b, h, scratch, &ld);
         size_t first = (static_cast<size_t>(b) * heads + h * group) * length;
-        sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, m, width, span, 1.0f, scores.data() + first * span, span, values,
+        sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, m, width, span, 1.0f, scores.get() + first * span, span, values,
               static_cast<int>(ld), 0.0f, to + first * width, width);
       }
   }
