@@ -4,6 +4,7 @@ attention bit for bit), lazy until evaluated, on any thread."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import mlx.core as mx
@@ -15,7 +16,8 @@ from tierlm.backends.cpu.rope import FewerOpsRoPE
 
 STATE = route.prepare()
 ON = graph_ops.install()
-pytestmark = pytest.mark.skipif(not STATE.native_kernels.on, reason=f"native kernels {STATE.native_kernels}")
+pytestmark = [pytest.mark.skipif(not STATE.native_kernels.on, reason=f"native kernels {STATE.native_kernels}"),
+              pytest.mark.skipif(os.environ.get("TIERLM_GRAPH_OPS") == "off", reason="TIERLM_GRAPH_OPS=off")]
 
 
 def test_they_are_on_where_the_native_kernels_are():
