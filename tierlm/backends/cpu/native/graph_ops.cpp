@@ -24,7 +24,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <string>
+#include <stdexcept>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -306,7 +306,8 @@ class Attention : public NativeOperation {
   bool causal_;
 };
 
-bool float32_on_cpu(const array *a) { return a != nullptr && a->dtype() == float32 && a->ndim() >= 1; }
+// a float32 array of at least one axis
+bool float32_array(const array *a) { return a != nullptr && a->dtype() == float32 && a->ndim() >= 1; }
 
 }  // namespace
 
@@ -327,7 +328,7 @@ int tierlm_graph_probe(void *object, int64_t *shape, int *element_bytes) {
 // take (the caller computes it otherwise); 2: MLX refused.
 int tierlm_graph_rms_norm(void *x_object, void *weight_object, void *out_object, float eps) {
   array *x = array_of(x_object), *w = array_of(weight_object), *out = array_of(out_object);
-  if (!float32_on_cpu(x) || !float32_on_cpu(w) || out == nullptr || w->ndim() != 1 || w->shape(0) != x->shape(-1))
+  if (!float32_array(x) || !float32_array(w) || out == nullptr || w->ndim() != 1 || w->shape(0) != x->shape(-1))
     return 1;
   try {
     *out = array(x->shape(), float32, std::make_shared<RMSNormRows>(to_stream({}), eps), {*x, *w});
@@ -344,7 +345,7 @@ int tierlm_graph_rope(void *x_object, void *inverse_object, void *offsets_object
                       int traditional, float scale, int offset) {
   array *x = array_of(x_object), *inverse = array_of(inverse_object), *out = array_of(out_object);
   array *offsets = offsets_object ? array_of(offsets_object) : nullptr;
-  if (!float32_on_cpu(x) || !float32_on_cpu(inverse) || out == nullptr || x->ndim() != 4 || dims <= 0 ||
+  if (!float32_array(x) || !float32_array(inverse) || out == nullptr || x->ndim() != 4 || dims <= 0 ||
       dims % 2 || dims > x->shape(3) || inverse->ndim() != 1 || inverse->shape(0) != dims / 2 ||
       (offsets_object && offsets == nullptr))
     return 1;
@@ -376,7 +377,7 @@ int tierlm_graph_attention(void *q_object, void *k_object, void *v_object, void 
                            float scale, int causal) {
   array *q = array_of(q_object), *k = array_of(k_object), *v = array_of(v_object), *out = array_of(out_object);
   array *mask = mask_object ? array_of(mask_object) : nullptr;
-  if (!sgemm || !float32_on_cpu(q) || !float32_on_cpu(k) || !float32_on_cpu(v) || out == nullptr ||
+  if (!sgemm || !float32_array(q) || !float32_array(k) || !float32_array(v) || out == nullptr ||
       q->ndim() != 4 || k->ndim() != 4 || v->ndim() != 4 || k->shape(1) == 0 || q->shape(1) % k->shape(1) ||
       k->shape(0) != q->shape(0) || v->shape(0) != q->shape(0) || k->shape(1) != v->shape(1) ||
       k->shape(2) != v->shape(2) || k->shape(3) != q->shape(3) || (mask_object && mask == nullptr))
