@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx import nn
 
-from tierlm.backends.cpu import graph_ops, kernels, route
+from tierlm.backends.cpu import graph_ops, kernels, quantized, route
 from tierlm.backends.cpu.rope import FewerOpsRoPE
 
 STATE = route.prepare()
@@ -117,6 +117,31 @@ def test_they_run_on_the_stream_of_the_thread_that_made_them():
     for t in threads:
         t.join()
     assert not errors and results == [True, True]
+
+
+@pytest.mark.skipif(not quantized.install(STATE.lib).on, reason="needs the quantized kernels")
+@pytest.mark.parametrize("bits", quantized.BITS)
+@pytest.mark.parametrize("view", [None, "swap"])
+def test_a_layer_reading_float16_scales_has_the_bits_of_float32_ones(bits, view):
+    """HalfScalesQuantizedLinear: MLX's QuantizedMatmul made directly over
+    float16 scales and biases (MLX's op would widen them every call), the
+    same bits as the layer with them widened, for a strided view of x too."""
+    layer = nn.QuantizedLinear(256, 96, bias=True, group_size=32, bits=bits)
+    layer.update({"scales": layer.scales.astype(mx.float16), "biases": layer.biases.astype(mx.float16),
+                  "bias": _random((96,), 9)})
+    wide = nn.QuantizedLinear(256, 96, bias=True, group_size=32, bits=bits)
+    wide.update({"weight": layer.weight, "scales": layer.scales.astype(mx.float32),
+                 "biases": layer.biases.astype(mx.float32), "bias": layer.bias})
+    assert graph_ops.install_half_scales(layer, lambda m: True) == 1
+    x = _random((3, 5, 256), 8)
+    if view == "swap":
+        x = x.swapaxes(0, 1)
+    taken = quantized.taken()
+    got = layer(x)
+    assert mx.array_equal(got, wide(x)).item() and got.dtype == mx.float32
+    assert quantized.taken() - taken == 2  # both through qgemm.c, neither widened by MLX
+    graph_ops.uninstall_half_scales(layer)
+    assert type(layer) is nn.QuantizedLinear
 
 
 def test_native_rms_norm_modules_switch_back():

@@ -102,6 +102,27 @@ def test_a_row_has_the_same_bits_alone_and_in_a_batch(name, bits, path):
         assert np.array_equal(_kernel(x[row:row + 1].copy(), w, scales, biases, bits, 32)[0], batch[row])
 
 
+@pytest.mark.parametrize("name", PATHS)
+@pytest.mark.parametrize("bits", quantized.BITS)
+def test_float16_scales_give_the_bits_of_their_float32_widening(name, bits, path):
+    """tierlm_qmm_half reads float16 scales and biases as the importer keeps
+    them (the float paths in the tiles, the others widened first): the same
+    product, to the bit, as their exact float32 widening, alone, tiled and in
+    panels, for each group size."""
+    STATE.lib.tierlm_qmm_select(quantized.PATHS[name])
+    x = np.random.default_rng(7).standard_normal((37, 384)).astype(np.float32)
+    for group in quantized.GROUP_SIZES:
+        w, scales, biases = _weights(70, 384, bits, group, seed=6)
+        half_scales, half_biases = scales.astype(np.float16), biases.astype(np.float16)
+        for rows in (1, 2, 3, 5, 9, 21, 37):
+            want = _kernel(x[:rows].copy(), w, half_scales.astype(np.float32), half_biases.astype(np.float32), bits,
+                           group)
+            got = np.zeros_like(want)
+            STATE.lib.tierlm_qmm_half(x.ctypes.data, rows, x.shape[1], w.ctypes.data, half_scales.ctypes.data,
+                                      half_biases.ctypes.data, w.shape[0], bits, group, got.ctypes.data)
+            assert np.array_equal(got, want), (group, rows)
+
+
 @pytest.mark.skipif(STATE.lib is None or "avx512" not in PATHS or not STATE.lib.tierlm_qmm_avx512_vbmi(-1),
                     reason="needs AVX-512 VBMI")
 def test_vbmi_unpacking_gives_the_same_bits(path):
@@ -157,7 +178,24 @@ def test_mlxs_quantized_matmul_reaches_the_kernels(tokens):
 
 
 @pytest.mark.skipif(not FEATURE.on, reason=f"quantized kernels off: {FEATURE}")
-@pytest.mark.parametrize("case", ["bfloat16", "6-bit", "strided", "3-D weight", "not transposed"])
+def test_strided_activations_are_gathered_into_rows_and_taken():
+    """x as a transposed view (as mlx-lm's attention output can be): the hook
+    gathers it row by row, and the product is the contiguous x's, to the bit."""
+    rng = np.random.default_rng(6)
+    w, scales, biases = mx.quantize(mx.array(rng.standard_normal((64, 128)).astype(np.float32)), group_size=32, bits=4)
+    rows = rng.standard_normal((128, 5)).astype(np.float32)
+    before = quantized.taken()
+    with mx.stream(mx.cpu):
+        strided = mx.quantized_matmul(mx.array(rows).T, w, scales, biases, transpose=True, group_size=32, bits=4)
+        contiguous = mx.quantized_matmul(mx.array(rows.T.copy()), w, scales, biases, transpose=True, group_size=32,
+                                         bits=4)
+        mx.eval(strided, contiguous)
+    assert quantized.taken() == before + 2
+    assert mx.array_equal(strided, contiguous).item()
+
+
+@pytest.mark.skipif(not FEATURE.on, reason=f"quantized kernels off: {FEATURE}")
+@pytest.mark.parametrize("case", ["bfloat16", "6-bit", "3-D weight", "not transposed"])
 def test_what_the_kernels_do_not_take_goes_to_mlx(case):
     """Other dtypes, widths and layouts are MLX's own product: right, and not counted."""
     rng = np.random.default_rng(5)
@@ -166,8 +204,6 @@ def test_what_the_kernels_do_not_take_goes_to_mlx(case):
     w, scales, biases = mx.quantize(mx.array(rng.standard_normal(shape).astype(np.float32)), group_size=32,
                                     bits=bits)
     x = mx.array(rng.standard_normal((5, 128 if transpose else 128)).astype(np.float32))
-    if case == "strided":
-        x = mx.array(rng.standard_normal((128, 5)).astype(np.float32)).T
     if case == "3-D weight":
         x = mx.array(rng.standard_normal((2, 5, 128)).astype(np.float32))
     if case == "bfloat16":

@@ -61,6 +61,7 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
     products = quantized.install(state.lib)
     dtype = weights.apply(weights_dtype, model, memory_bytes)
     replaced = cpu_kernels.install(model) if kernels else []
+    half = weights.settle_half_scales(model, quantized.reads_half_scales())
     packed = amx_tiles.pack(model) if amx else 0
     packed_bytes = amx_tiles.packed_bytes(model)
 
@@ -69,7 +70,8 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
             f"one-row gemv route {state.gemv}, AMX {state.amx}, exact attention products "
             f"{state.exact_attention}, native kernels {state.native_kernels}"),
            f"CPU fast path self-check: {state.self_check}",
-           f"CPU quantized kernels: {products}"]
+           f"CPU quantized kernels: {products}"
+           + (f"; {half} layers read their float16 scales as stored" if half else "")]
     if not kernels:
         log.append("CPU kernels off (--no-cpu-kernels): mlx-lm's attention and SwiGLU")
     elif replaced:

@@ -82,6 +82,7 @@ def _load() -> ctypes.CDLL:
     lib.tierlm_graph_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float, ctypes.c_int]
     lib.tierlm_graph_set_kernels.argtypes = [ctypes.c_void_p] * 3
     lib.tierlm_graph_ran.restype = ctypes.c_ulong
+    lib.tierlm_graph_qmm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
     return lib
 
 
@@ -195,6 +196,18 @@ def rope(x: mx.array, inverse: mx.array, offset: int | mx.array, dims: int, trad
     return _result(code, out)
 
 
+def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group: int,
+                     bits: int) -> mx.array | None:
+    """x times the affine-quantized `weight` transposed, its scales and
+    biases float16, as MLX's QuantizedMatmul made directly (MLX's op would
+    widen them every call); None for anything else. Only for products
+    quantized.takes() says the hook computes."""
+    if _lib is None:
+        return None
+    out = mx.array(0.0)
+    return _result(_lib.tierlm_graph_qmm(id(x), id(weight), id(scales), id(biases), id(out), group, bits), out)
+
+
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array | None:
     """softmax(q kᵀ · scale + mask) v of float32 (B, H, L, D) queries and (B,
     KV, S, D) keys and values as one operation, bit for bit what
@@ -220,16 +233,46 @@ class NativeRMSNorm(nn.RMSNorm):
 def install_norms(model: nn.Module) -> int:
     """Switches the model's `nn.RMSNorm` modules (that class exactly) to
     NativeRMSNorm where these operations are on; returns how many."""
-    if not on():
-        return 0
-    norms = [m for _, m in model.named_modules() if type(m) is nn.RMSNorm]
-    for norm in norms:
-        norm.__class__ = NativeRMSNorm
-    return len(norms)
+    return _switch(model, lambda m: type(m) is nn.RMSNorm, NativeRMSNorm)
 
 
 def uninstall_norms(model: nn.Module) -> None:
-    for _, m in model.named_modules():
-        if type(m) is NativeRMSNorm:
-            m.__class__ = nn.RMSNorm
+    _switch(model, lambda m: type(m) is NativeRMSNorm, nn.RMSNorm)
 
+
+def _switch(model: nn.Module, chosen, to: type) -> int:
+    """Switches the class of the model's modules `chosen(module)` picks to `to`
+    (same fields, another __call__) where these operations are on, or back to
+    mlx's own classes whatever their state; returns how many."""
+    if to.__module__ == __name__ and not on():
+        return 0
+    modules = [m for _, m in model.named_modules() if chosen(m)]
+    for module in modules:
+        module.__class__ = to
+    return len(modules)
+
+
+class HalfScalesQuantizedLinear(nn.QuantizedLinear):
+    """An `nn.QuantizedLinear` with float16 scales and biases, switched to this
+    class by `install_half_scales`: its product reads them as they are."""
+
+    def __call__(self, x):
+        out = quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        if out is None:
+            return super().__call__(x)
+        return out + self["bias"] if "bias" in self else out
+
+
+def install_half_scales(model: nn.Module, takes) -> int:
+    """Switches the model's `nn.QuantizedLinear` modules (that class exactly)
+    whose scales and biases are float16 and whose products `takes(module)` to
+    HalfScalesQuantizedLinear where these operations are on; returns how many."""
+    def chosen(m) -> bool:
+        return (type(m) is nn.QuantizedLinear and takes(m) and m["scales"].dtype == mx.float16
+                and m.get("biases") is not None and m["biases"].dtype == mx.float16)
+
+    return _switch(model, chosen, HalfScalesQuantizedLinear)
+
+
+def uninstall_half_scales(model: nn.Module) -> None:
+    _switch(model, lambda m: type(m) is HalfScalesQuantizedLinear, nn.QuantizedLinear)

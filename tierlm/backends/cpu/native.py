@@ -118,6 +118,7 @@ def load() -> ctypes.CDLL:
     lib.tierlm_logsumexp_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     lib.tierlm_qmm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.tierlm_qmm_half.argtypes = lib.tierlm_qmm.argtypes
     lib.tierlm_qmm_supports.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long]
     lib.tierlm_qmm_select.argtypes = [ctypes.c_int]
     lib.tierlm_qmm_available.argtypes = [ctypes.c_int]

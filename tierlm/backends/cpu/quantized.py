@@ -72,7 +72,7 @@ def _load_hook() -> ctypes.CDLL:
         hook = ctypes.CDLL(str(build_hook()), mode=os.RTLD_LOCAL | os.RTLD_NOW)
     except OSError as e:
         raise native.BuildError(f"could not load it: {e}") from e
-    hook.tierlm_qmm_hook_install.argtypes = [ctypes.c_void_p] * 2
+    hook.tierlm_qmm_hook_install.argtypes = [ctypes.c_void_p] * 3
     hook.tierlm_qmm_hook_taken.restype = ctypes.c_ulong
     hook.tierlm_qmm_hook_passed.restype = ctypes.c_ulong
     return hook
@@ -99,6 +99,13 @@ def on() -> bool:
 def float_products() -> bool:
     """The kernels in use multiply in float32 (avx512, avx2), not with int8 activations."""
     return on() and _path in FLOAT_PATHS
+
+
+def reads_half_scales() -> bool:
+    """Whether layers keep float16 scales and biases for the float kernels to
+    read as they are (graph_ops.HalfScalesQuantizedLinear): a decode step
+    streams every one of them. TIERLM_HALF_SCALES=off widens them at load."""
+    return float_products() and os.environ.get("TIERLM_HALF_SCALES") != "off"
 
 
 def _choose_path(lib: ctypes.CDLL) -> tuple[int | None, str]:
@@ -130,7 +137,7 @@ def _install(lib: ctypes.CDLL | None) -> Feature:
     except native.BuildError as e:
         return Feature(False, f"could not build or load the hook: {e}")
     want = _product(mx.float32)  # MLX's own answer, before the slot is written
-    functions = (native.function_address(lib, name) for name in ("tierlm_qmm", "tierlm_qmm_supports"))
+    functions = (native.function_address(lib, name) for name in ("tierlm_qmm", "tierlm_qmm_half", "tierlm_qmm_supports"))
     if not hook.tierlm_qmm_hook_install(*functions):
         return Feature(False, "MLX's QuantizedMatmul slot was not found where the C++ ABI puts it")
     _hook = hook

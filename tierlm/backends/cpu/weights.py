@@ -83,9 +83,38 @@ def convert(model: nn.Module, dtype_name: str) -> None:
     keep = dtype_name == "quantized"
     dtype = mx.float32 if keep else getattr(mx, dtype_name)
     _swap_quantized(model, dtype, keep=_kernels_take if keep else lambda _: False)
+    as_stored = _half_scales(model) if keep else set()
     params = tree_flatten(model.parameters())
-    model.load_weights([(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in params])
+    model.load_weights([(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and k not in as_stored else v)
+                        for k, v in params])
     mx.eval(model.parameters())
+
+
+def settle_half_scales(model: nn.Module, read_as_stored: bool) -> int:
+    """The layers whose float16 scales `convert` kept: switched to read them
+    as they are (graph_ops.HalfScalesQuantizedLinear) where `read_as_stored`
+    (quantized.reads_half_scales), the others widened to float32 now; returns
+    how many read them as stored."""
+    from tierlm.backends.cpu import graph_ops
+
+    switched = graph_ops.install_half_scales(model, _kernels_take) if read_as_stored else 0
+    wide = [(f"{name}.{leaf}", m[leaf].astype(mx.float32)) for name, m in model.named_modules()
+            if type(m) is not graph_ops.HalfScalesQuantizedLinear and isinstance(m, QUANTIZED)
+            for leaf in ("scales", "biases") if leaf in m and m[leaf].dtype == mx.float16]
+    if wide:
+        model.load_weights(wide, strict=False)
+        mx.eval(model.parameters())
+    return switched
+
+
+def _half_scales(model: nn.Module) -> set[str]:
+    """The float16 scales and biases of quantized linear layers: the kernels read
+    them as they are (a decode step streams every one of them, ~15% of a 4-bit
+    layer's bytes as float32); an embedding's gather makes its rows in its
+    scales' dtype, so those become float32."""
+    return {f"{name}.{leaf}" for name, m in model.named_modules()
+            if isinstance(m, QUANTIZED) and not isinstance(m, nn.QuantizedEmbedding)
+            for leaf in ("scales", "biases") if leaf in m and m[leaf].dtype == mx.float16}
 
 
 def apply(setting: str, model: nn.Module, memory_bytes: int) -> str:

@@ -23,7 +23,10 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <tuple>
 #include <stdexcept>
 #include <vector>
 
@@ -31,6 +34,7 @@
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/backend/cpu/simd/simd.h"
+#include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 
@@ -306,6 +310,25 @@ class Attention : public NativeOperation {
   bool causal_;
 };
 
+// A QuantizedMatmul primitive (affine, transposed) of `group` and `bits` on
+// `stream`, one per kind, shared by the arrays made with it (it keeps no state
+// of its own). MLX does not export the class's vtable, so the first of each
+// is taken from a tiny product made through MLX's public quantized_matmul.
+std::shared_ptr<Primitive> quantized_matmul_primitive(Stream stream, int group, int bits) {
+  static std::mutex lock;
+  static std::map<std::tuple<int, int, int>, std::shared_ptr<Primitive>> made;
+  std::lock_guard<std::mutex> hold(lock);
+  auto key = std::make_tuple(stream.index, group, bits);
+  auto found = made.find(key);
+  if (found != made.end()) return found->second;
+  auto parts = quantize(zeros({1, group}, float32, stream), group, bits, "affine", std::nullopt, stream);
+  array product = quantized_matmul(zeros({1, group}, float32, stream), parts[0], parts[1], parts[2], true, group,
+                                   bits, "affine", stream);
+  if (!product.has_primitive() || std::strcmp(product.primitive().name(), "QuantizedMatmul") != 0)
+    throw std::runtime_error("MLX's quantized_matmul made no QuantizedMatmul");
+  return made[key] = product.primitive_ptr();
+}
+
 // a float32 array of at least one axis
 bool float32_array(const array *a) { return a != nullptr && a->dtype() == float32 && a->ndim() >= 1; }
 
@@ -394,6 +417,32 @@ int tierlm_graph_attention(void *q_object, void *k_object, void *v_object, void 
   try {
     *out = array(shape, float32, std::make_shared<Attention>(to_stream({}), scale, causal != 0 && !mask),
                  std::move(inputs));
+    return 0;
+  } catch (...) {
+    return 2;
+  }
+}
+
+// *out = float32 x (..., K) times the affine-quantized uint32 w (N x K packed)
+// transposed, with float16 scales and biases (N x K / group), lazy: MLX's own
+// QuantizedMatmul primitive, made here because MLX's quantized_matmul would
+// first widen the scales to x's dtype, a pass over all of them every call.
+// qmm_hook.cpp computes it (qgemm.c reads float16 scales as they are); the
+// caller makes one only for products the hook takes. Return codes as above.
+int tierlm_graph_qmm(void *x_object, void *w_object, void *scales_object, void *biases_object, void *out_object,
+                     int group, int bits) {
+  array *x = array_of(x_object), *w = array_of(w_object), *out = array_of(out_object);
+  array *scales = array_of(scales_object), *biases = array_of(biases_object);
+  if (!float32_array(x) || w == nullptr || scales == nullptr || biases == nullptr || out == nullptr ||
+      w->dtype() != uint32 || w->ndim() != 2 || scales->dtype() != float16 || biases->dtype() != float16 ||
+      scales->shape() != biases->shape() || scales->ndim() != 2 || group <= 0 || bits <= 0 ||
+      x->shape(-1) != static_cast<int64_t>(w->shape(1)) * 32 / bits || scales->shape(0) != w->shape(0) ||
+      static_cast<int64_t>(scales->shape(1)) * group != x->shape(-1))
+    return 1;
+  Shape shape = x->shape();
+  shape.back() = w->shape(0);
+  try {
+    *out = array(shape, float32, quantized_matmul_primitive(to_stream({}), group, bits), {*x, *w, *scales, *biases});
     return 0;
   } catch (...) {
     return 2;

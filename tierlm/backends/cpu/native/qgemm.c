@@ -42,10 +42,10 @@ enum { PATH_SCALAR = 0, PATH_AVX2_INT8 = 1, PATH_AVX_VNNI = 2, PATH_AVX512 = 3, 
 
 /* qgemm_float.c, built by float_avx512.c and float_avx2.c; whether this CPU runs each (float_kernels.c) */
 int tierlm_float_width_available(int width);
-void tierlm_qmm_float_avx512(const float *x, long M, long K, const void *w, const float *scales,
-                             const float *biases, long N, int bits, int group, float *out);
-void tierlm_qmm_float_avx2(const float *x, long M, long K, const void *w, const float *scales, const float *biases,
-                           long N, int bits, int group, float *out);
+void tierlm_qmm_float_avx512(const float *x, long M, long K, const void *w, const void *scales, const void *biases,
+                             int half, long N, int bits, int group, float *out);
+void tierlm_qmm_float_avx2(const float *x, long M, long K, const void *w, const void *scales, const void *biases,
+                           int half, long N, int bits, int group, float *out);
 
 static int path_in_use = -1;
 
@@ -402,7 +402,7 @@ void tierlm_qmm(const float *x, long M, long K, const void *w, const float *scal
   if (path_in_use < 0) tierlm_qmm_select(-1);
   int path = path_in_use;
   if (path == PATH_AVX512 || path == PATH_AVX2_FLOAT) {
-    (path == PATH_AVX512 ? tierlm_qmm_float_avx512 : tierlm_qmm_float_avx2)(x, M, K, w, scales, biases, N, bits,
+    (path == PATH_AVX512 ? tierlm_qmm_float_avx512 : tierlm_qmm_float_avx2)(x, M, K, w, scales, biases, 0, N, bits,
                                                                             group, out);
     TIERLM_COUNT(COUNT_QMM);
     return;
@@ -419,4 +419,35 @@ void tierlm_qmm(const float *x, long M, long K, const void *w, const float *scal
   tierlm_parallel(rows_of, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
   free(buffer);
   TIERLM_COUNT(COUNT_QMM);
+}
+
+/* An IEEE half as a float (exactly; no F16C needed). */
+static float half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
+  float f;
+  if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 */
+    f = ldexpf((float)mantissa, -24);
+    return sign ? -f : f;
+  }
+  bits = exponent == 31 ? sign | 0x7f800000u | (mantissa << 13) : sign | ((exponent + 112) << 23) | (mantissa << 13);
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* tierlm_qmm with float16 scales and biases (as the GGUF importer keeps them):
+ * the float paths read them as they are, the others widened first. */
+void tierlm_qmm_half(const float *x, long M, long K, const void *w, const uint16_t *scales, const uint16_t *biases,
+                     long N, int bits, int group, float *out) {
+  if (path_in_use < 0) tierlm_qmm_select(-1);
+  if (path_in_use == PATH_AVX512 || path_in_use == PATH_AVX2_FLOAT) {
+    (path_in_use == PATH_AVX512 ? tierlm_qmm_float_avx512 : tierlm_qmm_float_avx2)(x, M, K, w, scales, biases, 1, N,
+                                                                                   bits, group, out);
+    TIERLM_COUNT(COUNT_QMM);
+    return;
+  }
+  long n = N * (K / group);
+  float *wide = malloc(sizeof(float) * 2 * n);
+  for (long i = 0; i < n; i++) wide[i] = half_to_float(scales[i]), wide[n + i] = half_to_float(biases[i]);
+  tierlm_qmm(x, M, K, w, wide, wide + n, N, bits, group, out);
+  free(wide);
 }

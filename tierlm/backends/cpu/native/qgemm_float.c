@@ -72,6 +72,21 @@ INLINE float lanes_sum(vf v) { return vf_reduce_add(v); }
 
 #define SHORT 8 /* up to this many activation rows make one tile: each weight block unpacked once */
 
+/* n float16 values widened into `to`, a vector at a time. Scales and biases
+ * may come as float16, as the GGUF importer keeps them (`half`): a decode step
+ * streams every one, so they take half the bytes; a tile (and the panel's
+ * dequantizer) widens its rows' once, exactly, and its inner loop reads
+ * float32 as before. */
+INLINE void widen_halves(const uint16_t *from, long n, float *to) {
+  long i = 0;
+#if VL == 16
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(to + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(from + i))));
+#else
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(to + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(from + i))));
+#endif
+  for (; i < n; i++) to[i] = _cvtsh_ss(from[i]);
+}
+
 static __thread void *packed_kept, *panel_kept; /* this thread's scratch (threads.h) */
 static __thread size_t packed_capacity, panel_capacity;
 
@@ -103,12 +118,19 @@ static float *pack_rows(const float *x, long M, long K, int bits, int R) {
   const char *ahead = (const char *)wrow + C * row_bytes; /* a prefetch past the end never faults */            \
   long lines = (C * row_bytes + 63) / 64, share = 0;                                                            \
   vf acc[R][C];                                                                                                 \
+  float widened[PANEL || !half ? 1 : 2 * C * groups];                                                          \
+  const float *s32 = s, *bias32 = bias;                                                                         \
+  if (!PANEL && half) {                                                                                         \
+    widen_halves(s, C * groups, widened);                                                                       \
+    widen_halves(bias, C * groups, widened + C * groups);                                                       \
+    s32 = widened, bias32 = widened + C * groups;                                                               \
+  }                                                                                                             \
   UNROLL for (int r = 0; r < R; r++) UNROLL for (int c = 0; c < C; c++) acc[r][c] = vf_zero();                  \
   for (long g = 0, b = 0; g < groups; g++) {                                                                    \
     vf scale[C], bias_of[C];                                                                                    \
     UNROLL for (int c = 0; c < C; c++) if (!PANEL) {                                                            \
-      scale[c] = vf_set1(s[c * groups + g]);                                                                    \
-      bias_of[c] = vf_set1(bias[c * groups + g]);                                                               \
+      scale[c] = vf_set1(s32[c * groups + g]);                                                                  \
+      bias_of[c] = vf_set1(bias32[c * groups + g]);                                                             \
     }                                                                                                           \
     for (long bb = 0; bb < per_group; bb++, b++, x += R * BLOCK) {                                              \
       __m256i u[C];                                                                                             \
@@ -130,11 +152,11 @@ static float *pack_rows(const float *x, long M, long K, int bits, int R) {
   }                                                                                                             \
   UNROLL for (int r = 0; r < R; r++) UNROLL for (int c = 0; c < C; c++) out[r * C + c] = lanes_sum(acc[r][c]);
 
-typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const float *s, const float *bias,
+typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const void *s, const void *bias, int half,
                         const float *panel, const float *x, long K, int group, float *out);
 
 #define TILE(name, isa, UNPACK, bits_, R, C, PANEL)                                                             \
-  static isa void name(const uint8_t *wrow, long row_bytes, const float *s, const float *bias,                  \
+  static isa void name(const uint8_t *wrow, long row_bytes, const void *s, const void *bias, int half,        \
                        const float *panel, const float *x, long K, int group, float *out) {                     \
     const int bits = bits_;                                                                                     \
     TILE_BODY(UNPACK, R, C, PANEL)                                                                              \
@@ -144,22 +166,30 @@ typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const float *s, con
  * values TILE_BODY computes, each C rows block by block (block b of row c at
  * (b * C + c) * 32 floats from the C rows' start, C * K floats a group), so a
  * tile reads its weights as one stream, as it reads its activations. */
-typedef void (*dequantize_fn)(const uint8_t *wrow, long row_bytes, const float *s, const float *bias, long K,
-                              int group, long rows, float *panel);
+typedef void (*dequantize_fn)(const uint8_t *wrow, long row_bytes, const void *s, const void *bias, int half,
+                              long K, int group, long rows, float *panel);
 
 #define DEQUANTIZE(name, isa, UNPACK, bits_)                                                                    \
-  static isa void name(const uint8_t *wrow, long row_bytes, const float *s, const float *bias, long K,          \
+  static isa void name(const uint8_t *wrow, long row_bytes, const void *s, const void *bias, int half, long K, \
                        int group, long rows, float *panel) {                                                    \
     const int bits = bits_;                                                                                     \
     long groups = K / group, step = BLOCK * bits / 8;                                                           \
-    for (long c = 0; c < rows; c++)                                                                             \
+    float widened[half ? 2 * groups : 1];                                                                       \
+    for (long c = 0; c < rows; c++) {                                                                           \
+      const float *s32 = (const float *)s + c * groups, *bias32 = (const float *)bias + c * groups;             \
+      if (half) {                                                                                               \
+        widen_halves((const uint16_t *)s + c * groups, groups, widened);                                        \
+        widen_halves((const uint16_t *)bias + c * groups, groups, widened + groups);                            \
+        s32 = widened, bias32 = widened + groups;                                                               \
+      }                                                                                                         \
       for (long b = 0; b < K / BLOCK; b++) {                                                                    \
         long g = b * BLOCK / group;                                                                             \
-        vf scale = vf_set1(s[c * groups + g]), shift = vf_set1(bias[c * groups + g]);                           \
+        vf scale = vf_set1(s32[g]), shift = vf_set1(bias32[g]);                                                 \
         __m256i u = UNPACK(wrow + c * row_bytes + b * step, bits);                                              \
         float *to = panel + c / C * C * K + (b * C + c % C) * BLOCK;                                            \
         UNROLL for (int v = 0; v < BLOCK / VL; v++) vf_store(to + v * VL, dequantized(u, v, scale, shift));     \
       }                                                                                                         \
+    }                                                                                                           \
   }
 
 /* The tiles: R x C (prompts and batches), R x 1 (the columns those leave),
@@ -252,15 +282,22 @@ typedef struct {
   long M, K, N;
   int bits, group;
   const uint8_t *w;
-  const float *scales, *biases, *x;
+  const void *scales, *biases; /* float32, or float16 where `half` */
+  int half;
+  const float *x;
   float *out;
 } job;
 
+/* The scales (or biases) of weight rows from n: group by group, row after row. */
+static const void *from_row(const job *j, const void *p, long n) {
+  return (const char *)p + n * (j->K / j->group) * (j->half ? 2 : 4);
+}
+
 /* Tile (m0, n0) of rows x columns outputs; panel: the dequantized weight rows from n0, or NULL. */
 static void tile_at(const job *j, tile_fn tile, int rows, int columns, long m0, long n0, const float *panel) {
-  long groups = j->K / j->group, row_bytes = j->K * j->bits / 8;
+  long row_bytes = j->K * j->bits / 8;
   float got[R * C];
-  tile(j->w + n0 * row_bytes, row_bytes, j->scales + n0 * groups, j->biases + n0 * groups, panel,
+  tile(j->w + n0 * row_bytes, row_bytes, from_row(j, j->scales, n0), from_row(j, j->biases, n0), j->half, panel,
        j->x + m0 * j->K, j->K, j->group, got);
   for (int r = 0; r < rows; r++)
     for (int c = 0; c < columns; c++) j->out[(m0 + r) * j->N + n0 + c] = got[r * columns + c];
@@ -281,15 +318,15 @@ static void columns_of(void *arg, int part, int parts) {
   const job *j = arg;
   tiles t = tiles_for(j->bits);
   long first = j->N * part / parts, last = j->N * (part + 1) / parts, whole = first + (last - first) / C * C;
-  long tiled = j->M <= SHORT ? 0 : j->M / R * R, groups = j->K / j->group, row_bytes = j->K * j->bits / 8;
+  long tiled = j->M <= SHORT ? 0 : j->M / R * R, row_bytes = j->K * j->bits / 8;
   int many = j->M >= panel_rows(j->bits);
   long step = many ? (PANEL_FLOATS / j->K / C + 1) * C : COLUMNS;
   float *panel = many ? tierlm_kept_buffer(&panel_kept, &panel_capacity, sizeof(float) * step * j->K) : NULL;
   for (long n0 = first; tiled && n0 < whole; n0 += step) {
     long end = n0 + step < whole ? n0 + step : whole;
     if (panel)
-      t.dequantize(j->w + n0 * row_bytes, row_bytes, j->scales + n0 * groups, j->biases + n0 * groups, j->K,
-                   j->group, end - n0, panel);
+      t.dequantize(j->w + n0 * row_bytes, row_bytes, from_row(j, j->scales, n0), from_row(j, j->biases, n0), j->half,
+                   j->K, j->group, end - n0, panel);
     for (long m0 = 0; m0 < tiled; m0 += R)
       for (long n = n0; n < end; n += C)
         tile_at(j, panel ? panel_tile : t.big, R, C, m0, n, panel ? panel + (n - n0) * j->K : NULL);
@@ -305,10 +342,10 @@ static void columns_of(void *arg, int part, int parts) {
 }
 
 /* out (M x N) = x (M x K) times the quantized W (N x K) transposed. */
-void SIMD_NAME(tierlm_qmm_float)(const float *x, long M, long K, const void *w, const float *scales,
-                                 const float *biases, long N, int bits, int group, float *out) {
+void SIMD_NAME(tierlm_qmm_float)(const float *x, long M, long K, const void *w, const void *scales,
+                                 const void *biases, int half, long N, int bits, int group, float *out) {
   float *packed = pack_rows(x, M, K, bits, R);
-  job j = {M, K, N, bits, group, w, scales, biases, packed, out};
+  job j = {M, K, N, bits, group, w, scales, biases, half, packed, out};
   /* a part per core, but not for products too small to share */
   tierlm_parallel(columns_of, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
 }
