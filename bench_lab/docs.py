@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_lab import constrained, kv_bits, kv_quality, lab_parser, models_bench, prefill, request_path, streaming
+from bench_lab import (constrained, kv_bits, kv_quality, lab_parser, models_bench, prefill, replicas, request_path,
+                       streaming)
 from tierlm.bench.compare import compare_rows, long_prompt_rows, memory_rows
 from tierlm.bench import speculation_bench
 from tierlm.bench.engine_overhead import pair_ratios, step_ratios
@@ -495,6 +496,10 @@ def render_speculation_batch(doc: dict, path: Path) -> str:
     return "\n".join([f"### {speculation_title(doc)}\n", _provenance(doc, path), markdown_table(header, rows), ""])
 
 
+def render_replicas(doc: dict, path: Path) -> str:
+    return "\n".join([f"### {replicas.title(doc)}\n", _provenance(doc, path), replicas.table(doc), ""])
+
+
 def render_request_path(doc: dict, path: Path) -> str:
     return "\n".join([f"### {request_path.title(doc)}\n", _provenance(doc, path), request_path.table(doc), ""])
 
@@ -638,6 +643,8 @@ def benchmarks(results: list[Result]) -> tuple[list[Benchmark], list[Path]]:
             found.setdefault((10, kv_quality.title(r.doc)), []).append({r.kind: r})
         elif r.kind == "prefill":
             found.setdefault((11, prefill.title(r.doc)), []).append({r.kind: r})
+        elif r.kind == "replicas":
+            found.setdefault((12, replicas.title(r.doc)), []).append({r.kind: r})
     shown = {r.path for files_list in found.values() for files in files_list for r in files.values()}
     others = [r.path for r in results if r.path not in shown]
     return [Benchmark(order, title, _newest_first(found[order, title])) for order, title in sorted(found)], others
@@ -653,7 +660,8 @@ def render_benchmark(bench: Benchmark) -> str:
                   "constrained": render_constrained, "models": render_models,
                   "streaming": render_streaming, "speculation": render_speculation,
                   "speculation-batch": render_speculation_batch, "request_path": render_request_path,
-                  "kv_bits": render_kv_bits, "kv_quality": render_kv_quality, "prefill": render_prefill}[r.kind]
+                  "kv_bits": render_kv_bits, "kv_quality": render_kv_quality, "prefill": render_prefill,
+                  "replicas": render_replicas}[r.kind]
         text = render(r.doc, r.path)
     if bench.older_files:
         names = ", ".join(f"`{p.name}`" for p in sorted(bench.older_files))

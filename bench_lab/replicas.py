@@ -145,6 +145,28 @@ def affinity_sessions(base: str, replicas: list[RunningServer], tokenizer, n: in
                                       for r in rows)}
 
 
+def title(result: dict) -> str:
+    routed = ", agent sessions through nginx" if result.get("nginx") else ""
+    return (f"Two replicas sharing one SSD folder{routed}, {Path(result['model']).name}: "
+            f"a {result['prompt_tokens']}-token prompt")
+
+
+def table(result: dict) -> str:
+    r = result["replicas"]
+    lines = ["| cold | hit from the other replica's blocks (÷ cold) | hot hit (÷ cold) | tokens cached |",
+             "|---|---|---|---|",
+             f"| {r['median_cold_s']:.3f} s | {r['median_replica_hit_s']:.3f} s ({r['replica_hit_over_cold']:.3f}) "
+             f"| {r['median_hot_s']:.3f} s ({r['hot_over_cold']:.3f}) "
+             f"| {statistics.median(row['replica_cached_tokens'] for row in r['rounds'])} |"]
+    if n := result.get("nginx"):
+        kept = sum(row["replicas"][0] == row["replicas"][1] and row["second_hot_hit_tokens"] > 0
+                   for row in n["sessions"])
+        lines += ["", f"Through nginx: {kept} of {len(n['sessions'])} agent sessions kept on one replica with "
+                      f"their second turn from its hot tier; both replicas used: "
+                      f"{'yes' if n['both_replicas_used'] else 'no'}."]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = lab_parser("bench_lab.replicas", __doc__)
     p.add_argument("--model", default=None, help="model folder (default: the built-in default model)")

@@ -122,6 +122,26 @@ def test_streaming_results_show_itl_against_tpot_and_cold_starts(tmp_path):
     assert "Median first ÷ second: 8 streams, kept kernels: 0.90 (3 starts, 0.70–1.00)." in section
 
 
+def test_two_replicas_show_the_hit_from_the_others_blocks_and_the_sessions_routed(tmp_path):
+    rounds = [{"cold_s": 13.0 + r, "replica_hit_s": 1.5, "replica_cached_tokens": 3840, "hot_s": 1.3} for r in range(3)]
+    sessions = [{"header": "session-id", "replicas": [i % 2, i % 2], "first_s": 12.0, "second_s": 1.1,
+                 "second_hot_hit_tokens": 3840 if i else 0} for i in range(4)]
+    doc = {"kind": "replicas", "date": "2026-01-01 10:00:00 UTC", "command": "python -m bench_lab.replicas",
+           "machine": {}, "model": "/m/SmolLM2", "prompt_tokens": 4000,
+           "replicas": {"rounds": rounds, "median_cold_s": 14.0, "median_replica_hit_s": 1.5, "median_hot_s": 1.3,
+                        "replica_hit_over_cold": 1.5 / 14, "hot_over_cold": 1.3 / 14},
+           "nginx": {"sessions": sessions, "both_replicas_used": True, "every_session_kept": False}}
+    machine = tmp_path / "results" / "cpu"
+    machine.mkdir(parents=True)
+    (machine / "replicas-smollm2.json").write_text(json.dumps(doc))
+    text = render_docs(tmp_path / "results", tmp_path / "benchmarks.md").read_text()
+    (section,) = sections(text).values()
+    assert section.startswith("Two replicas sharing one SSD folder, agent sessions through nginx, SmolLM2: "
+                              "a 4000-token prompt")
+    assert "| 14.000 s | 1.500 s (0.107) | 1.300 s (0.093) | 3840 |" in section
+    assert "3 of 4 agent sessions kept on one replica" in section and "both replicas used: yes" in section
+
+
 def test_the_machine_heading_names_the_hardware_of_the_results_shown(tmp_path):
     """A folder may hold runs of two machines of its kind; a newer file of no
     benchmark (data only) does not name the machine of the tables."""
