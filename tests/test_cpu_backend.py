@@ -817,3 +817,43 @@ def test_no_cpu_kernels_keeps_mlx_lms_functions(tiny_model_path):
         assert hasattr(llama.scaled_dot_product_attention, "original")
     finally:
         cpu_kernels.uninstall(model)
+
+
+def _half_scaled_tiny_model():
+    """A tiny quantized model whose linear layers keep float16 scales and
+    biases, as the GGUF importer writes them."""
+    model = tiny_model("llama")
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    for _, m in model.named_modules():
+        if type(m) is nn.QuantizedLinear:
+            m.update({"scales": m.scales.astype(mx.float16), "biases": m.biases.astype(mx.float16)})
+    return model
+
+
+@pytest.mark.parametrize("dtype", ["stored", "quantized"])
+def test_float16_scales_stay_as_stored_or_are_read_as_they_are(dtype):
+    """"stored" leaves them alone; "quantized" reads them as they are where the
+    float kernels compute (graph_ops.HalfScalesQuantizedLinear), else widens
+    them to float32 (which the int8 kernels read); the logits are the float32
+    widening's either way."""
+    from tierlm.backends.cpu import quantized
+
+    model = _half_scaled_tiny_model()
+    tokens = mx.array([[3, 5, 7, 11]])
+    backend = backends.prepare(model, cpu_weights_dtype=dtype, memory_bytes=2**40)
+    layers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert layers
+    if dtype == "stored":
+        assert all(type(m) is nn.QuantizedLinear and m.scales.dtype == mx.float16 for m in layers)
+        return
+    reads = quantized.reads_half_scales()
+    assert all((type(m) is graph_ops.HalfScalesQuantizedLinear) == reads for m in layers)
+    assert all(m.scales.dtype == (mx.float16 if reads else mx.float32) for m in layers)
+    assert (f"{len(layers)} layers read their float16 scales as stored" in backend.log[2]) == reads
+    wide = _half_scaled_tiny_model()
+    wide.update(model.parameters())
+    for _, m in wide.named_modules():
+        if type(m) is nn.QuantizedLinear:
+            m.update({"scales": m.scales.astype(mx.float32), "biases": m.biases.astype(mx.float32)})
+    got, want = model(tokens), wide(tokens)
+    assert got.dtype == mx.float32 and mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()

@@ -61,7 +61,7 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
     products = quantized.install(state.lib)
     dtype = weights.apply(weights_dtype, model, memory_bytes)
     replaced = cpu_kernels.install(model) if kernels else []
-    half = weights.settle_half_scales(model, quantized.reads_half_scales())
+    half = weights.settle_half_scales(model, quantized.reads_half_scales()) if dtype == "quantized" else 0
     packed = amx_tiles.pack(model) if amx else 0
     packed_bytes = amx_tiles.packed_bytes(model)
 

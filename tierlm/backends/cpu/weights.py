@@ -91,10 +91,10 @@ def convert(model: nn.Module, dtype_name: str) -> None:
 
 
 def settle_half_scales(model: nn.Module, read_as_stored: bool) -> int:
-    """The layers whose float16 scales `convert` kept: switched to read them
-    as they are (graph_ops.HalfScalesQuantizedLinear) where `read_as_stored`
-    (quantized.reads_half_scales), the others widened to float32 now; returns
-    how many read them as stored."""
+    """After `convert(model, "quantized")`, the layers whose float16 scales it
+    kept: switched to read them as they are (graph_ops.HalfScalesQuantizedLinear)
+    where `read_as_stored` (quantized.reads_half_scales), the others widened to
+    float32 now; returns how many read them as stored."""
     from tierlm.backends.cpu import graph_ops
 
     switched = graph_ops.install_half_scales(model, _kernels_take) if read_as_stored else 0
