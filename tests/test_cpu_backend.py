@@ -845,11 +845,13 @@ def test_float16_scales_stay_as_stored_or_are_read_as_they_are(dtype):
     assert layers
     if dtype == "stored":
         assert all(type(m) is nn.QuantizedLinear and m.scales.dtype == mx.float16 for m in layers)
+        assert backend.summary["half_scale_layers"] == 0
         return
     reads = quantized.reads_half_scales()
     assert all((type(m) is graph_ops.HalfScalesQuantizedLinear) == reads for m in layers)
     assert all(m.scales.dtype == (mx.float16 if reads else mx.float32) for m in layers)
     assert (f"{len(layers)} layers read their float16 scales as stored" in backend.log[2]) == reads
+    assert backend.summary["half_scale_layers"] == (len(layers) if reads else 0)
     wide = _half_scaled_tiny_model()
     wide.update(model.parameters())
     for _, m in wide.named_modules():

@@ -94,6 +94,7 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
         "amx_packed_weights": packed,
         "native_kernels": str(state.native_kernels),
         "quantized_kernels": str(products),
+        "half_scale_layers": half,  # quantized layers reading their float16 scales as stored
         "kernels": replaced,
         "graph_ops": str(graph_ops.state()) if kernels else "off (--no-cpu-kernels)",
         "max_cpu_isa": isa.cap(state.lib) if state.lib is not None else None,  # TIERLM_MAX_CPU_ISA as applied
