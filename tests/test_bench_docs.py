@@ -43,6 +43,15 @@ def serve(date: str) -> dict:
                       "workload_params": {"num_prompts": 4, "input_len": 16, "output_len": 8}}]}
 
 
+def rendered(tmp_path, machine: str, files: dict[str, dict]) -> str:
+    """docs/benchmarks.md rendered from these result files of one machine's folder."""
+    folder = tmp_path / "results" / machine
+    folder.mkdir(parents=True)
+    for name, doc in files.items():
+        (folder / name).write_text(json.dumps(doc))
+    return render_docs(tmp_path / "results", tmp_path / "benchmarks.md").read_text()
+
+
 def sections(text: str) -> dict[str, str]:
     parts = re.split(r"^### ", text, flags=re.MULTILINE)[1:]
     return {p.splitlines()[0]: p for p in parts}
@@ -67,11 +76,7 @@ def test_only_the_newest_result_of_each_benchmark_is_shown(tmp_path):
         "serve-r2.json": serve("2026-01-02 10:00:00 UTC"),
         "engine-r2.json": engine("2026-01-02 09:59:00 UTC", 1, queue=True),
     }
-    machine = tmp_path / "results" / "testbox"
-    machine.mkdir(parents=True)
-    for name, doc in files.items():
-        (machine / name).write_text(json.dumps(doc))
-    text = render_docs(tmp_path / "results", tmp_path / "benchmarks.md").read_text()
+    text = rendered(tmp_path, "testbox", files)
 
     assert text.startswith("# Benchmarks") and "Tools" in text
     assert "## testbox: Test CPU" in text
@@ -110,10 +115,7 @@ def test_streaming_results_show_itl_against_tpot_and_cold_starts(tmp_path):
            "machine": {}, "model": "/m/llama-1b", "base_tree": "/b", "shape": {"input_len": 500, "output_len": 256},
            "smoothness": {"base": [smooth_row(1, 0.100, 0.004, 230.0)], "this": [smooth_row(1, 0.005, 0.005, 240.0)]},
            "cold_start": [cold, {**cold, "ratio": 0.7}, {**cold, "ratio": 1.0}]}
-    machine = tmp_path / "results" / "gpu"
-    machine.mkdir(parents=True)
-    (machine / "streaming-llama-1b.json").write_text(json.dumps(doc))
-    text = render_docs(tmp_path / "results", tmp_path / "benchmarks.md").read_text()
+    text = rendered(tmp_path, "gpu", {"streaming-llama-1b.json": doc})
     (section,) = sections(text).values()
     assert section.startswith("Streaming and cold start: `llama-1b`, 500-token prompts, 256 tokens out, at 1 streams, "
                               "against an earlier tree")
@@ -131,10 +133,7 @@ def test_two_replicas_show_the_hit_from_the_others_blocks_and_the_sessions_route
            "replicas": {"rounds": rounds, "median_cold_s": 14.0, "median_replica_hit_s": 1.5, "median_hot_s": 1.3,
                         "replica_hit_over_cold": 1.5 / 14, "hot_over_cold": 1.3 / 14},
            "nginx": {"sessions": sessions, "both_replicas_used": True, "every_session_kept": False}}
-    machine = tmp_path / "results" / "cpu"
-    machine.mkdir(parents=True)
-    (machine / "replicas-smollm2.json").write_text(json.dumps(doc))
-    text = render_docs(tmp_path / "results", tmp_path / "benchmarks.md").read_text()
+    text = rendered(tmp_path, "cpu", {"replicas-smollm2.json": doc})
     (section,) = sections(text).values()
     assert section.startswith("Two replicas sharing one SSD folder, agent sessions through nginx, SmolLM2: "
                               "a 4000-token prompt")
@@ -149,11 +148,7 @@ def test_the_machine_heading_names_the_hardware_of_the_results_shown(tmp_path):
     files = {"compare-a.json": compare("2026-01-02 10:00:00 UTC", 32), "compare-b.json": other_cpu,
              "cache-later.json": {"kind": "cache", "date": "2026-01-04 10:00:00 UTC",
                                   "machine": {"cpu": "Data-only CPU"}}}
-    machine = tmp_path / "results" / "cpu"
-    machine.mkdir(parents=True)
-    for name, doc in files.items():
-        (machine / name).write_text(json.dumps(doc))
-    text = render_docs(tmp_path / "results", tmp_path / "benchmarks.md").read_text()
+    text = rendered(tmp_path, "cpu", files)
     assert "## cpu: Other CPU / Test CPU\n" in text
     assert "Data-only CPU" not in text
 
@@ -177,10 +172,7 @@ def test_a_compare_against_llama_server_shows_long_prompts_memory_and_the_cpu(tm
     doc["machine"]["cpu_features"] = {"avx2": True, "avx512f": True, "amx_tile": False, "hypervisor": True}
     doc["machine"]["max_cpu_isa"] = "avx2"  # taken under TIERLM_MAX_CPU_ISA
     doc["tierlm_backend"] = {"name": "cpu", "quantized_kernels": "on (avx512-vnni)", "calls": {"qmm": 9}}
-    machine = tmp_path / "results" / "cpu"
-    machine.mkdir(parents=True)
-    (machine / "compare-qwen-coder.json").write_text(json.dumps(doc))
-    text = render_docs(tmp_path / "results", tmp_path / "benchmarks.md").read_text()
+    text = rendered(tmp_path, "cpu", {"compare-qwen-coder.json": doc})
 
     (title, section), = sections(text).items()
     assert title == ("Side by side: chat workload, 128 → 8 tokens, TTFT of 2048-token prompts; "

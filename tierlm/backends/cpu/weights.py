@@ -98,22 +98,22 @@ def settle_half_scales(model: nn.Module, read_as_stored: bool) -> int:
     from tierlm.backends.cpu import graph_ops
 
     switched = graph_ops.install_half_scales(model, _kernels_take) if read_as_stored else 0
-    wide = [(f"{name}.{leaf}", m[leaf].astype(mx.float32)) for name, m in model.named_modules()
-            if type(m) is not graph_ops.HalfScalesQuantizedLinear and isinstance(m, QUANTIZED)
-            for leaf in ("scales", "biases") if leaf in m and m[leaf].dtype == mx.float16]
+    still = _half_scales(model, leave=graph_ops.HalfScalesQuantizedLinear)
+    wide = [(k, v.astype(mx.float32)) for k, v in tree_flatten(model.parameters()) if k in still]
     if wide:
         model.load_weights(wide, strict=False)
         mx.eval(model.parameters())
     return switched
 
 
-def _half_scales(model: nn.Module) -> set[str]:
-    """The float16 scales and biases of quantized linear layers: the kernels read
-    them as they are (a decode step streams every one of them, ~15% of a 4-bit
-    layer's bytes as float32); an embedding's gather makes its rows in its
-    scales' dtype, so those become float32."""
-    return {f"{name}.{leaf}" for name, m in model.named_modules()
-            if isinstance(m, QUANTIZED) and not isinstance(m, nn.QuantizedEmbedding)
+def _half_scales(model: nn.Module, leave: type | None = None) -> set[str]:
+    """The names of the float16 scales and biases of quantized linear layers
+    (not of class `leave`): the kernels read them as they are (a decode step
+    streams every one of them, ~15% of a 4-bit layer's bytes as float32); an
+    embedding's gather makes its rows in its scales' dtype, so those become
+    float32."""
+    return {f"{name}.{leaf}" if name else leaf for name, m in model.named_modules()
+            if isinstance(m, QUANTIZED) and not isinstance(m, nn.QuantizedEmbedding) and type(m) is not leave
             for leaf in ("scales", "biases") if leaf in m and m[leaf].dtype == mx.float16}
 
 

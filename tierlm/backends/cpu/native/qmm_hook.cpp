@@ -85,10 +85,9 @@ void eval_cpu(UnaryPrimitive *self, const std::vector<array> &inputs, array &out
     return;
   }
   auto [group, bits, mode, transpose] = primitive.state();
-  const array &w = inputs[1], &scales = inputs[2], &biases = inputs[3];
-  auto &encoder = cpu::get_command_encoder(primitive.stream());
-  const array &x = inputs[0];
+  const array &x = inputs[0], &w = inputs[1], &scales = inputs[2], &biases = inputs[3];
   out.set_data(allocator::malloc(out.nbytes()));
+  auto &encoder = cpu::get_command_encoder(primitive.stream());
   for (const array *a : {&x, &w, &scales, &biases}) encoder.set_input_array(*a);
   encoder.set_output_array(out);
   long K = x.shape(-1), M = x.size() / K, N = out.shape(-1);
