@@ -859,3 +859,50 @@ def test_float16_scales_stay_as_stored_or_are_read_as_they_are(dtype):
             m.update({"scales": m.scales.astype(mx.float32), "biases": m.biases.astype(mx.float32)})
     got, want = model(tokens), wide(tokens)
     assert got.dtype == mx.float32 and mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+
+
+def _vnni_available() -> bool:
+    from tierlm.backends.cpu import quantized, route
+
+    state = route.prepare()
+    return state.lib is not None and bool(state.lib.tierlm_qmm_available(quantized.PATHS["avx512-vnni"]))
+
+
+@pytest.mark.skipif(not _vnni_available(), reason="needs AVX-512 VNNI")
+def test_int8_activations_are_registered_for_the_models_life_and_tagged(monkeypatch):
+    """TIERLM_INT8_ACTIVATIONS=on registers every quantized layer of the model
+    with qgemm.c (no probe): its logits are the int8 products' (close to the
+    float path's, not equal), the prefix cache's keys get the int8 tag, and the
+    registration goes with the model. off, a wrong value, or auto without a
+    reference text keep the float32 products and say why."""
+    import gc
+
+    from tierlm.backends.cpu import int8, quantized
+
+    tokens = mx.array([[3, 5, 7, 11, 13]])
+    floats = _half_scaled_tiny_model()
+    want = backends.prepare(floats, cpu_weights_dtype="quantized", memory_bytes=2**40)
+    if not quantized.float_products():
+        pytest.skip("the process runs a path other than the float ones (TIERLM_QUANT_KERNEL)")
+    assert want.layout_tag == b"" and want.summary["int8_activations"].startswith("off (no reference text")
+    before = int8.registered()
+    monkeypatch.setenv("TIERLM_INT8_ACTIVATIONS", "on")
+    model = _half_scaled_tiny_model()  # the same weights (seeded), in buffers of its own
+    backend = backends.prepare(model, cpu_weights_dtype="quantized", memory_bytes=2**40)
+    layers = len([m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)])
+    assert backend.summary["int8_activations"] == f"on ({layers} layers, TIERLM_INT8_ACTIVATIONS=on)"
+    assert backend.layout_tag == int8.LAYOUT_TAG and "CPU int8 activations: on" in backend.log[3]
+    assert int8.registered() == before + layers
+    got, float_logits = model(tokens), floats(tokens)
+    assert not mx.array_equal(got, float_logits).item()
+    assert mx.allclose(got, float_logits, rtol=0.05, atol=0.05).item()
+    del model, backend, got
+    gc.collect()
+    assert int8.registered() == before
+    for value, why in (("off", "off (turned off by TIERLM_INT8_ACTIVATIONS=off)"),
+                       ("maybe", "off (TIERLM_INT8_ACTIVATIONS=maybe is not one of auto, on, off)")):
+        monkeypatch.setenv("TIERLM_INT8_ACTIVATIONS", value)
+        other = _half_scaled_tiny_model()
+        assert backends.prepare(other, cpu_weights_dtype="quantized",
+                                memory_bytes=2**40).summary["int8_activations"] == why
+    assert int8.registered() == before

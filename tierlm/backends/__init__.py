@@ -67,16 +67,18 @@ def keep_compiled_kernels(folder: str) -> None:
 
 
 def prepare(model, *, cpu_weights_dtype: str = "auto", memory_bytes: int, cpu_kernels: bool = True,
-            cpu_amx: bool = True) -> Backend:
+            cpu_amx: bool = True, probe_tokens: list[int] | None = None) -> Backend:
     """Sets up what the device's backend adds to `model` (in place) and records
-    its description for `describe`. Call on the engine's thread."""
+    its description for `describe`. Call on the engine's thread. `probe_tokens`:
+    a reference text's tokens, with which the CPU backend decides whether the
+    model takes int8 activations (cpu.int8); None keeps float32 products."""
     import mlx.core as mx
 
     if mx.default_device() == mx.cpu:
         from tierlm.backends import cpu
 
         backend = cpu.prepare(model, weights_dtype=cpu_weights_dtype, memory_bytes=memory_bytes,
-                              kernels=cpu_kernels, amx=cpu_amx)
+                              kernels=cpu_kernels, amx=cpu_amx, probe_tokens=probe_tokens)
     else:
         from tierlm.backends import gpu
 

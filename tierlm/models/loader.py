@@ -67,7 +67,8 @@ def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | 
         shard_model(model, shard_group)
     backend = backends.prepare(model, cpu_weights_dtype=cpu_weights_dtype,
                                memory_bytes=memory_bytes or total_memory(),
-                               cpu_kernels=use_cpu_kernels, cpu_amx=use_amx)
+                               cpu_kernels=use_cpu_kernels, cpu_amx=use_amx,
+                               probe_tokens=_probe_tokens(tokenizer))
     for line in backend.log:
         log.info("%s", line)
     for line in backend.warnings:
@@ -75,6 +76,17 @@ def load_model(path: Path, cpu_weights_dtype: str = "auto", memory_bytes: int | 
     _evaluate_all(model)
     _settle_random_state()
     return model, tokenizer
+
+
+def _probe_tokens(tokenizer) -> list[int] | None:
+    """The reference text the CPU backend probes int8 activations with, as this
+    model's tokenizer encodes it (cpu.int8); None where it cannot encode."""
+    from tierlm.backends.cpu.int8 import probe_tokens
+
+    try:
+        return probe_tokens(tokenizer)
+    except Exception:  # noqa: BLE001  a tokenizer that cannot: float32 products
+        return None
 
 
 def shard_model(model, group) -> None:

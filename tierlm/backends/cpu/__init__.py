@@ -13,6 +13,8 @@ For a model on MLX's CPU backend this room arranges, when the model is loaded:
 - quantized.py: MLX's quantized matmul on tierlm's kernels (qgemm.c and
   qgemm_float.c: float32 products with AVX-512 or AVX2, int8 ones by name or in
   plain C; behind MLX's own operation by qmm_hook.cpp);
+- int8.py: int8 activations (AVX-512 VNNI) for the quantized models a probe at
+  load finds they barely move;
 - weights.py: quantized models kept quantized where those kernels take their
   format, else the weights in float32 when they fit (MLX sends only float32
   matmuls to BLAS);
@@ -48,14 +50,16 @@ AMX_LAYOUT_TAG = b" products: bfloat16 on AMX"
 
 
 def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: bool = True,
-            amx: bool = True) -> Backend:
+            amx: bool = True, probe_tokens: list[int] | None = None) -> Backend:
     """Sets up the fast path for `model` on MLX's CPU device, in place: the BLAS
     and the route (once per process), the weights' dtype, the kernels, the AMX
     copies. `weights_dtype`, `kernels` and `amx` are --cpu-weights-dtype,
-    --cpu-kernels and --cpu-amx."""
+    --cpu-kernels and --cpu-amx; `probe_tokens`: a reference text's tokens for
+    int8.choose (None: float32 products only)."""
     from tierlm.backends.cpu import amx as amx_tiles
     from tierlm.backends.cpu import kernels as cpu_kernels
-    from tierlm.backends.cpu import graph_ops, isa, quantized, route, weights
+    from tierlm.backends.cpu import graph_ops, int8, isa, quantized, route, weights
+    from tierlm.backends.cpu.route import Feature
 
     state = route.prepare()
     products = quantized.install(state.lib)
@@ -63,6 +67,10 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
     replaced = cpu_kernels.install(model) if kernels else []
     half = weights.settle_half_scales(model, quantized.reads_half_scales()) if dtype == "quantized" else 0
     packed = amx_tiles.pack(model) if amx else 0
+    if dtype != "quantized" or not kernels:
+        int8_state, int8_on = Feature(False, f"weights {dtype}" if kernels else "--no-cpu-kernels"), False
+    else:
+        int8_state, int8_on = int8.choose(model, probe_tokens)
     packed_bytes = amx_tiles.packed_bytes(model)
 
     blas = state.blas_path or f"bundled reference ({state.blas.detail})"
@@ -71,7 +79,8 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
             f"{state.exact_attention}, native kernels {state.native_kernels}"),
            f"CPU fast path self-check: {state.self_check}",
            f"CPU quantized kernels: {products}"
-           + (f"; {half} layers read their float16 scales as stored" if half else "")]
+           + (f"; {half} layers read their float16 scales as stored" if half else ""),
+           f"CPU int8 activations: {int8_state}"]
     if not kernels:
         log.append("CPU kernels off (--no-cpu-kernels): mlx-lm's attention and SwiGLU")
     elif replaced:
@@ -95,6 +104,7 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
         "native_kernels": str(state.native_kernels),
         "quantized_kernels": str(products),
         "half_scale_layers": half,  # quantized layers reading their float16 scales as stored
+        "int8_activations": str(int8_state),  # this model's products with int8 activations, and why
         "kernels": replaced,
         "graph_ops": str(graph_ops.state()) if kernels else "off (--no-cpu-kernels)",
         "max_cpu_isa": isa.cap(state.lib) if state.lib is not None else None,  # TIERLM_MAX_CPU_ISA as applied
@@ -105,11 +115,12 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
         return {"calls": {**state.counts(), **{f"kernel_{k}": v for k, v in python.items()},
                           "quantized_hook": quantized.taken(), "quantized_left_to_mlx": quantized.left_to_mlx()}}
 
-    # tierlm's float32 products of quantized weights (AVX-512 or AVX2) and its
-    # attention products sum each output in one fixed order; a BLAS's gemv and
-    # gemm do not
-    invariant = dtype == "quantized" and quantized.float_products() and state.exact_attention.on
+    # tierlm's products of quantized weights (AVX-512 VNNI, AVX-512 or AVX2) and
+    # its attention products sum each output in one fixed order; a BLAS's gemv
+    # and gemm do not
+    invariant = dtype == "quantized" and quantized.default_products() and state.exact_attention.on
     summary["batch_invariant"] = invariant
-    return Backend(name="cpu", extra_bytes=packed_bytes, layout_tag=AMX_LAYOUT_TAG if packed else b"",
+    layout_tag = AMX_LAYOUT_TAG if packed else int8.LAYOUT_TAG if int8_on else b""
+    return Backend(name="cpu", extra_bytes=packed_bytes, layout_tag=layout_tag,
                    batch_invariant=invariant, log=tuple(log), warnings=warnings, summary=summary,
                    counters=counters)

@@ -28,7 +28,7 @@ VARIABLE = "TIERLM_MAX_CPU_ISA"
 VALUES = ("native", "avx512", "avx-vnni", "avx2")  # cpu_features.c's names, widest first
 # cpu_features.h's enum, in its order
 FEATURES = ("avx2", "fma", "avx-vnni", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512bf16",
-            "amx-bf16")
+            "amx-bf16", "avx512vnni")
 
 
 def cap(lib: ctypes.CDLL) -> str:

@@ -27,10 +27,10 @@ from pathlib import Path
 
 HERE = Path(__file__).parent / "native"
 SOURCES = [HERE / name for name in ("sgemm_route.c", "amx_bf16.c", "float_kernels.c", "float_avx512.c", "float_avx2.c",
-                                        "qgemm.c", "threads.c", "cpu_features.c")]
+                                        "qgemm.c", "qgemm_vnni512.c", "threads.c", "cpu_features.c")]
 # included, not compiled alone: the float kernels' sources are compiled once per width (float_avx*.c)
 HEADERS = [HERE / name for name in ("simd.h", "exact_gemm.c", "softmax.c", "swiglu.c", "qgemm_float.c", "counters.h",
-                                    "threads.h", "unpack.h", "cpu_features.h")]
+                                    "threads.h", "unpack.h", "cpu_features.h", "qgemm_int8.h")]
 
 # The order of counters.h's enum: what each tierlm_counts slot counts.
 COUNTERS = ("sgemm", "sgemm_amx", "sgemm_exact", "sgemm_gemv", "sgemm_blas", "softmax", "swiglu", "logsumexp", "gelu",
@@ -122,6 +122,8 @@ def load() -> ctypes.CDLL:
     lib.tierlm_qmm_supports.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long]
     lib.tierlm_qmm_select.argtypes = [ctypes.c_int]
     lib.tierlm_qmm_available.argtypes = [ctypes.c_int]
+    lib.tierlm_qmm_int8_add.argtypes = [ctypes.c_void_p]
+    lib.tierlm_qmm_int8_remove.argtypes = [ctypes.c_void_p]
     lib.tierlm_float_select.argtypes = [ctypes.c_int]
     lib.tierlm_cpu_has.argtypes = [ctypes.c_int]
     lib.tierlm_cpu_hidden.argtypes = [ctypes.c_int]

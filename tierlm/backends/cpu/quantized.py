@@ -10,10 +10,11 @@ groups of 32, 64 or 128):
   lanes), in float32: each block of weights is unpacked in registers and
   multiplied into the float activations; a prompt's (or a large batch's)
   weights are dequantized once into cache-sized panels;
-- by name only (avx-vnni, avx2-int8), as llama.cpp computes its quantized
-  products: the activations are quantized to int8 per 32 values and each block
-  is an integer dot product (vpdpbusd, vpmaddubsw): fewer instructions, but
-  the int8 activations move a small model's answers;
+- with AVX-512 VNNI (avx512-vnni), for the models int8.py's probe lets take
+  int8 activations, and by name only (avx-vnni, avx2-int8), as llama.cpp
+  computes its quantized products: the activations are quantized to int8 per
+  32 values and each block is an integer dot product (vpdpbusd, vpmaddubsw):
+  fewer instructions, but the int8 activations move some models' answers;
 - anywhere else, the integer products in plain C.
 
 Every row has the same bits alone or batched.
@@ -28,8 +29,9 @@ must be float32 for it: weights.py converts them when it keeps a model
 quantized.
 
 TIERLM_QUANT_KERNEL picks the path: auto (avx512, else avx2, else portable),
-avx512, avx2, avx-vnni, avx2-int8, portable (plain C, any CPU), or off (MLX's
-own). TIERLM_MAX_CPU_ISA caps what the CPU reports (isa.py): with avx2, auto is
+avx512, avx2, avx512-vnni, avx-vnni, avx2-int8, portable (plain C, any CPU), or
+off (MLX's own). Under auto the products of a model int8.py registered take the
+avx512-vnni tiles. TIERLM_MAX_CPU_ISA caps what the CPU reports (isa.py): with avx2, auto is
 avx2.
 """
 
@@ -48,10 +50,13 @@ from tierlm.backends.cpu.route import Feature
 
 HOOK_SOURCE = native.HERE / "qmm_hook.cpp"
 # qgemm.c's path numbers, by the names TIERLM_QUANT_KERNEL takes
-PATHS = {"avx512": 3, "avx2": 4, "avx-vnni": 2, "avx2-int8": 1, "portable": 0}
+PATHS = {"avx512": 3, "avx2": 4, "avx512-vnni": 5, "avx-vnni": 2, "avx2-int8": 1, "portable": 0}
 FLOAT_PATHS = ("avx512", "avx2")  # float32 activations; the others quantize them to int8 per 32 values
+# the paths `auto` chooses from: they keep a model's weights quantized, read its
+# float16 scales and biases as stored, and give a row the same bits alone or batched
+DEFAULT_PATHS = ("avx512-vnni",) + FLOAT_PATHS
 # each path's feature (isa.FEATURES)
-NEEDS = {"avx512": "avx512f", "avx2": "avx2", "avx-vnni": "avx-vnni", "avx2-int8": "avx2"}
+NEEDS = {"avx512": "avx512f", "avx2": "avx2", "avx512-vnni": "avx512vnni", "avx-vnni": "avx-vnni", "avx2-int8": "avx2"}
 NAMES = {number: name for name, number in PATHS.items()}
 BITS = (4, 5, 8)  # what qgemm.c multiplies; MLX's own code takes the rest
 GROUP_SIZES = (32, 64, 128)
@@ -101,11 +106,17 @@ def float_products() -> bool:
     return on() and _path in FLOAT_PATHS
 
 
+def default_products() -> bool:
+    """The kernels in use are one of the paths `auto` chooses (DEFAULT_PATHS):
+    the weights stay quantized, and batching moves no bit."""
+    return on() and _path in DEFAULT_PATHS
+
+
 def reads_half_scales() -> bool:
     """Whether layers keep float16 scales and biases for the float kernels to
     read as they are (graph_ops.HalfScalesQuantizedLinear): a decode step
     streams every one of them. TIERLM_HALF_SCALES=off widens them at load."""
-    return float_products() and os.environ.get("TIERLM_HALF_SCALES") != "off"
+    return default_products() and os.environ.get("TIERLM_HALF_SCALES") != "off"
 
 
 def _choose_path(lib: ctypes.CDLL) -> tuple[int | None, str]:

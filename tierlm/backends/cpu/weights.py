@@ -3,9 +3,9 @@
 A quantized model stays quantized ("quantized") when tierlm's kernels multiply
 its format (quantized.py: affine 4, 5 or 8 bits) in float32 (AVX-512, or AVX2
 with FMA): its scales and biases become float32, which the kernels read, and
-any layer in another format is dequantized to float32. The int8 kernels
-(chosen by name: avx-vnni, avx2-int8) take a model only when its float32
-weights do not fit. Otherwise, with a real
+any layer in another format is dequantized to float32; so it does under
+avx512-vnni (int8.py). The int8 kernels chosen by name (avx-vnni, avx2-int8)
+take a model only when its float32 weights do not fit. Otherwise, with a real
 BLAS loaded, float32 weights
 decode ~2-15x faster than the stored ones (MLX's own CPU quantized matmul does
 not get faster with batch size), and 16-bit weights never win (MLX's CPU matmul
@@ -56,7 +56,7 @@ def choose_dtype(setting: str, model: nn.Module, memory_bytes: int) -> str:
     if setting != "auto":
         return setting
     kernels_take = quantized.on() and any(_kernels_take(m) for _, m in model.named_modules())
-    if kernels_take and quantized.float_products():
+    if kernels_take and quantized.default_products():
         return "quantized"
     # The int8 products (avx-vnni, avx2-int8) move a small model's answers:
     # SmolLM2's greedy answers changed under them, so they take only models

@@ -29,6 +29,7 @@ static const int needs_cap[CPU_FEATURES] = {
     [CPU_AVX2] = CAP_AVX2,         [CPU_FMA] = CAP_AVX2,          [CPU_AVX_VNNI] = CAP_AVX_VNNI,
     [CPU_AVX512F] = CAP_AVX512,    [CPU_AVX512BW] = CAP_AVX512,   [CPU_AVX512VL] = CAP_AVX512,
     [CPU_AVX512VBMI] = CAP_AVX512, [CPU_AVX512BF16] = CAP_AVX512, [CPU_AMX_BF16] = CAP_NATIVE,
+    [CPU_AVX512VNNI] = CAP_AVX512,
 };
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
@@ -47,6 +48,7 @@ static void detect(void) {
   present[CPU_AVX512VL] = __builtin_cpu_supports("avx512vl");
   present[CPU_AVX512VBMI] = __builtin_cpu_supports("avx512vbmi");
   present[CPU_AVX512BF16] = __builtin_cpu_supports("avx512bf16");
+  present[CPU_AVX512VNNI] = __builtin_cpu_supports("avx512vnni");
 #if !defined(TIERLM_NO_AMX) /* compilers without AMX (native.py's retry) know no "amx-bf16" either */
   present[CPU_AMX_BF16] = __builtin_cpu_supports("amx-bf16");
 #endif

@@ -15,6 +15,7 @@ typedef enum {
   CPU_AVX512VBMI,
   CPU_AVX512BF16,
   CPU_AMX_BF16,
+  CPU_AVX512VNNI,
   CPU_FEATURES
 } tierlm_cpu_feature;
 

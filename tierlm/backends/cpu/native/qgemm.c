@@ -6,6 +6,10 @@
  *   - AVX-512, and AVX2 with FMA: float32 products of the weights unpacked in
  *     registers (qgemm_float.c, one source built for 16 and for 8 lanes): the
  *     activations stay float32, so the product is the dequantized weights' own;
+ *   - AVX-512 VNNI for the weights cpu/int8.py registers (a model its probe
+ *     found the int8 activations barely move; tierlm_qmm_int8_add), or for
+ *     all (TIERLM_QUANT_KERNEL=avx512-vnni): the integer products below, two
+ *     blocks a 512-bit vector;
  *   - AVX-VNNI and AVX2+FMA by name only (TIERLM_QUANT_KERNEL=avx-vnni or
  *     avx2-int8): this file's integer products, computed as llama.cpp computes
  *     its quantized ones: the activations are quantized to int8 per block of
@@ -27,6 +31,7 @@
  * the split, so batching changes no bit. */
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,11 +39,11 @@
 #include "counters.h"
 #include "cpu_features.h"
 #include "threads.h"
+#include "qgemm_int8.h"
 #include "unpack.h"
 
-#define BLOCK 32
+#define UNROLL _Pragma("GCC unroll 16")
 
-enum { PATH_SCALAR = 0, PATH_AVX2_INT8 = 1, PATH_AVX_VNNI = 2, PATH_AVX512 = 3, PATH_AVX2_FLOAT = 4 };
 
 /* qgemm_float.c, built by float_avx512.c and float_avx2.c; whether this CPU runs each (float_kernels.c) */
 int tierlm_float_width_available(int width);
@@ -57,6 +62,9 @@ int tierlm_qmm_available(int path) {
     case PATH_AVX_VNNI: return tierlm_qmm_available(PATH_AVX2_INT8) && tierlm_cpu_has(CPU_AVX_VNNI);
     case PATH_AVX512: return tierlm_float_width_available(16);
     case PATH_AVX2_FLOAT: return tierlm_float_width_available(8);
+    case PATH_AVX512_VNNI:
+      return tierlm_qmm_available(PATH_AVX2_INT8) && tierlm_cpu_has(CPU_AVX512F) && tierlm_cpu_has(CPU_AVX512BW) &&
+             tierlm_cpu_has(CPU_AVX512VL) && tierlm_cpu_has(CPU_AVX512VNNI);
   }
   return 0;
 }
@@ -81,12 +89,6 @@ int tierlm_qmm_supports(int bits, int group, long K) {
 
 /* ---- the activations, quantized once per call ---------------------------- */
 
-typedef struct {
-  int8_t *q;   /* M x K, each 32-block in the order its weights unpack */
-  float *d;    /* M x K/32: the scale of each block */
-  float *sum;  /* M x K/g: the exact sum of x over each group */
-  float *fix;  /* M x K/g: what multiplies a group's weight scale besides the products (see below) */
-} activations;
 
 /* The integer products are taken as sum (q - c) xq, c = 2^(bits-1) the centre of
  * the weights, and the centre is given back with the exact sum of x:
@@ -176,6 +178,17 @@ static void quantize_rows(const float *x, long M, long K, int bits, int group, i
   }
 }
 
+void *tierlm_quantize_activations(const float *x, long M, long K, int bits, int group, int path, activations *a) {
+  long blocks = K / BLOCK, groups = K / group;
+  size_t quantized = (size_t)(M * K + 63) & ~(size_t)63;
+  char *buffer = malloc(quantized + sizeof(float) * M * (blocks + 2 * groups));
+  *a = (activations){(int8_t *)buffer, (float *)(buffer + quantized), 0, 0};
+  a->sum = a->d + M * blocks;
+  a->fix = a->sum + M * groups;
+  quantize_rows(x, M, K, bits, group, path, a);
+  return buffer;
+}
+
 /* ---- portable C ---------------------------------------------------------- */
 
 static inline int value_at(const uint8_t *row, int bits, long k) {
@@ -203,22 +216,22 @@ static inline __attribute__((always_inline)) TARGET __m256i dot_avx2(__m256i w, 
  * instance (see PRODUCTS). */
 #define TILE_BODY(DOT, R, C, PANEL)                                                                    \
   long blocks = K / BLOCK, per_group = group / BLOCK, step = BLOCK * bits / 8, groups = K / group;     \
-  /* the next tile's weight rows, fetched a share a block while this one computes (a prefetch past \
+  /* the next tile's weight rows, fetched a share a block while this one computes (a prefetch past     \
    * the matrix's end never faults) */                                                                 \
   const char *ahead = (const char *)wrow + C * row_bytes;                                              \
   long lines = (C * row_bytes + 63) / 64, share = 0;                                                   \
   __m256 acc[R][C];                                                                                    \
-  for (int r = 0; r < R; r++)                                                                          \
-    for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                                       \
+  UNROLL for (int r = 0; r < R; r++)                                                                   \
+    UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                                \
   for (long g = 0, b = 0; g < groups; g++) {                                                           \
     for (long bb = 0; bb < per_group; bb++, b++) {                                                     \
       for (share += lines; !PANEL && share >= blocks; share -= blocks, ahead += 64)                    \
         _mm_prefetch(ahead, _MM_HINT_T0);                                                              \
-      for (int c = 0; c < C; c++) {                                                                    \
+      UNROLL for (int c = 0; c < C; c++) {                                                             \
         __m256i w = PANEL ? _mm256_loadu_si256((const __m256i *)(panel + (b * C + c) * BLOCK))         \
                           : unpack(wrow + c * row_bytes + b * step, bits);                             \
         __m256 scale = _mm256_set1_ps(s[c * groups + g]);                                              \
-        for (int r = 0; r < R; r++) {                                                                  \
+        UNROLL for (int r = 0; r < R; r++) {                                                           \
           __m256i q = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + r) * K + b * BLOCK));          \
           __m256 sd = _mm256_mul_ps(scale, _mm256_broadcast_ss(a->d + (m0 + r) * blocks + b));         \
           acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT), sd, acc[r][c]);                         \
@@ -226,7 +239,7 @@ static inline __attribute__((always_inline)) TARGET __m256i dot_avx2(__m256i w, 
       }                                                                                                \
     }                                                                                                  \
   }                                                                                                    \
-  for (int r = 0; r < R; r++)                                                                          \
+  UNROLL for (int r = 0; r < R; r++)                                                                   \
     for (int c = 0; c < C; c++) out[r * C + c] = hsum(acc[r][c]);
 
 typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const float *s, const uint8_t *panel,
@@ -235,12 +248,12 @@ typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const float *s, con
 /* The tiles: 4 activation rows x 2 weight rows (batches), the same reading
  * unpacked weights from a panel (many activation rows), 1 x 8 (one row: eight
  * independent chains), 1 x 1 (what is left); and what fills the panel. */
-#define TILE(name, isa, DOT, bits_, R, C, PANEL)                                                           \
-  static __attribute__((target(isa))) void name(const uint8_t *wrow, long row_bytes, const float *s,        \
+#define TILE(name, isa, DOT, bits_, R, C, PANEL)                                                       \
+  static __attribute__((target(isa))) void name(const uint8_t *wrow, long row_bytes, const float *s,   \
                                                 const uint8_t *panel, const activations *a, long m0, long K, \
-                                                int group, float *out) {                                    \
-    const int bits = bits_;                                                                                 \
-    TILE_BODY(DOT, R, C, PANEL)                                                                             \
+                                                int group, float *out) {                               \
+    const int bits = bits_;                                                                            \
+    TILE_BODY(DOT, R, C, PANEL)                                                                        \
   }
 
 /* `rows` weight rows (a multiple of 2) unpacked into panel as the 4 x 2 tile
@@ -249,22 +262,22 @@ typedef void (*tile_fn)(const uint8_t *wrow, long row_bytes, const float *s, con
  * gives the other tiles, so the products are the same. */
 typedef void (*unpack_rows_fn)(const uint8_t *wrow, long row_bytes, long K, long rows, uint8_t *panel);
 
-#define UNPACK_ROWS(name, bits_)                                                                         \
+#define UNPACK_ROWS(name, bits_)                                                                       \
   static UNPACK_TARGET void name(const uint8_t *wrow, long row_bytes, long K, long rows, uint8_t *panel) { \
-    const int bits = bits_;                                                                              \
-    for (long c = 0; c < rows; c++)                                                                      \
-      for (long b = 0; b < K / BLOCK; b++)                                                               \
-        _mm256_storeu_si256((__m256i *)(panel + c / 2 * 2 * K + (b * 2 + c % 2) * BLOCK),                \
-                            unpack(wrow + c * row_bytes + b * BLOCK * bits / 8, bits));                  \
+    const int bits = bits_;                                                                            \
+    for (long c = 0; c < rows; c++)                                                                    \
+      for (long b = 0; b < K / BLOCK; b++)                                                             \
+        _mm256_storeu_si256((__m256i *)(panel + c / 2 * 2 * K + (b * 2 + c % 2) * BLOCK),              \
+                            unpack(wrow + c * row_bytes + b * BLOCK * bits / 8, bits));                \
   }
 UNPACK_ROWS(unpack_rows_4, 4)
 UNPACK_ROWS(unpack_rows_5, 5)
 UNPACK_ROWS(unpack_rows_8, 8)
 
-#define PRODUCTS(name, isa, DOT, bits_)           \
-  TILE(name##_4x2, isa, DOT, bits_, 4, 2, 0)      \
-  TILE(name##_4x2_panel, isa, DOT, bits_, 4, 2, 1) \
-  TILE(name##_1x8, isa, DOT, bits_, 1, 8, 0)      \
+#define PRODUCTS(name, isa, DOT, bits_)                                                                \
+  TILE(name##_4x2, isa, DOT, bits_, 4, 2, 0)                                                           \
+  TILE(name##_4x2_panel, isa, DOT, bits_, 4, 2, 1)                                                     \
+  TILE(name##_1x8, isa, DOT, bits_, 1, 8, 0)                                                           \
   TILE(name##_1x1, isa, DOT, bits_, 1, 1, 0)
 
 /* vpdpbusd sums u8 x s8 products into int32 lanes without saturating (AVX-VNNI,
@@ -396,24 +409,90 @@ static void rows_of(void *arg, int part, int parts) {
   }
 }
 
+/* ---- the weights multiplied with int8 activations, whatever the path ----- */
+
+/* quantized.py registers here the weights of a model whose predictions the int8
+ * activations barely move (its probe at load), by their packed data's address;
+ * their products take the AVX-512 VNNI tiles while every other weight keeps the
+ * path in use. A weight is registered for its whole life (a weakref finalizer
+ * removes it before MLX can free the buffer and hand the address to another
+ * array), so each weight's products always take one path: a row keeps its bits
+ * alone or batched. Open addressing over a fixed table; few writers (loads,
+ * unloads), a reader per product. */
+#define INT8_SLOTS 16384
+#define INT8_GONE ((const void *)1) /* a removed entry: probing goes on past it */
+static const void *int8_table[INT8_SLOTS];
+static int int8_count;
+static pthread_rwlock_t int8_lock = PTHREAD_RWLOCK_INITIALIZER;
+
+static size_t int8_slot(const void *w) { return ((uintptr_t)w >> 6) * 0x9E3779B97F4A7C15ULL >> 50; }
+
+/* The slot holding w, or -1; with the lock held. */
+static long int8_find(const void *w) {
+  for (size_t i = int8_slot(w), n = 0; n < INT8_SLOTS && int8_table[i]; i = (i + 1) % INT8_SLOTS, n++)
+    if (int8_table[i] == w) return (long)i;
+  return -1;
+}
+
+/* 1: w's products take int8 activations from now on; 0: this CPU has no
+ * AVX-512 VNNI (under TIERLM_MAX_CPU_ISA), or the table is full. */
+int tierlm_qmm_int8_add(const void *w) {
+  if (!tierlm_qmm_available(PATH_AVX512_VNNI) || w == NULL || w == INT8_GONE) return 0;
+  int added = 0;
+  pthread_rwlock_wrlock(&int8_lock);
+  if (int8_find(w) >= 0) added = 1;
+  else if (int8_count < INT8_SLOTS / 2) {
+    size_t i = int8_slot(w);
+    while (int8_table[i] && int8_table[i] != INT8_GONE) i = (i + 1) % INT8_SLOTS;
+    int8_table[i] = w;
+    __atomic_add_fetch(&int8_count, 1, __ATOMIC_RELEASE);
+    added = 1;
+  }
+  pthread_rwlock_unlock(&int8_lock);
+  return added;
+}
+
+void tierlm_qmm_int8_remove(const void *w) {
+  pthread_rwlock_wrlock(&int8_lock);
+  long i = int8_find(w);
+  if (i >= 0) {
+    int8_table[i] = INT8_GONE;
+    __atomic_sub_fetch(&int8_count, 1, __ATOMIC_RELEASE);
+  }
+  pthread_rwlock_unlock(&int8_lock);
+}
+
+/* Weights registered now. */
+int tierlm_qmm_int8_weights(void) { return __atomic_load_n(&int8_count, __ATOMIC_ACQUIRE); }
+
+/* Whether w's product of K values takes the int8 tiles. */
+static int int8_weight(const void *w, long K) {
+  if (__atomic_load_n(&int8_count, __ATOMIC_ACQUIRE) == 0 || K % (2 * BLOCK)) return 0;
+  pthread_rwlock_rdlock(&int8_lock);
+  int found = int8_find(w) >= 0;
+  pthread_rwlock_unlock(&int8_lock);
+  return found;
+}
+
 /* out (M x N) = x (M x K) times the quantized W (N x K) transposed. */
 void tierlm_qmm(const float *x, long M, long K, const void *w, const float *scales, const float *biases, long N,
                 int bits, int group, float *out) {
   if (path_in_use < 0) tierlm_qmm_select(-1);
   int path = path_in_use;
+  if ((path == PATH_AVX512_VNNI && K % (2 * BLOCK) == 0) || int8_weight(w, K)) {
+    tierlm_qmm_vnni512(x, M, K, w, scales, biases, 0, N, bits, group, out);
+    TIERLM_COUNT(COUNT_QMM);
+    return;
+  }
+  if (path == PATH_AVX512_VNNI) path = PATH_AVX2_INT8; /* K of an odd number of blocks */
   if (path == PATH_AVX512 || path == PATH_AVX2_FLOAT) {
     (path == PATH_AVX512 ? tierlm_qmm_float_avx512 : tierlm_qmm_float_avx2)(x, M, K, w, scales, biases, 0, N, bits,
                                                                             group, out);
     TIERLM_COUNT(COUNT_QMM);
     return;
   }
-  long blocks = K / BLOCK, groups = K / group;
-  size_t quantized = (size_t)(M * K + 63) & ~(size_t)63;
-  char *buffer = malloc(quantized + sizeof(float) * M * (blocks + 2 * groups));
-  activations a = {(int8_t *)buffer, (float *)(buffer + quantized), 0, 0};
-  a.sum = a.d + M * blocks;
-  a.fix = a.sum + M * groups;
-  quantize_rows(x, M, K, bits, group, path, &a);
+  activations a;
+  void *buffer = tierlm_quantize_activations(x, M, K, bits, group, path, &a);
   job j = {M, K, N, bits, group, path, w, scales, biases, &a, out};
   /* a part per core, but not for products too small to share */
   tierlm_parallel(rows_of, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
@@ -439,6 +518,11 @@ static float half_to_float(uint16_t h) {
 void tierlm_qmm_half(const float *x, long M, long K, const void *w, const uint16_t *scales, const uint16_t *biases,
                      long N, int bits, int group, float *out) {
   if (path_in_use < 0) tierlm_qmm_select(-1);
+  if ((path_in_use == PATH_AVX512_VNNI && K % (2 * BLOCK) == 0) || int8_weight(w, K)) {
+    tierlm_qmm_vnni512(x, M, K, w, scales, biases, 1, N, bits, group, out);
+    TIERLM_COUNT(COUNT_QMM);
+    return;
+  }
   if (path_in_use == PATH_AVX512 || path_in_use == PATH_AVX2_FLOAT) {
     (path_in_use == PATH_AVX512 ? tierlm_qmm_float_avx512 : tierlm_qmm_float_avx2)(x, M, K, w, scales, biases, 1, N,
                                                                                    bits, group, out);

@@ -1,0 +1,135 @@
+"""Int8 activations for the models they barely move, chosen at load by a probe.
+
+On one activation row (decoding) the float32 products (qgemm_float.c) are
+bound by their instructions, not by memory: each weight is unpacked, turned
+into a float and scaled before its multiply-add. With the activations
+quantized to int8 per 32 values, as llama.cpp quantizes them, a pair of
+32-value blocks is one AVX-512 VNNI dot product (qgemm.c's 512-bit tiles), and
+a step of Qwen2.5-Coder-0.5B reads its weights at ~30 GB/s instead of ~16.
+The int8 activations move the model's answers, though, and how much depends on
+the model: SmolLM2-135M, whose RMSNorm outputs have a few huge channels that
+take a block's whole int8 range, stopped answering "Paris", while
+Qwen2.5-Coder-0.5B's greedy answers stayed those of float32.
+
+So each quantized model is probed once at load, where the CPU has AVX-512
+VNNI: a reference text's tokens go through the model with the float32
+products and again with the int8 ones, and the int8 activations are kept when
+the log-probability of each next token moves by less than `THRESHOLD` on
+average. They are kept per model, by registering the model's packed weights
+with qgemm.c (`tierlm_qmm_int8_add`): their products take the int8 tiles, any
+other model's keep the float path, and each weight always takes one path, so a
+row keeps its bits alone or batched. The prefix cache's keys say so
+(`LAYOUT_TAG`): KV computed one way is never read as the other's.
+
+TIERLM_INT8_ACTIVATIONS: auto (the probe; the default), on (every quantized
+model, no probe), off (float32 products only).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+
+from tierlm.backends.cpu import quantized, route
+from tierlm.backends.cpu.route import Feature
+
+VARIABLE = "TIERLM_INT8_ACTIVATIONS"
+CHOICES = ("auto", "on", "off")
+# Mean |change| of the reference text's next-token log-probabilities the
+# probe accepts. Measured with this text (AMD EPYC, AVX-512 VNNI):
+# Qwen2.5-Coder-0.5B Q4_K_M 0.018; SmolLM2-135M Q4_1 0.072, Gemma 3 270M Q4_K_M 0.043.
+THRESHOLD = 0.03
+LAYOUT_TAG = b" products: int8 activations"
+# Code and prose, as an agent's context mixes them (~110 tokens).
+REFERENCE_TEXT = (
+    "def merge(intervals):\n    \"\"\"Merge overlapping [start, end] intervals.\"\"\"\n"
+    "    intervals.sort(key=lambda pair: pair[0])\n    merged = []\n    for start, end in intervals:\n"
+    "        if merged and start <= merged[-1][1]:\n            merged[-1][1] = max(merged[-1][1], end)\n"
+    "        else:\n            merged.append([start, end])\n    return merged\n\n"
+    "The capital of France is Paris. Water boils at 100 degrees Celsius at sea level, and a server "
+    "that keeps the work it has done answers the next question sooner.")
+
+
+def probe_tokens(tokenizer) -> list[int]:
+    """The reference text as `tokenizer` encodes it: what `choose` feeds the model."""
+    return list(tokenizer.encode(REFERENCE_TEXT))
+
+
+def choose(model: nn.Module, tokens: list[int] | None) -> tuple[Feature, bool]:
+    """Whether `model`'s quantized products take int8 activations (registered
+    with qgemm.c for the model's life), and why; the bool: they do."""
+    setting = os.environ.get(VARIABLE, "auto")
+    if setting not in CHOICES:
+        return Feature(False, f"{VARIABLE}={setting} is not one of {', '.join(CHOICES)}"), False
+    if setting == "off":
+        return Feature(False, f"turned off by {VARIABLE}=off"), False
+    lib = _lib()
+    if lib is None or not quantized.float_products() or not lib.tierlm_qmm_available(quantized.PATHS["avx512-vnni"]):
+        return Feature(False, "needs AVX-512 VNNI and the float kernels in use"), False
+    weights = _weights(model)
+    if not weights:
+        return Feature(False, "no quantized layer the kernels take"), False
+    if setting == "auto" and (tokens is None or len(tokens) < 8):
+        return Feature(False, "no reference text to probe with"), False
+    before = _log_probs(model, tokens) if setting == "auto" else None
+    addresses = _register(lib, weights)
+    weakref.finalize(model, _unregister, lib, addresses)  # before MLX can free the buffers and reuse them
+    if before is None:
+        return Feature(True, f"{len(addresses)} layers, {VARIABLE}=on"), True
+    change = float(np.abs(_log_probs(model, tokens) - before).mean())
+    if change >= THRESHOLD:
+        _unregister(lib, addresses)
+        return Feature(False, f"the probe moved log-probabilities by {change:.3f} (>= {THRESHOLD}): float32 "
+                              "products"), False
+    return Feature(True, f"{len(addresses)} layers; the probe moved log-probabilities by {change:.3f} "
+                         f"(< {THRESHOLD}) over {len(tokens) - 1} tokens"), True
+
+
+def _weights(model: nn.Module) -> list[mx.array]:
+    """The packed weights of the model's layers whose products the kernels take."""
+    return [m["weight"] for _, m in model.named_modules()
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.mode == "affine"
+            and m.bits in quantized.BITS and m.group_size in quantized.GROUP_SIZES]
+
+
+def _address(weight: mx.array) -> int:
+    return np.array(weight, copy=False).ctypes.data  # MLX's own buffer: the pointer the hook hands qgemm.c
+
+
+def _register(lib, weights: list[mx.array]) -> list[int]:
+    addresses = []
+    for weight in weights:
+        address = _address(weight)
+        if lib.tierlm_qmm_int8_add(address):
+            addresses.append(address)
+    return addresses
+
+
+def _unregister(lib, addresses: list[int]) -> None:
+    for address in addresses:
+        lib.tierlm_qmm_int8_remove(address)
+    addresses.clear()
+
+
+def _log_probs(model: nn.Module, tokens: list[int]) -> np.ndarray:
+    """Each next token's log-probability over the reference text, in one pass."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    logits = model(mx.array([tokens[:-1]]), cache=make_prompt_cache(model))[0].astype(mx.float32)
+    chosen = mx.take_along_axis(logits, mx.array(tokens[1:])[:, None], axis=-1)[:, 0] - mx.logsumexp(logits, axis=-1)
+    return np.array(chosen)
+
+
+def registered() -> int:
+    """Weights whose products take int8 activations now, over every model."""
+    lib = _lib()
+    return int(lib.tierlm_qmm_int8_weights()) if lib is not None else 0
+
+
+def _lib():
+    state = route.current()
+    return state.lib if state is not None else None

@@ -1,0 +1,34 @@
+/* What qgemm.c's integer paths share with qgemm_vnni512.c: the paths' numbers,
+ * the activations quantized to int8, and the AVX-512 VNNI product. */
+#ifndef TIERLM_QGEMM_INT8_H
+#define TIERLM_QGEMM_INT8_H
+
+#include <stdint.h>
+
+#define BLOCK 32 /* values a block of weights (and of quantized activations) holds */
+
+/* qgemm.c's paths (quantized.PATHS names them) */
+enum { PATH_SCALAR = 0, PATH_AVX2_INT8 = 1, PATH_AVX_VNNI = 2, PATH_AVX512 = 3, PATH_AVX2_FLOAT = 4,
+       PATH_AVX512_VNNI = 5 };
+
+typedef struct {
+  int8_t *q;   /* M x K, each 32-block in the order its weights unpack */
+  float *d;    /* M x K/32: the scale of each block */
+  float *sum;  /* M x K/g: the exact sum of x over each group */
+  float *fix;  /* M x K/g: what multiplies a group's weight scale besides the products (qgemm.c) */
+} activations;
+
+/* x's M rows of K quantized for `path`'s products into `a`, whose arrays live
+ * in the buffer returned (the caller frees it). */
+void *tierlm_quantize_activations(const float *x, long M, long K, int bits, int group, int path, activations *a);
+
+/* 1 when the CPU has what `path` needs (under TIERLM_MAX_CPU_ISA). */
+int tierlm_qmm_available(int path);
+
+/* out (M x N) = x (M x K) times the quantized W (N x K) transposed, with int8
+ * activations on 512-bit VNNI tiles; K a whole number of block pairs; scales
+ * and biases float16 where `half`, else float32. */
+void tierlm_qmm_vnni512(const float *x, long M, long K, const void *w, const void *scales, const void *biases,
+                        int half, long N, int bits, int group, float *out);
+
+#endif
