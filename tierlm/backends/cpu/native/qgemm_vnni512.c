@@ -183,11 +183,30 @@ typedef void (*tile512_fn)(const uint8_t *wrow, long row_bytes, const void *s, c
                             UNPACK(wrow + c * row_bytes + b * BLOCK * bits / 8, bits));                             \
   }
 
+/* The tiles: 4 x 4 (and from a panel) for every four activation rows of a
+ * long batch; for up to SHORT rows, one tile of them all (a row decoding, a few
+ * verifying draft tokens, a short batch), so that the weights are read once:
+ * 1 x 8, 2 x 4, 3 x 4, 4 x 4, 5-8 x 2, each with its r x 1 for the columns
+ * left over. */
+#define SHORT 8
 #define PRODUCTS512(name, isa, UNPACK, bits_)                                                                       \
-  TILE512(name##_4x4, isa, UNPACK, bits_, 4, 4, 0)                                                                  \
   TILE512(name##_4x4_panel, isa, UNPACK, bits_, 4, 4, 1)                                                            \
   TILE512(name##_1x8, isa, UNPACK, bits_, 1, 8, 0)                                                                  \
+  TILE512(name##_2x4, isa, UNPACK, bits_, 2, 4, 0)                                                                  \
+  TILE512(name##_3x4, isa, UNPACK, bits_, 3, 4, 0)                                                                  \
+  TILE512(name##_4x4, isa, UNPACK, bits_, 4, 4, 0)                                                                  \
+  TILE512(name##_5x2, isa, UNPACK, bits_, 5, 2, 0)                                                                  \
+  TILE512(name##_6x2, isa, UNPACK, bits_, 6, 2, 0)                                                                  \
+  TILE512(name##_7x2, isa, UNPACK, bits_, 7, 2, 0)                                                                  \
+  TILE512(name##_8x2, isa, UNPACK, bits_, 8, 2, 0)                                                                  \
   TILE512(name##_1x1, isa, UNPACK, bits_, 1, 1, 0)                                                                  \
+  TILE512(name##_2x1, isa, UNPACK, bits_, 2, 1, 0)                                                                  \
+  TILE512(name##_3x1, isa, UNPACK, bits_, 3, 1, 0)                                                                  \
+  TILE512(name##_4x1, isa, UNPACK, bits_, 4, 1, 0)                                                                  \
+  TILE512(name##_5x1, isa, UNPACK, bits_, 5, 1, 0)                                                                  \
+  TILE512(name##_6x1, isa, UNPACK, bits_, 6, 1, 0)                                                                  \
+  TILE512(name##_7x1, isa, UNPACK, bits_, 7, 1, 0)                                                                  \
+  TILE512(name##_8x1, isa, UNPACK, bits_, 8, 1, 0)                                                                  \
   UNPACK_PAIRS(name##_pairs, isa, UNPACK, bits_)
 
 PRODUCTS512(vnni512_4, ISA_VNNI512, unpack_pair, 4)
@@ -196,12 +215,19 @@ PRODUCTS512(vnni512_8, ISA_VNNI512, unpack_pair, 8)
 PRODUCTS512(vnni512_5_vbmi, ISA_VNNI512_VBMI, unpack_pair_vbmi, 5)
 
 typedef struct {
-  tile512_fn t4x4, t4x4_panel, t1x8, t1x1;
+  tile512_fn panel, few[SHORT + 1], few1[SHORT + 1]; /* by rows: r x columns_of(r), r x 1 */
   unpack_rows_fn unpack_rows;
 } tiles512;
 
+/* the columns a tile of `rows` activation rows (up to SHORT) covers */
+static int columns_of(long rows) { return rows == 1 ? 8 : rows <= 4 ? 4 : 2; }
+
 static tiles512 tiles512_for(int bits) {
-#define TILES512(p) {p##_4x4, p##_4x4_panel, p##_1x8, p##_1x1, p##_pairs}
+#define TILES512(p)                                                                                                 \
+  {p##_4x4_panel,                                                                                                   \
+   {0, p##_1x8, p##_2x4, p##_3x4, p##_4x4, p##_5x2, p##_6x2, p##_7x2, p##_8x2},                                     \
+   {0, p##_1x1, p##_2x1, p##_3x1, p##_4x1, p##_5x1, p##_6x1, p##_7x1, p##_8x1},                                     \
+   p##_pairs}
   static const tiles512 table[4] = {TILES512(vnni512_4), TILES512(vnni512_5), TILES512(vnni512_8),
                                     TILES512(vnni512_5_vbmi)};
 #undef TILES512
@@ -228,14 +254,18 @@ static void tile512_at(const job512 *j, tile512_fn tile, int R, int C, long m0, 
     for (int c = 0; c < C; c++) j->out[(m0 + r) * j->N + n0 + c] = got[r * C + c];
 }
 
-/* rows_of for the 512-bit tiles: 4 x 4 instead of 4 x 2 (32 registers) */
+/* Output columns [first, last) of every activation row. Up to SHORT rows: one
+ * tile of them all across the columns. More: 4 x 4 tiles over every four rows,
+ * a block of weight rows at a time (unpacked into a panel first from
+ * PANEL_ROWS rows), the columns they leave by 4 x 1, and the rows they leave by
+ * one tile of those. */
 static void rows_of512(void *arg, int part, int parts) {
   const job512 *j = arg;
   long first = j->N * part / parts, last = j->N * (part + 1) / parts;
   tiles512 t = tiles512_for(j->bits);
-  long tiled = j->M / 4 * 4, quads = first + (last - first) / 4 * 4;
+  long tiled = j->M <= SHORT ? 0 : j->M / 4 * 4, quads = first + (last - first) / 4 * 4;
   long row_bytes = j->K * j->bits / 8;
-  int many = tiled && j->M >= PANEL_ROWS;
+  int many = j->M >= PANEL_ROWS;
   long step = many ? (PANEL_BYTES / j->K / 4 + 1) * 4 : COLUMNS;
   uint8_t *panel = many ? tierlm_kept_buffer(&panel_kept, &panel_capacity, step * j->K) : NULL;
   for (long n0 = first; tiled && n0 < quads; n0 += step) {
@@ -243,14 +273,15 @@ static void rows_of512(void *arg, int part, int parts) {
     if (many) t.unpack_rows(j->w + n0 * row_bytes, row_bytes, j->K, end - n0, panel);
     for (long m0 = 0; m0 < tiled; m0 += 4)
       for (long n = n0; n < end; n += 4)
-        tile512_at(j, many ? t.t4x4_panel : t.t4x4, 4, 4, m0, n, many ? panel + (n - n0) * j->K : NULL);
+        tile512_at(j, many ? t.panel : t.few[4], 4, 4, m0, n, many ? panel + (n - n0) * j->K : NULL);
   }
-  for (long m = 0; m < tiled; m++)
-    for (long n = quads; n < last; n++) tile512_at(j, t.t1x1, 1, 1, m, n, NULL);
-  for (long m = tiled; m < j->M; m++) {
+  for (long m0 = 0; m0 < tiled; m0 += 4)
+    for (long n = quads; n < last; n++) tile512_at(j, t.few1[4], 4, 1, m0, n, NULL);
+  int left = (int)(j->M - tiled), width = columns_of(left);
+  if (left) {
     long n = first;
-    for (; n + 8 <= last; n += 8) tile512_at(j, t.t1x8, 1, 8, m, n, NULL);
-    for (; n < last; n++) tile512_at(j, t.t1x1, 1, 1, m, n, NULL);
+    for (; n + width <= last; n += width) tile512_at(j, t.few[left], left, width, tiled, n, NULL);
+    for (; n < last; n++) tile512_at(j, t.few1[left], left, 1, tiled, n, NULL);
   }
 }
 
