@@ -31,6 +31,33 @@ def test_attention_products_equal_mlxs_attention(mask, pieces):
     assert mx.allclose(got, want, atol=1e-5).item()
 
 
+@pytest.mark.parametrize("mask", ["none", "causal", "boolean", "additive"])
+def test_a_remainders_keys_are_padded_and_the_padding_hidden(mask, monkeypatch):
+    """From PAD_FROM_QUERIES queries (a hit's remainder) the keys are padded to a
+    multiple of KEY_PAD with zeros the mask hides: MLX's attention's answer
+    still. A verification's queries (up to MAX_DRAFT_TOKENS + 1) are never
+    padded: their keys would be copied every step."""
+    from tierlm.engine.request import MAX_DRAFT_TOKENS
+
+    assert gpu.PAD_FROM_QUERIES == MAX_DRAFT_TOKENS + 2
+    monkeypatch.setattr(gpu, "KEY_PAD", 32)
+    key = mx.random.key(4)
+    length, span = gpu.PAD_FROM_QUERIES, 50  # padded to 64
+    q, k, v = (mx.random.normal(shape, key=mx.random.split(key, 3)[i])
+               for i, shape in enumerate([(2, 8, length, 64), (2, 2, span, 64), (2, 2, span, 64)]))
+    masks = {"none": None, "causal": "causal",
+             "boolean": mx.random.uniform(shape=(2, 1, length, span), key=key) > 0.3,
+             "additive": mx.random.normal((2, 1, length, span), key=key)}
+    shapes = []
+    products = gpu._products
+    monkeypatch.setattr(gpu, "_products", lambda q, k, *rest: shapes.append(k.shape[2]) or products(q, k, *rest))
+    got = gpu.attention_products(q, k, v, 0.125, masks[mask])
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=masks[mask])
+    assert shapes == [64] and mx.allclose(got, want, atol=1e-5).item()
+    gpu.attention_products(q[:, :, :MAX_DRAFT_TOKENS + 1], k, v, 0.125, None)
+    assert shapes[-1] == span
+
+
 @pytest.mark.parametrize("queries", [1, 5])
 @pytest.mark.parametrize("mask", ["none", "causal", "boolean"])
 def test_attention_products_over_quantized_kv_equal_mlx_lms(mask, queries):

@@ -20,6 +20,11 @@ as an array runs ~6x slower than given "causal": a 20k-token prompt of a 1B
 model took 0.97 s of attention and matmuls against 0.17 s, on the H200. Such a
 mask goes to cuDNN as "causal" (`_unpadded`).
 
+A hit's remainder (more queries than a verification feeds) sees its keys and
+values padded with zeros, hidden by the mask, to a multiple of `KEY_PAD`:
+each turn of an agent has a context of a new length, and the products' first
+run at a new shape cost more than the copy (docs/prefix-cache.md).
+
 KV kept quantized in the batch (`batch_kv_bits`, engine.quantized_kv) runs
 here too, whatever the queries: mlx-lm's quantized attention broadcasts each
 KV head over its query heads and reads the KV up to the batch's end as a
@@ -47,6 +52,14 @@ from tierlm.backends import mlx_lm_modules
 
 MAX_QUERIES = 256  # queries a sequence feeds at most for attention to run as products here
 SCORES_BYTES = 256 * 2**20  # float32 scores of one piece of the queries at most
+# A hit's remainder (more queries than a verification feeds) sees its keys
+# padded to a multiple of this: each agent turn's context is a new length, and
+# the products' first run at a new shape costs more than the copy (a 20k-token
+# hot hit's engine time 95.5 -> 68.9 ms on an H100, docs/prefix-cache.md).
+# A verification (2-17 queries a step) keeps its keys as they are: padding would
+# copy them every step.
+KEY_PAD = int(os.environ.get("TIERLM_KEY_PAD", "1024"))  # 0: no padding, for comparisons
+PAD_FROM_QUERIES = 18  # engine.request.MAX_DRAFT_TOKENS + 2 (a test holds them together)
 
 
 def install(model: nn.Module) -> list[str]:
@@ -130,6 +143,9 @@ def attention_products(queries, keys, values, scale: float, mask, max_scores_byt
     span = (keys[0] if quantized else keys).shape[2]
     if isinstance(mask, str):
         mask = mx.arange(span)[None] <= mx.arange(span - length, span)[:, None]
+    if not quantized and length >= PAD_FROM_QUERIES and KEY_PAD and span % KEY_PAD:
+        keys, values, mask = _padded(keys, values, mask, KEY_PAD - span % KEY_PAD)
+        span = keys.shape[2]
     rows = max(1, max_scores_bytes // (4 * batch * heads * span))
     if length <= rows:
         return _products(queries, keys, values, scale, mask, quantized)
@@ -139,6 +155,19 @@ def attention_products(queries, keys, values, scale: float, mask, max_scores_byt
         rows_mask = mask if mask is None or mask.shape[-2] == 1 else mask[..., piece, :]
         pieces.append(_products(queries[:, :, piece], keys, values, scale, rows_mask, quantized))
     return mx.concatenate(pieces, axis=2)
+
+
+def _padded(keys, values, mask, extra: int):
+    """Keys and values with `extra` zero positions after their last, and the
+    mask that hides them (None: every real key visible)."""
+    zeros = mx.zeros((*keys.shape[:2], extra, keys.shape[3]), keys.dtype)
+    keys = mx.concatenate([keys, zeros], axis=2)
+    values = mx.concatenate([values, mx.zeros((*values.shape[:2], extra, values.shape[3]), values.dtype)], axis=2)
+    if mask is None:
+        return keys, values, mx.arange(keys.shape[2]) < keys.shape[2] - extra
+    hidden = mx.zeros((*mask.shape[:-1], extra), mx.bool_) if mask.dtype == mx.bool_ \
+        else mx.full((*mask.shape[:-1], extra), -mx.inf, mask.dtype)
+    return keys, values, mx.concatenate([mask, hidden], axis=-1)
 
 
 def _products(queries, keys, values, scale: float, mask, quantized: tuple[int, int] | None = None) -> mx.array:
