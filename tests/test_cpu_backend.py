@@ -906,3 +906,36 @@ def test_int8_activations_are_registered_for_the_models_life_and_tagged(monkeypa
         assert backends.prepare(other, cpu_weights_dtype="quantized",
                                 memory_bytes=2**40).summary["int8_activations"] == why
     assert int8.registered() == before
+
+
+@pytest.mark.skipif(not _vnni_available(), reason="needs AVX-512 VNNI")
+def test_the_probes_figure_is_remembered_by_the_weights(monkeypatch, tmp_path):
+    """auto probes a model once: its figure goes to int8-probe.json in the cache
+    folder, by a fingerprint of the weights and the text; the same weights
+    loaded again read it back (no passes), other weights are probed anew, and
+    a memo file that is not JSON is probed over and rewritten."""
+    import json
+
+    from tierlm.backends.cpu import int8, quantized
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    memo = tmp_path / "tierlm" / "int8-probe.json"
+    tokens = list(range(3, 40))
+    first = backends.prepare(_half_scaled_tiny_model(), cpu_weights_dtype="quantized", memory_bytes=2**40,
+                             probe_tokens=tokens)
+    if not quantized.float_products():
+        pytest.skip("the process runs a path other than the float ones (TIERLM_QUANT_KERNEL)")
+    assert "the probe moved log-probabilities by" in first.summary["int8_activations"]
+    assert len(json.loads(memo.read_text())) == 1
+    passes = []
+    monkeypatch.setattr(int8, "_log_probs", lambda *a: passes.append(1))
+    again = backends.prepare(_half_scaled_tiny_model(), cpu_weights_dtype="quantized", memory_bytes=2**40,
+                             probe_tokens=tokens)
+    assert again.summary["int8_activations"] == first.summary["int8_activations"] and not passes
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    memo.write_text("not json")
+    other = tiny_model("llama", seed=1)
+    nn.quantize(other, group_size=32, bits=4, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    backends.prepare(other, cpu_weights_dtype="quantized", memory_bytes=2**40, probe_tokens=tokens)
+    assert len(json.loads(memo.read_text())) == 1
