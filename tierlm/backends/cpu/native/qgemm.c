@@ -457,7 +457,8 @@ void tierlm_qmm_int8_remove(const void *w) {
   long i = int8_find(w);
   if (i >= 0) {
     int8_table[i] = INT8_GONE;
-    __atomic_sub_fetch(&int8_count, 1, __ATOMIC_RELEASE);
+    /* the last one gone: no removed entries left to probe past */
+    if (__atomic_sub_fetch(&int8_count, 1, __ATOMIC_RELEASE) == 0) memset(int8_table, 0, sizeof int8_table);
   }
   pthread_rwlock_unlock(&int8_lock);
 }
