@@ -118,7 +118,7 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
     # tierlm's products of quantized weights (AVX-512 VNNI, AVX-512 or AVX2) and
     # its attention products sum each output in one fixed order; a BLAS's gemv
     # and gemm do not
-    invariant = dtype == "quantized" and quantized.default_products() and state.exact_attention.on
+    invariant = dtype == "quantized" and quantized.keeps_weights_quantized() and state.exact_attention.on
     summary["batch_invariant"] = invariant
     layout_tag = AMX_LAYOUT_TAG if packed else int8.LAYOUT_TAG if int8_on else b""
     return Backend(name="cpu", extra_bytes=packed_bytes, layout_tag=layout_tag,

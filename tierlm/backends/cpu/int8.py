@@ -43,7 +43,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from tierlm.backends.cpu import quantized, route
+from tierlm.backends.cpu import native, quantized, route
 from tierlm.backends.cpu.route import Feature
 
 VARIABLE = "TIERLM_INT8_ACTIVATIONS"
@@ -154,7 +154,7 @@ def _fingerprint(weights: list[mx.array], tokens: list[int], lib) -> str:
 
 
 def _memo_file() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm" / "int8-probe.json"
+    return native.cache_folder() / "int8-probe.json"
 
 
 def _remembered(key: str | None) -> float | None:

@@ -41,12 +41,17 @@ class BuildError(RuntimeError):
     """The native library could not be built or loaded."""
 
 
+def cache_folder() -> Path:
+    """tierlm's folder in the user's cache (XDG_CACHE_HOME, else ~/.cache)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm"
+
+
 def build_once(stem: str, inputs: bytes, language: str, compiler_variable: str, default_compiler: str,
                compile_into) -> Path:
     """A library built once per version of `inputs` into the user's cache:
     `compile_into(compiler, path)` writes it (raising subprocess's errors)."""
     digest = hashlib.sha256(inputs).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm" / "native"
+    cache = cache_folder() / "native"
     built = cache / f"{stem}-{digest}.so"
     if built.exists():
         return built

@@ -24,15 +24,16 @@ against the installed mlx package's headers, writes its function into the slot
 of MLX's vtable through which QuantizedMatmul is evaluated on the CPU, and
 proves it with one product (counted, and MLX's own answer within the int8
 activations' error). Products it does not take (other bits, float16 or
-bfloat16 activations, strided inputs) go to MLX's own code. Scales and biases
-must be float32 for it: weights.py converts them when it keeps a model
-quantized.
+bfloat16 activations, other bits) go to MLX's own code; strided activations
+are gathered into rows first. Scales and biases are read as float32 or, on the
+paths that keep them as stored (KEEPING_PATHS), float16; weights.py widens
+them for the others.
 
 TIERLM_QUANT_KERNEL picks the path: auto (avx512, else avx2, else portable),
 avx512, avx2, avx512-vnni, avx-vnni, avx2-int8, portable (plain C, any CPU), or
 off (MLX's own). Under auto the products of a model int8.py registered take the
-avx512-vnni tiles. TIERLM_MAX_CPU_ISA caps what the CPU reports (isa.py): with avx2, auto is
-avx2.
+avx512-vnni tiles. TIERLM_MAX_CPU_ISA caps what the CPU reports (isa.py): with
+avx2, auto is avx2.
 """
 
 from __future__ import annotations
@@ -52,9 +53,11 @@ HOOK_SOURCE = native.HERE / "qmm_hook.cpp"
 # qgemm.c's path numbers, by the names TIERLM_QUANT_KERNEL takes
 PATHS = {"avx512": 3, "avx2": 4, "avx512-vnni": 5, "avx-vnni": 2, "avx2-int8": 1, "portable": 0}
 FLOAT_PATHS = ("avx512", "avx2")  # float32 activations; the others quantize them to int8 per 32 values
-# the paths `auto` chooses from: they keep a model's weights quantized, read its
-# float16 scales and biases as stored, and give a row the same bits alone or batched
-DEFAULT_PATHS = ("avx512-vnni",) + FLOAT_PATHS
+# the paths that keep every quantized model's weights quantized (not only those
+# float32 does not fit), read their float16 scales and biases as stored, and give
+# a row the same bits alone or batched: the float ones `auto` picks, and
+# avx512-vnni when named (int8.py's models take its tiles under auto too)
+KEEPING_PATHS = ("avx512-vnni",) + FLOAT_PATHS
 # each path's feature (isa.FEATURES)
 NEEDS = {"avx512": "avx512f", "avx2": "avx2", "avx512-vnni": "avx512vnni", "avx-vnni": "avx-vnni", "avx2-int8": "avx2"}
 NAMES = {number: name for name, number in PATHS.items()}
@@ -106,17 +109,17 @@ def float_products() -> bool:
     return on() and _path in FLOAT_PATHS
 
 
-def default_products() -> bool:
-    """The kernels in use are one of the paths `auto` chooses (DEFAULT_PATHS):
-    the weights stay quantized, and batching moves no bit."""
-    return on() and _path in DEFAULT_PATHS
+def keeps_weights_quantized() -> bool:
+    """The path in use is one of KEEPING_PATHS: quantized weights stay
+    quantized, and batching moves no bit."""
+    return on() and _path in KEEPING_PATHS
 
 
 def reads_half_scales() -> bool:
     """Whether layers keep float16 scales and biases for the float kernels to
     read as they are (graph_ops.HalfScalesQuantizedLinear): a decode step
     streams every one of them. TIERLM_HALF_SCALES=off widens them at load."""
-    return default_products() and os.environ.get("TIERLM_HALF_SCALES") != "off"
+    return keeps_weights_quantized() and os.environ.get("TIERLM_HALF_SCALES") != "off"
 
 
 def _choose_path(lib: ctypes.CDLL) -> tuple[int | None, str]:

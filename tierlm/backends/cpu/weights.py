@@ -56,7 +56,7 @@ def choose_dtype(setting: str, model: nn.Module, memory_bytes: int) -> str:
     if setting != "auto":
         return setting
     kernels_take = quantized.on() and any(_kernels_take(m) for _, m in model.named_modules())
-    if kernels_take and quantized.default_products():
+    if kernels_take and quantized.keeps_weights_quantized():
         return "quantized"
     # The int8 products (avx-vnni, avx2-int8) move a small model's answers:
     # SmolLM2's greedy answers changed under them, so they take only models
