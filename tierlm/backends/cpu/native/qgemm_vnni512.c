@@ -1,16 +1,22 @@
-/* qgemm.c's integer products with AVX-512 VNNI, two blocks a 512-bit vector.
+/* qgemm.c's integer products with AVX-512 VNNI, sixteen output columns a
+ * 512-bit vector.
  *
- * Each vector holds two consecutive 32-value blocks (lanes 0-7 the first, 8-15
- * the second), so a block pair costs one vpdpbusd, one conversion and one
- * multiply-add where the 8-lane paths pay two of each, and the weights are
- * unpacked two blocks at a time. For one activation row (decoding) this makes
- * the product bound by reading the weights, as llama.cpp's is, instead of by
- * the instructions of float32 dequantization (about three times as many a
- * weight). Scales and biases are read as stored (float32 or float16). The
- * activations are quantized as qgemm.c quantizes them (uncentred: the centre
- * goes back through `fix`); every output is one chain over the block pairs in
- * order, its groups' terms added to its lanes, then one horizontal sum,
- * whatever the tile: a row has the same bits alone or batched. */
+ * The weights of 16 consecutive output columns (a strip) are unpacked two
+ * 32-value blocks at a time and transposed as a 16 x 16 matrix of 4-byte
+ * words, so that each vpdpbusd takes 4 values of one activation row (one
+ * broadcast word) against the same 4 values of the 16 columns: a block is 8
+ * of them, then one conversion and one multiply-add for its activation step,
+ * for all 16 outputs at once. (Laid out as stored, a block's products would
+ * land in the lanes of one output, and each would need its own conversion and
+ * scaling, about as many instructions as float32's products.) Up to FEW
+ * activation rows (decoding, a few draft tokens) take the transposed weights
+ * straight from registers; more take them from strips kept in the core's cache
+ * while every ROWS rows sweep them (a prompt, a batch), about 2.5x float32's
+ * speed there. Scales and biases are read as stored (float32 or float16) and
+ * transposed the same way. The activations are quantized as qgemm.c quantizes
+ * them (uncentred: the centre goes back through `fix`). Every output is
+ * computed in one order (see block_step) whatever the tile or the number of
+ * rows: a row has the same bits alone or batched. */
 #include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,14 +27,6 @@
 #include "unpack.h"
 
 #define UNROLL _Pragma("GCC unroll 16")
-#define PANEL_ROWS 16       /* from this many activation rows, weights are unpacked once into panels */
-#define PANEL_BYTES 262144  /* a panel's size: it stays in the core's cache while the tiles sweep it */
-#define COLUMNS 32          /* weight rows a few activation rows' tiles sweep together */
-
-static __thread void *panel_kept; /* this thread's panel (threads.h) */
-static __thread size_t panel_capacity;
-
-typedef void (*unpack_rows_fn)(const uint8_t *wrow, long row_bytes, long K, long rows, uint8_t *panel);
 
 #define ISA_VNNI512 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
 #define ISA_VNNI512_VBMI ISA_VNNI512 ",avx512vbmi"
@@ -58,176 +56,279 @@ static inline __attribute__((always_inline, target(ISA_VNNI512_VBMI))) __m512i u
   return _mm512_and_si512(_mm512_multishift_epi64_epi8(at, lanes), _mm512_set1_epi8(0x1F));
 }
 
-/* a as the low half of a vector, b as its high half (without AVX-512 DQ) */
-static inline __attribute__((always_inline, target(ISA_VNNI512))) __m512 halves(__m256 a, __m256 b) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
-}
-
-/* A weight row's scales of blocks b and b + 1 (of groups g and g2) as one
- * vector, from float32 or float16 (`half`) scales s. */
-static inline __attribute__((always_inline, target(ISA_VNNI512))) __m512 scale_pair(const void *s, int half, long g,
-                                                                                   long g2) {
-  const __m512i low_high = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  if (half) { /* g2 is g or g + 1 */
-    const uint16_t *h = s;
-    if (g == g2) return _mm512_set1_ps(_cvtsh_ss(h[g]));
-    uint32_t two;
-    memcpy(&two, h + g, sizeof two);
-    return _mm512_permutexvar_ps(low_high, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)two))));
+/* The 16 x 16 matrix of 32-bit values in v[0..15] (row i in v[i]) transposed in
+ * place: two rounds of in-lane unpacks, then two of 128-bit chunks. */
+static inline __attribute__((always_inline, target(ISA_VNNI512))) void transpose16(__m512 v[16]) {
+  __m512 t[16];
+  UNROLL for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
   }
-  const float *f = s;
-  if (g == g2) return _mm512_set1_ps(f[g]);
-  return _mm512_permutexvar_ps(low_high, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(f + g)))));
+  UNROLL for (int i = 0; i < 4; i++) { /* v[4i + k], chunk q: rows 4i .. 4i + 3 of column 4q + k */
+    __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    v[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    v[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    v[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    v[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  UNROLL for (int k = 0; k < 4; k++) {
+    __m512 a = _mm512_shuffle_f32x4(v[k], v[4 + k], 0x88), b = _mm512_shuffle_f32x4(v[k], v[4 + k], 0xDD);
+    __m512 c = _mm512_shuffle_f32x4(v[8 + k], v[12 + k], 0x88), d = _mm512_shuffle_f32x4(v[8 + k], v[12 + k], 0xDD);
+    t[k] = _mm512_shuffle_f32x4(a, c, 0x88);
+    t[8 + k] = _mm512_shuffle_f32x4(a, c, 0xDD);
+    t[4 + k] = _mm512_shuffle_f32x4(b, d, 0x88);
+    t[12 + k] = _mm512_shuffle_f32x4(b, d, 0xDD);
+  }
+  UNROLL for (int i = 0; i < 16; i++) v[i] = t[i];
 }
 
-static inline __attribute__((always_inline, target(ISA_VNNI512))) float hsum512(__m512 v) {
-  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+#define STRIP 16 /* output columns a vector */
+#define FEW 4    /* up to this many activation rows: the weights straight from registers */
+#define ROWS 8   /* activation rows a tile over a kept strip takes at most */
+
+/* The next strip's weights, scales and biases (each one stretch of memory),
+ * fetched a share a block pair while this strip is read: 16 rows read at
+ * once are not followed by the hardware's prefetcher. */
+typedef struct {
+  const char *at;
+  long lines, share;
+} fetch;
+
+static fetch fetch_of(const void *at, long bytes) { return (fetch){at, (bytes + 63) / 64, 0}; }
+
+static inline __attribute__((always_inline)) void fetch_shares(fetch ahead[3], long pairs) {
+  for (int i = 0; i < 3; i++)
+    for (ahead[i].share += ahead[i].lines; ahead[i].share >= pairs; ahead[i].share -= pairs, ahead[i].at += 64)
+      _mm_prefetch(ahead[i].at, _MM_HINT_T1);
 }
 
-/* n float16 values widened into `to` */
-static inline __attribute__((always_inline, target(ISA_VNNI512))) void widen512(const void *from, long n, float *to) {
-  const uint16_t *h = from;
-  for (long i = 0; i < n; i += 16) {
-    __mmask16 in = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-    _mm512_mask_storeu_ps(to + i, in, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, h + i)));
+/* 16 float16 or float32 (`half`) values from p, the first n of them (others 0) */
+static inline __attribute__((always_inline, target(ISA_VNNI512))) __m512 load16(const void *p, int half, long n) {
+  __mmask16 in = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+  if (half) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, p));
+  return _mm512_maskz_loadu_ps(in, p);
+}
+
+/* A strip's scales (or biases) as float32, a vector of its columns' for each
+ * group: 16 groups at a time transposed. Columns past the matrix's are 0. */
+static __attribute__((target(ISA_VNNI512))) void strip_scales(const void *s, int half, long groups, int columns,
+                                                              float *to) {
+  long width = half ? 2 : 4;
+  for (long g = 0; g < groups; g += 16) {
+    __m512 v[STRIP];
+    UNROLL for (int c = 0; c < STRIP; c++)
+      v[c] = c < columns ? load16((const char *)s + (c * groups + g) * width, half, groups - g) : _mm512_setzero_ps();
+    transpose16(v);
+    for (long i = 0; i < 16 && g + i < groups; i++) _mm512_storeu_ps(to + (g + i) * STRIP, v[i]);
   }
 }
 
-/* Each output's groups' terms (sum_g bias_g * xsum_g + scale_g * fix_g, 16
- * groups a vector) added to its products' lanes (acc, R x C of them, row after
- * row), then the lanes summed into out[r * C + c]: one horizontal sum an
- * output. Float16 scales and biases are widened once for the tile's rows. */
-static inline __attribute__((always_inline, target(ISA_VNNI512))) void groups_terms(
-    const void *s, const void *bias, int half, const activations *a, long m0, int R, int C, long K, int group,
-    __m512 *acc, float *out) {
-  long groups = K / group;
-  float wide[half ? 2 * C * groups : 1];
-  if (half) {
-    widen512(s, C * groups, wide);
-    widen512(bias, C * groups, wide + C * groups);
-    s = wide, bias = wide + C * groups;
+/* One block of one activation row m for a strip's 16 outputs, the integer
+ * products in `dot` (exact whatever their order). Each output is computed as
+ *
+ *   acc = 0
+ *   for each group g:  u = fix_g
+ *                      for each block b of g:  u = fma(float(xq_b . q_b), d_b, u)
+ *                      acc = fma(scale_g, u, acc);  acc = fma(bias_g, xsum_g, acc)
+ *
+ * whatever the path or the tile. */
+static inline __attribute__((always_inline, target(ISA_VNNI512))) void block_step(
+    __m512 *u, __m512 *acc, __m512i dot, const activations *a, long m, long b, long blocks, long g, long groups,
+    int opens, int closes, const float *scale, const float *bias) {
+  if (opens) *u = _mm512_set1_ps(a->fix[m * groups + g]);
+  *u = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(a->d[m * blocks + b]), *u);
+  if (closes) {
+    *acc = _mm512_fmadd_ps(_mm512_loadu_ps(scale + g * STRIP), *u, *acc);
+    *acc = _mm512_fmadd_ps(_mm512_loadu_ps(bias + g * STRIP), _mm512_set1_ps(a->sum[m * groups + g]), *acc);
   }
-  for (int r = 0; r < R; r++)
-    for (int c = 0; c < C; c++) {
-      const float *sum = a->sum + (m0 + r) * groups, *fix = a->fix + (m0 + r) * groups;
-      const float *bc = (const float *)bias + c * groups, *sc = (const float *)s + c * groups;
-      __m512 total = acc[r * C + c];
-      for (long g = 0; g < groups; g += 16) {
-        __mmask16 in = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
-        total = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(in, bc + g), _mm512_maskz_loadu_ps(in, sum + g), total);
-        total = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(in, sc + g), _mm512_maskz_loadu_ps(in, fix + g), total);
-      }
-      out[r * C + c] = hsum512(total);
-    }
 }
 
-/* qgemm.c's TILE_BODY two blocks a step: R activation rows x C weight rows,
- * the weights unpacked here (UNPACK) or read from a panel (pairs of blocks, see
- * unpack_pairs). Every output is one chain over the block pairs in order, then
- * the same horizontal sum, whatever the tile. */
-#define TILE512_BODY(UNPACK, R, C, PANEL)                                                                           \
-  long blocks = K / BLOCK, per_group = group / BLOCK, step = BLOCK * bits / 8, groups = K / group;                  \
-  const char *ahead = (const char *)wrow + C * row_bytes;                                                           \
-  long lines = (C * row_bytes + 63) / 64, share = 0;                                                                \
-  __m512 acc[R][C];                                                                                                 \
-  UNROLL for (int r = 0; r < R; r++)                                                                                \
-    UNROLL for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                                             \
-  for (long b = 0; b < blocks; b += 2) {                                                                            \
-    for (share += 2 * lines; !PANEL && share >= blocks; share -= blocks, ahead += 64)                               \
-      _mm_prefetch(ahead, _MM_HINT_T0);                                                                             \
-    __m512 d[R];                                                                                                    \
-    __m512i q[R];                                                                                                   \
-    UNROLL for (int r = 0; r < R; r++) {                                                                            \
-      const float *dr = a->d + (m0 + r) * blocks + b;                                                               \
-      d[r] = halves(_mm256_set1_ps(dr[0]), _mm256_set1_ps(dr[1]));                                                  \
-      q[r] = _mm512_loadu_si512(a->q + (m0 + r) * K + b * BLOCK);                                                   \
-    }                                                                                                               \
-    UNROLL for (int c = 0; c < C; c++) {                                                                            \
-      __m512i w = PANEL ? _mm512_loadu_si512(panel + (b / 2 * C + c) * 2 * BLOCK)                                   \
-                        : UNPACK(wrow + c * row_bytes + b * step, bits);                                            \
-      __m512 scale = scale_pair((const char *)s + c * groups * (half ? 2 : 4), half, b / per_group,                 \
-                                (b + 1) / per_group);                                                               \
-      UNROLL for (int r = 0; r < R; r++) {                                                                          \
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, q[r]);                                         \
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, d[r]), acc[r][c]);                \
+/* Row m's 4 quantized values from k, as a vector's 16 words */
+static inline __attribute__((always_inline, target(ISA_VNNI512))) __m512i four(const activations *a, long m, long K,
+                                                                               long k) {
+  int32_t word;
+  memcpy(&word, a->q + m * K + k, sizeof word);
+  return _mm512_set1_epi32(word);
+}
+
+/* Block b's products of row m with 8 vectors of the strip's weights (4 values
+ * each), in two chains. */
+static inline __attribute__((always_inline, target(ISA_VNNI512))) __m512i block_dot(const __m512i w[8],
+                                                                                    const activations *a, long m,
+                                                                                    long K, long b) {
+  __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+  UNROLL for (int j = 0; j < 8; j += 2) {
+    even = _mm512_dpbusd_epi32(even, w[j], four(a, m, K, b * BLOCK + 4 * j));
+    odd = _mm512_dpbusd_epi32(odd, w[j + 1], four(a, m, K, b * BLOCK + 4 * j + 4));
+  }
+  return _mm512_add_epi32(even, odd);
+}
+
+/* Columns [0, columns) of a strip's block pair from b: each column's two
+ * blocks unpacked (64 bytes), the 16 x 16 matrix of 4-value words transposed:
+ * v[j] holds values 4j .. 4j + 3 of the pair (in unpack()'s order, as the
+ * activations are quantized) of the 16 columns. */
+#define PAIR_OF_STRIP(v, UNPACK, w, row_bytes, b, columns)                                                          \
+  UNROLL for (int c = 0; c < STRIP; c++)                                                                            \
+    v[c] = c < columns ? _mm512_castsi512_ps(UNPACK(w + c * row_bytes + b * BLOCK * bits / 8, bits))                \
+                       : _mm512_setzero_ps();                                                                       \
+  transpose16(v);
+
+/* Up to FEW activation rows: out[m][0 .. columns) for m < R, the strip's block
+ * pairs unpacked and transposed in registers and taken by every row. */
+#define FEW_ROWS(name, isa, UNPACK, bits_, R)                                                                       \
+  static __attribute__((target(isa))) void name(const uint8_t *w, long row_bytes, long K, int group, int columns,   \
+                                                const float *scale, const float *bias, const activations *a,        \
+                                                float *out, long N, fetch ahead[3]) {                               \
+    const int bits = bits_;                                                                                         \
+    long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
+    __m512 acc[R], u[R];                                                                                            \
+    UNROLL for (int r = 0; r < R; r++) acc[r] = u[r] = _mm512_setzero_ps();                                         \
+    for (long b = 0; b < blocks; b += 2) {                                                                          \
+      fetch_shares(ahead, blocks / 2);                                                                              \
+      __m512 v[STRIP];                                                                                              \
+      PAIR_OF_STRIP(v, UNPACK, w, row_bytes, b, columns)                                                            \
+      UNROLL for (int h = 0; h < 2; h++) {                                                                          \
+        long bb = b + h, g = bb / per_group;                                                                        \
+        int opens = bb % per_group == 0, closes = (bb + 1) % per_group == 0;                                        \
+        UNROLL for (int r = 0; r < R; r++)                                                                          \
+          block_step(&u[r], &acc[r], block_dot((const __m512i *)v + 8 * h, a, r, K, bb), a, r, bb, blocks, g,       \
+                     groups, opens, closes, scale, bias);                                                           \
       }                                                                                                             \
     }                                                                                                               \
-  }                                                                                                                 \
-  groups_terms(s, bias, half, a, m0, R, C, K, group, acc[0], out);
-
-typedef void (*tile512_fn)(const uint8_t *wrow, long row_bytes, const void *s, const void *bias, int half,
-                           const uint8_t *panel, const activations *a, long m0, long K, int group, float *out);
-
-#define TILE512(name, isa, UNPACK, bits_, R, C, PANEL)                                                              \
-  static __attribute__((target(isa))) void name(const uint8_t *wrow, long row_bytes, const void *s,                 \
-                                                const void *bias, int half, const uint8_t *panel,                   \
-                                                const activations *a, long m0, long K, int group, float *out) {     \
-    const int bits = bits_;                                                                                         \
-    TILE512_BODY(UNPACK, R, C, PANEL)                                                                               \
+    __mmask16 in = columns >= STRIP ? 0xFFFF : (__mmask16)((1u << columns) - 1);                                    \
+    UNROLL for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * N, in, acc[r]);                              \
   }
 
-/* `rows` weight rows (a multiple of 4) unpacked into panel as the 4 x 4 tile
- * reads them: each 4 rows block pair by block pair (pair p of row c at
- * (4p + c) * 64 bytes from the four rows' start). */
-#define UNPACK_PAIRS(name, isa, UNPACK, bits_)                                                                      \
-  static __attribute__((target(isa))) void name(const uint8_t *wrow, long row_bytes, long K, long rows,             \
-                                                uint8_t *panel) {                                                   \
+/* The sums of the two 8-lane halves of each of d[0..15] (one column's
+ * products of a block pair, lanes 0-7 the first block's), as two vectors of
+ * the 16 columns: the first block's in *first, the second's in *second.
+ * Integer adds, exact in any order. */
+static inline __attribute__((always_inline, target(ISA_VNNI512))) void half_sums(const __m512i d[16], __m512i *first,
+                                                                                 __m512i *second) {
+  __m512i e[8], f[4], g[2];
+  UNROLL for (int i = 0; i < 8; i++) /* chunk q: lanes 4q + {0, 2} and 4q + {1, 3} of columns 2i, 2i + 1 */
+    e[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2 * i], d[2 * i + 1]),
+                            _mm512_unpackhi_epi32(d[2 * i], d[2 * i + 1]));
+  UNROLL for (int i = 0; i < 4; i++) /* chunk q: the sums of chunk q of columns 4i .. 4i + 3 */
+    f[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(e[2 * i], e[2 * i + 1]),
+                            _mm512_unpackhi_epi64(e[2 * i], e[2 * i + 1]));
+  UNROLL for (int i = 0; i < 2; i++) /* first block of columns 8i .. 8i + 3, second's, first of 8i + 4 .., second's */
+    g[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(f[2 * i], f[2 * i + 1], 0x88),
+                            _mm512_shuffle_i32x4(f[2 * i], f[2 * i + 1], 0xDD));
+  *first = _mm512_shuffle_i32x4(g[0], g[1], 0x88);
+  *second = _mm512_shuffle_i32x4(g[0], g[1], 0xDD);
+}
+
+/* One activation row (decoding): each column's block pair against the row's
+ * as they lie (a vpdpbusd a column), then the 16 columns' sums gathered into
+ * lanes by half_sums, fewer instructions than transposing the weights for one
+ * row. The same order of float operations as the other tiles. */
+#define ONE_ROW(name, isa, UNPACK, bits_)                                                                           \
+  static __attribute__((target(isa))) void name(const uint8_t *w, long row_bytes, long K, int group, int columns,   \
+                                                const float *scale, const float *bias, const activations *a,        \
+                                                float *out, long N, fetch ahead[3]) {                               \
     const int bits = bits_;                                                                                         \
-    for (long c = 0; c < rows; c++)                                                                                 \
-      for (long b = 0; b < K / BLOCK; b += 2)                                                                       \
-        _mm512_storeu_si512(panel + c / 4 * 4 * K + (b / 2 * 4 + c % 4) * 2 * BLOCK,                                \
-                            UNPACK(wrow + c * row_bytes + b * BLOCK * bits / 8, bits));                             \
+    long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
+    __m512 acc = _mm512_setzero_ps(), u = _mm512_setzero_ps();                                                      \
+    for (long b = 0; b < blocks; b += 2) {                                                                          \
+      fetch_shares(ahead, blocks / 2);                                                                              \
+      __m512i x = _mm512_loadu_si512(a->q + b * BLOCK), d[STRIP], sums[2];                                          \
+      UNROLL for (int c = 0; c < STRIP; c++)                                                                        \
+        d[c] = c < columns ? _mm512_dpbusd_epi32(_mm512_setzero_si512(),                                            \
+                                                 UNPACK(w + c * row_bytes + b * BLOCK * bits / 8, bits), x)         \
+                           : _mm512_setzero_si512();                                                                \
+      half_sums(d, &sums[0], &sums[1]);                                                                             \
+      UNROLL for (int h = 0; h < 2; h++) {                                                                          \
+        long bb = b + h;                                                                                            \
+        block_step(&u, &acc, sums[h], a, 0, bb, blocks, bb / per_group, groups, bb % per_group == 0,                \
+                   (bb + 1) % per_group == 0, scale, bias);                                                         \
+      }                                                                                                             \
+    }                                                                                                               \
+    _mm512_mask_storeu_ps(out, columns >= STRIP ? 0xFFFF : (__mmask16)((1u << columns) - 1), acc);                  \
   }
 
-/* The tiles: 4 x 4 (and from a panel) for every four activation rows of a
- * long batch; for up to SHORT rows, one tile of them all (a row decoding, a few
- * verifying draft tokens, a short batch), so that the weights are read once:
- * 1 x 8, 2 x 4, 3 x 4, 4 x 4, 5-8 x 2, each with its r x 1 for the columns
- * left over. */
-#define SHORT 8
+/* A kept strip: the weights as PAIR_OF_STRIP leaves them (v[j] of pair b at
+ * (b * 8 + j) * 64 bytes), then the scales and biases as strip_scales. */
+typedef struct {
+  uint8_t *q;
+  float *scale, *bias;
+} strip;
+
+static size_t strip_bytes(long K, int group) { return (size_t)K * STRIP + 2 * sizeof(float) * STRIP * (K / group); }
+
+static strip strip_at(uint8_t *at, long K, int group) {
+  float *scale = (float *)(at + K * STRIP);
+  return (strip){at, scale, scale + STRIP * (K / group)};
+}
+
+#define KEEP_STRIP(name, isa, UNPACK, bits_)                                                                        \
+  static __attribute__((target(isa))) void name(const uint8_t *w, long row_bytes, long K, int columns, uint8_t *q, \
+                                                fetch ahead[3]) {                                                   \
+    const int bits = bits_;                                                                                         \
+    for (long b = 0; b < K / BLOCK; b += 2) {                                                                       \
+      fetch_shares(ahead, K / BLOCK / 2);                                                                           \
+      __m512 v[STRIP];                                                                                              \
+      PAIR_OF_STRIP(v, UNPACK, w, row_bytes, b, columns)                                                            \
+      UNROLL for (int j = 0; j < STRIP; j++) _mm512_storeu_ps(q + (b * 8 + j) * 64, v[j]);                          \
+    }                                                                                                               \
+  }
+
+/* Rows m0 .. m0 + R of a kept strip's outputs. */
+#define KEPT_ROWS(name, R)                                                                                          \
+  static __attribute__((target(ISA_VNNI512))) void name(strip st, const activations *a, long m0, long K, int group, \
+                                                        float *out, long N, int columns) {                          \
+    long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
+    __m512 acc[R], u[R];                                                                                            \
+    UNROLL for (int r = 0; r < R; r++) acc[r] = u[r] = _mm512_setzero_ps();                                         \
+    for (long b = 0; b < blocks; b++) {                                                                             \
+      long g = b / per_group;                                                                                       \
+      int opens = b % per_group == 0, closes = (b + 1) % per_group == 0;                                            \
+      __m512i w[8];                                                                                                 \
+      UNROLL for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512(st.q + (b * 8 + j) * 64);                        \
+      UNROLL for (int r = 0; r < R; r++)                                                                            \
+        block_step(&u[r], &acc[r], block_dot(w, a, m0 + r, K, b), a, m0 + r, b, blocks, g, groups, opens, closes,   \
+                   st.scale, st.bias);                                                                              \
+    }                                                                                                               \
+    __mmask16 in = columns >= STRIP ? 0xFFFF : (__mmask16)((1u << columns) - 1);                                    \
+    UNROLL for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + (m0 + r) * N, in, acc[r]);                       \
+  }
+
+typedef void (*few_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, const float *scale,
+                       const float *bias, const activations *a, float *out, long N, fetch ahead[3]);
+typedef void (*keep_fn)(const uint8_t *w, long row_bytes, long K, int columns, uint8_t *q, fetch ahead[3]);
+typedef void (*kept_fn)(strip st, const activations *a, long m0, long K, int group, float *out, long N, int columns);
+
 #define PRODUCTS512(name, isa, UNPACK, bits_)                                                                       \
-  TILE512(name##_4x4_panel, isa, UNPACK, bits_, 4, 4, 1)                                                            \
-  TILE512(name##_1x8, isa, UNPACK, bits_, 1, 8, 0)                                                                  \
-  TILE512(name##_2x4, isa, UNPACK, bits_, 2, 4, 0)                                                                  \
-  TILE512(name##_3x4, isa, UNPACK, bits_, 3, 4, 0)                                                                  \
-  TILE512(name##_4x4, isa, UNPACK, bits_, 4, 4, 0)                                                                  \
-  TILE512(name##_5x2, isa, UNPACK, bits_, 5, 2, 0)                                                                  \
-  TILE512(name##_6x2, isa, UNPACK, bits_, 6, 2, 0)                                                                  \
-  TILE512(name##_7x2, isa, UNPACK, bits_, 7, 2, 0)                                                                  \
-  TILE512(name##_8x2, isa, UNPACK, bits_, 8, 2, 0)                                                                  \
-  TILE512(name##_1x1, isa, UNPACK, bits_, 1, 1, 0)                                                                  \
-  TILE512(name##_2x1, isa, UNPACK, bits_, 2, 1, 0)                                                                  \
-  TILE512(name##_3x1, isa, UNPACK, bits_, 3, 1, 0)                                                                  \
-  TILE512(name##_4x1, isa, UNPACK, bits_, 4, 1, 0)                                                                  \
-  TILE512(name##_5x1, isa, UNPACK, bits_, 5, 1, 0)                                                                  \
-  TILE512(name##_6x1, isa, UNPACK, bits_, 6, 1, 0)                                                                  \
-  TILE512(name##_7x1, isa, UNPACK, bits_, 7, 1, 0)                                                                  \
-  TILE512(name##_8x1, isa, UNPACK, bits_, 8, 1, 0)                                                                  \
-  UNPACK_PAIRS(name##_pairs, isa, UNPACK, bits_)
+  ONE_ROW(name##_few1, isa, UNPACK, bits_)                                                                          \
+  FEW_ROWS(name##_few2, isa, UNPACK, bits_, 2)                                                                      \
+  FEW_ROWS(name##_few3, isa, UNPACK, bits_, 3)                                                                      \
+  FEW_ROWS(name##_few4, isa, UNPACK, bits_, 4)                                                                      \
+  KEEP_STRIP(name##_keep, isa, UNPACK, bits_)
 
 PRODUCTS512(vnni512_4, ISA_VNNI512, unpack_pair, 4)
 PRODUCTS512(vnni512_5, ISA_VNNI512, unpack_pair, 5)
 PRODUCTS512(vnni512_8, ISA_VNNI512, unpack_pair, 8)
 PRODUCTS512(vnni512_5_vbmi, ISA_VNNI512_VBMI, unpack_pair_vbmi, 5)
 
+KEPT_ROWS(kept1, 1)
+KEPT_ROWS(kept2, 2)
+KEPT_ROWS(kept3, 3)
+KEPT_ROWS(kept4, 4)
+KEPT_ROWS(kept5, 5)
+KEPT_ROWS(kept6, 6)
+KEPT_ROWS(kept7, 7)
+KEPT_ROWS(kept8, 8)
+static const kept_fn kept_rows[ROWS + 1] = {0, kept1, kept2, kept3, kept4, kept5, kept6, kept7, kept8};
+
 typedef struct {
-  tile512_fn panel, few[SHORT + 1], few1[SHORT + 1]; /* by rows: r x columns_of(r), r x 1 */
-  unpack_rows_fn unpack_rows;
+  few_fn few[FEW + 1];
+  keep_fn keep;
 } tiles512;
 
-/* the columns a tile of `rows` activation rows (up to SHORT) covers */
-static int columns_of(long rows) { return rows == 1 ? 8 : rows <= 4 ? 4 : 2; }
-
 static tiles512 tiles512_for(int bits) {
-#define TILES512(p)                                                                                                 \
-  {p##_4x4_panel,                                                                                                   \
-   {0, p##_1x8, p##_2x4, p##_3x4, p##_4x4, p##_5x2, p##_6x2, p##_7x2, p##_8x2},                                     \
-   {0, p##_1x1, p##_2x1, p##_3x1, p##_4x1, p##_5x1, p##_6x1, p##_7x1, p##_8x1},                                     \
-   p##_pairs}
+#define TILES512(p) {{0, p##_few1, p##_few2, p##_few3, p##_few4}, p##_keep}
   static const tiles512 table[4] = {TILES512(vnni512_4), TILES512(vnni512_5), TILES512(vnni512_8),
                                     TILES512(vnni512_5_vbmi)};
 #undef TILES512
@@ -244,44 +345,59 @@ typedef struct {
   float *out;
 } job512;
 
-/* Tile (m0, n0) of R x C outputs. */
-static void tile512_at(const job512 *j, tile512_fn tile, int R, int C, long m0, long n0, const uint8_t *panel) {
+/* What the strip of columns from n reads, and where the next one's lie. */
+static void strip_sources(const job512 *j, long n, const uint8_t **w, const char **s, const char **bias,
+                          fetch ahead[3]) {
   long groups = j->K / j->group, row_bytes = j->K * j->bits / 8, width = j->half ? 2 : 4;
-  float got[16];
-  tile(j->w + n0 * row_bytes, row_bytes, (const char *)j->scales + n0 * groups * width,
-       (const char *)j->biases + n0 * groups * width, j->half, panel, j->a, m0, j->K, j->group, got);
-  for (int r = 0; r < R; r++)
-    for (int c = 0; c < C; c++) j->out[(m0 + r) * j->N + n0 + c] = got[r * C + c];
+  *w = j->w + n * row_bytes;
+  *s = (const char *)j->scales + n * groups * width;
+  *bias = (const char *)j->biases + n * groups * width;
+  ahead[0] = fetch_of(*w + STRIP * row_bytes, STRIP * row_bytes);
+  ahead[1] = fetch_of(*s + STRIP * groups * width, STRIP * groups * width);
+  ahead[2] = fetch_of(*bias + STRIP * groups * width, STRIP * groups * width);
 }
 
-/* Output columns [first, last) of every activation row. Up to SHORT rows: one
- * tile of them all across the columns. More: 4 x 4 tiles over every four rows,
- * a block of weight rows at a time (unpacked into a panel first from
- * PANEL_ROWS rows), the columns they leave by 4 x 1, and the rows they leave by
- * one tile of those. */
+static __thread void *strips_kept; /* this thread's strips (threads.h) */
+static __thread size_t strips_capacity;
+#define STRIPS_BYTES 262144 /* strips kept at a time: they stay in the core's cache while the rows sweep them */
+
+/* Output columns [first, last) of every activation row, a strip at a time
+ * (first a whole number of strips). Up to FEW rows: each strip's weights
+ * straight from registers. More: a few strips kept, every ROWS rows' tiles
+ * over them, and so on. */
 static void rows_of512(void *arg, int part, int parts) {
   const job512 *j = arg;
-  long first = j->N * part / parts, last = j->N * (part + 1) / parts;
+  long first = j->N * part / parts / STRIP * STRIP;
+  long last = part + 1 == parts ? j->N : j->N * (part + 1) / parts / STRIP * STRIP;
+  long groups = j->K / j->group, row_bytes = j->K * j->bits / 8;
   tiles512 t = tiles512_for(j->bits);
-  long tiled = j->M <= SHORT ? 0 : j->M / 4 * 4, quads = first + (last - first) / 4 * 4;
-  long row_bytes = j->K * j->bits / 8;
-  int many = j->M >= PANEL_ROWS;
-  long step = many ? (PANEL_BYTES / j->K / 4 + 1) * 4 : COLUMNS;
-  uint8_t *panel = many ? tierlm_kept_buffer(&panel_kept, &panel_capacity, step * j->K) : NULL;
-  for (long n0 = first; tiled && n0 < quads; n0 += step) {
-    long end = n0 + step < quads ? n0 + step : quads;
-    if (many) t.unpack_rows(j->w + n0 * row_bytes, row_bytes, j->K, end - n0, panel);
-    for (long m0 = 0; m0 < tiled; m0 += 4)
-      for (long n = n0; n < end; n += 4)
-        tile512_at(j, many ? t.panel : t.few[4], 4, 4, m0, n, many ? panel + (n - n0) * j->K : NULL);
-  }
-  for (long m0 = 0; m0 < tiled; m0 += 4)
-    for (long n = quads; n < last; n++) tile512_at(j, t.few1[4], 4, 1, m0, n, NULL);
-  int left = (int)(j->M - tiled), width = columns_of(left);
-  if (left) {
-    long n = first;
-    for (; n + width <= last; n += width) tile512_at(j, t.few[left], left, width, tiled, n, NULL);
-    for (; n < last; n++) tile512_at(j, t.few1[left], left, 1, tiled, n, NULL);
+  size_t one = strip_bytes(j->K, j->group);
+  long at_once = j->M <= FEW ? 1 : STRIPS_BYTES / one > 1 ? (long)(STRIPS_BYTES / one) : 1;
+  uint8_t *kept = tierlm_kept_buffer(&strips_kept, &strips_capacity, one * at_once);
+  for (long n0 = first; n0 < last; n0 += at_once * STRIP) {
+    long count = 0;
+    for (long n = n0; n < last && count < at_once; n += STRIP, count++) {
+      int columns = last - n < STRIP ? (int)(last - n) : STRIP;
+      strip st = strip_at(kept + count * one, j->K, j->group);
+      const uint8_t *w;
+      const char *s, *bias;
+      fetch ahead[3];
+      strip_sources(j, n, &w, &s, &bias, ahead);
+      strip_scales(s, j->half, groups, columns, st.scale);
+      strip_scales(bias, j->half, groups, columns, st.bias);
+      if (j->M <= FEW)
+        t.few[j->M](w, row_bytes, j->K, j->group, columns, st.scale, st.bias, j->a, j->out + n, j->N, ahead);
+      else
+        t.keep(w, row_bytes, j->K, columns, st.q, ahead);
+    }
+    for (long m0 = 0; j->M > FEW && m0 < j->M; m0 += ROWS) {
+      int R = j->M - m0 < ROWS ? (int)(j->M - m0) : ROWS;
+      for (long i = 0; i < count; i++) {
+        long n = n0 + i * STRIP;
+        int columns = last - n < STRIP ? (int)(last - n) : STRIP;
+        kept_rows[R](strip_at(kept + i * one, j->K, j->group), j->a, m0, j->K, j->group, j->out + n, j->N, columns);
+      }
+    }
   }
 }
 
@@ -293,4 +409,3 @@ void tierlm_qmm_vnni512(const float *x, long M, long K, const void *w, const voi
   tierlm_parallel(rows_of512, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
   free(buffer);
 }
-
