@@ -861,14 +861,14 @@ def test_float16_scales_stay_as_stored_or_are_read_as_they_are(dtype):
     assert got.dtype == mx.float32 and mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
 
 
-def _vnni_available() -> bool:
+def _int8_available() -> bool:
     from tierlm.backends.cpu import quantized, route
 
     state = route.prepare()
-    return state.lib is not None and bool(state.lib.tierlm_qmm_available(quantized.PATHS["avx512-vnni"]))
+    return state.lib is not None and bool(state.lib.tierlm_qmm_available(quantized.PATHS["avx2-int8"]))
 
 
-@pytest.mark.skipif(not _vnni_available(), reason="needs AVX-512 VNNI")
+@pytest.mark.skipif(not _int8_available(), reason="needs AVX2")
 def test_int8_activations_are_registered_for_the_models_life_and_tagged(monkeypatch):
     """TIERLM_INT8_ACTIVATIONS=on registers every quantized layer of the model
     with qgemm.c (no probe): its logits are the int8 products' (close to the
@@ -877,7 +877,7 @@ def test_int8_activations_are_registered_for_the_models_life_and_tagged(monkeypa
     reference text keep the float32 products and say why."""
     import gc
 
-    from tierlm.backends.cpu import int8, quantized
+    from tierlm.backends.cpu import int8, quantized, route
 
     tokens = mx.array([[3, 5, 7, 11, 13]])
     floats = _half_scaled_tiny_model()
@@ -890,7 +890,8 @@ def test_int8_activations_are_registered_for_the_models_life_and_tagged(monkeypa
     model = _half_scaled_tiny_model()  # the same weights (seeded), in buffers of its own
     backend = backends.prepare(model, cpu_weights_dtype="quantized", memory_bytes=2**40)
     layers = len([m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)])
-    assert backend.summary["int8_activations"] == f"on ({layers} layers, TIERLM_INT8_ACTIVATIONS=on)"
+    kernel = int8.kernel(route.current().lib)  # AVX-512 VNNI, else AVX2
+    assert backend.summary["int8_activations"] == f"on ({layers} layers, {kernel}, TIERLM_INT8_ACTIVATIONS=on)"
     assert backend.layout_tag == int8.LAYOUT_TAG and "CPU int8 activations: on" in backend.log[3]
     assert int8.registered() == before + layers
     got, float_logits = model(tokens), floats(tokens)
@@ -908,7 +909,7 @@ def test_int8_activations_are_registered_for_the_models_life_and_tagged(monkeypa
     assert int8.registered() == before
 
 
-@pytest.mark.skipif(not _vnni_available(), reason="needs AVX-512 VNNI")
+@pytest.mark.skipif(not _int8_available(), reason="needs AVX2")
 def test_the_probes_figure_is_remembered_by_the_weights(monkeypatch, tmp_path):
     """auto probes a model once: its figure goes to int8-probe.json in the cache
     folder, by a fingerprint of the weights and the text; the same weights

@@ -123,21 +123,23 @@ def test_float16_scales_give_the_bits_of_their_float32_widening(name, bits, path
             assert np.array_equal(got, want), (group, rows)
 
 
-@pytest.mark.skipif("avx512-vnni" not in PATHS, reason="needs AVX-512 VNNI")
+@pytest.mark.skipif("avx2-int8" not in PATHS, reason="needs AVX2")
 def test_a_registered_weight_takes_the_int8_tiles_and_the_rest_keep_the_path(path):
     """cpu.int8 registers a model's weights with qgemm.c: their products take the
-    AVX-512 VNNI tiles (the bits the avx512-vnni path gives), alone and in a
-    batch, while another weight keeps the path in use; removed, a weight's
-    products are the float path's again. A K of an odd number of block pairs
-    stays on the path in use (the 512-bit tiles read blocks two at a time)."""
+    int8 products (AVX-512 VNNI's where the CPU has it, else AVX2's: the bits
+    the path of that name gives), alone and in a batch, while another weight
+    keeps the path in use; removed, a weight's products are the float path's
+    again. With VNNI a K of an odd number of block pairs stays on the path in
+    use (its tiles read blocks two at a time); AVX2's take any K."""
+    vnni = "avx512-vnni" in PATHS
     x = np.random.default_rng(11).standard_normal((21, 384)).astype(np.float32)
     w, scales, biases = _weights(70, 384, 5, 32, seed=12)
     other = _weights(70, 384, 5, 32, seed=13)
     odd = _weights(70, 96, 5, 32, seed=14)
     odd_x = x[:, :96].copy()
-    STATE.lib.tierlm_qmm_select(quantized.PATHS["avx512-vnni"])
-    int8 = _kernel(x, w, scales, biases, 5, 32)
-    STATE.lib.tierlm_qmm_select(quantized.PATHS["avx512"])
+    STATE.lib.tierlm_qmm_select(quantized.PATHS["avx512-vnni" if vnni else "avx2-int8"])
+    int8, odd_int8 = _kernel(x, w, scales, biases, 5, 32), _kernel(odd_x, *odd, 5, 32)
+    STATE.lib.tierlm_qmm_select(quantized.PATHS["avx512" if "avx512" in PATHS else "avx2"])
     floats, other_floats = _kernel(x, w, scales, biases, 5, 32), _kernel(x, *other, 5, 32)
     odd_floats = _kernel(odd_x, *odd, 5, 32)
     assert not np.array_equal(int8, floats)
@@ -149,7 +151,7 @@ def test_a_registered_weight_takes_the_int8_tiles_and_the_rest_keep_the_path(pat
         assert np.array_equal(_kernel(x, w, scales, biases, 5, 32), int8)
         assert np.array_equal(_kernel(x[3:4].copy(), w, scales, biases, 5, 32)[0], int8[3])
         assert np.array_equal(_kernel(x, *other, 5, 32), other_floats)
-        assert np.array_equal(_kernel(odd_x, *odd, 5, 32), odd_floats)
+        assert np.array_equal(_kernel(odd_x, *odd, 5, 32), odd_floats if vnni else odd_int8)
     finally:
         for weight in (w, odd[0]):
             STATE.lib.tierlm_qmm_int8_remove(weight.ctypes.data)
@@ -385,20 +387,19 @@ def test_the_default_models_log_probabilities_stay_close(model_path):
 @pytest.mark.skipif(not FEATURE.on, reason=f"quantized kernels off: {FEATURE}")
 def test_the_agent_models_answers_stay_those_of_float32(qwen_path):
     """Qwen2.5-Coder-0.5B (from its Q4_K_M GGUF), on the products the loader
-    chooses (int8 activations where the CPU has AVX-512 VNNI, since the model
-    passes the probe; float32 elsewhere): greedy answers equal those of the
+    chooses (int8 activations, since the model passes the probe): greedy answers equal those of the
     same weights in float32 on most prompts (batched, 16 tokens), and the
     reference text's per-token log-probabilities, decoding, move by < 0.05 on
     average and < 0.5 at most (int8: 0.019 and 0.15 here, 7 of 8 answers the
-    same; float32 products: 0 and 0)."""
+    same; float32 products, where the kernels are off: 0 and 0)."""
     change, same = _compare(qwen_path)
     assert same >= len(PROMPTS) - 2
     assert change.mean() < 0.05 and change.max() < 0.5
 
 
 @pytest.mark.slow  # loads the default model and Qwen2.5-Coder-0.5B
-@pytest.mark.skipif("avx512-vnni" not in PATHS or FEATURE.detail.split(",")[0] != "avx512",
-                    reason="needs AVX-512 VNNI and the float path in use")
+@pytest.mark.skipif("avx2-int8" not in PATHS or FEATURE.detail.split(",")[0] not in quantized.FLOAT_PATHS,
+                    reason="needs AVX2 and a float path in use")
 def test_the_probe_keeps_int8_activations_for_the_agent_model_only(model_path, qwen_path):
     """The loader probes each quantized model (cpu.int8): Qwen2.5-Coder-0.5B's
     reference log-probabilities move by ~0.018 with int8 activations and it

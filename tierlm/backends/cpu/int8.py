@@ -1,18 +1,19 @@
 """Int8 activations for the models they barely move, chosen at load by a probe.
 
-On one activation row (decoding) the float32 products (qgemm_float.c) are
-bound by their instructions, not by memory: each weight is unpacked, turned
-into a float and scaled before its multiply-add. With the activations
-quantized to int8 per 32 values, as llama.cpp quantizes them, a pair of
-32-value blocks is one AVX-512 VNNI dot product (qgemm_vnni512.c), and
-a step of Qwen2.5-Coder-0.5B reads its weights at ~30 GB/s instead of ~16.
+The float32 products (qgemm_float.c) are bound by their instructions: each
+weight is unpacked, turned into a float and scaled before its multiply-add.
+With the activations quantized to int8 per 32 values, as llama.cpp quantizes
+them, 4 values of 16 output columns are one AVX-512 VNNI dot product
+(qgemm_vnni512.c; with AVX2 alone, of 8 columns, qgemm_int8_avx2.c): a step
+of Qwen2.5-Coder-0.5B reads its weights at ~30 GB/s instead of ~16, and a
+prompt's products run ~2x float32's speed with VNNI (~1.4x with AVX2).
 The int8 activations move the model's answers, though, and how much depends on
 the model: SmolLM2-135M, whose RMSNorm outputs have a few huge channels that
 take a block's whole int8 range, stopped answering "Paris", while
 Qwen2.5-Coder-0.5B's greedy answers stayed those of float32.
 
-So each quantized model is probed once at load, where the CPU has AVX-512
-VNNI: a reference text's tokens go through the model with the float32
+So each quantized model is probed once at load, where the CPU has AVX2 (every
+x86-64 server): a reference text's tokens go through the model with the float32
 products and again with the int8 ones, and the int8 activations are kept when
 the log-probability of each next token moves by less than `THRESHOLD` on
 average. They are kept per model, by registering the model's packed weights
@@ -77,8 +78,8 @@ def choose(model: nn.Module, tokens: list[int] | None) -> tuple[Feature, bool]:
     if setting == "off":
         return Feature(False, f"turned off by {VARIABLE}=off"), False
     lib = _lib()
-    if lib is None or not quantized.float_products() or not lib.tierlm_qmm_available(quantized.PATHS["avx512-vnni"]):
-        return Feature(False, "needs AVX-512 VNNI and the float kernels in use"), False
+    if lib is None or not quantized.float_products() or not lib.tierlm_qmm_available(quantized.PATHS["avx2-int8"]):
+        return Feature(False, "needs AVX2 and the float kernels in use"), False
     weights = _weights(model)
     if not weights:
         return Feature(False, "no quantized layer the kernels take"), False
@@ -92,15 +93,20 @@ def choose(model: nn.Module, tokens: list[int] | None) -> tuple[Feature, bool]:
     addresses = _register(lib, weights)
     weakref.finalize(model, _unregister, lib, addresses)  # before MLX can free the buffers and reuse them
     if setting == "on":
-        return Feature(True, f"{len(addresses)} layers, {VARIABLE}=on"), True
+        return Feature(True, f"{len(addresses)} layers, {kernel(lib)}, {VARIABLE}=on"), True
     if change is None:
         change = float(np.abs(_log_probs(model, tokens) - before).mean())
         _remember(key, change)
     if change >= THRESHOLD:
         _unregister(lib, addresses)
         return _declined(change), False
-    return Feature(True, f"{len(addresses)} layers; the probe moved log-probabilities by {change:.3f} "
-                         f"(< {THRESHOLD}) over {len(tokens) - 1} tokens"), True
+    return Feature(True, f"{len(addresses)} layers, {kernel(lib)}; the probe moved log-probabilities by "
+                         f"{change:.3f} (< {THRESHOLD}) over {len(tokens) - 1} tokens"), True
+
+
+def kernel(lib) -> str:
+    """Which int8 products a registered weight takes on this CPU."""
+    return "AVX-512 VNNI" if lib.tierlm_qmm_available(quantized.PATHS["avx512-vnni"]) else "AVX2"
 
 
 def _declined(change: float) -> Feature:
@@ -144,9 +150,10 @@ def _log_probs(model: nn.Module, tokens: list[int]) -> np.ndarray:
 
 def _fingerprint(weights: list[mx.array], tokens: list[int], lib) -> str:
     """What the probe's figure depends on: the weights (their shapes and the
-    first and last 4 KB of each), the text's tokens and the native library."""
+    first and last 4 KB of each), the text's tokens, the native library and
+    which of its int8 products this CPU takes."""
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{tokens}|{getattr(lib, '_name', '')}".encode())
+    digest.update(f"{tokens}|{getattr(lib, '_name', '')}|{kernel(lib)}".encode())
     for weight in weights:
         flat = np.array(weight, copy=False).reshape(-1).view(np.uint8)
         digest.update(f"{weight.shape}".encode() + flat[:4096].tobytes() + flat[-4096:].tobytes())

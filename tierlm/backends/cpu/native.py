@@ -27,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent / "native"
 SOURCES = [HERE / name for name in ("sgemm_route.c", "amx_bf16.c", "float_kernels.c", "float_avx512.c", "float_avx2.c",
-                                        "qgemm.c", "qgemm_vnni512.c", "threads.c", "cpu_features.c")]
+                                        "qgemm.c", "qgemm_vnni512.c", "qgemm_int8_avx2.c", "threads.c", "cpu_features.c")]
 # included, not compiled alone: the float kernels' sources are compiled once per width (float_avx*.c)
 HEADERS = [HERE / name for name in ("simd.h", "exact_gemm.c", "softmax.c", "swiglu.c", "qgemm_float.c", "counters.h",
                                     "threads.h", "unpack.h", "cpu_features.h", "qgemm_int8.h")]

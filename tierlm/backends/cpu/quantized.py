@@ -10,11 +10,12 @@ groups of 32, 64 or 128):
   lanes), in float32: each block of weights is unpacked in registers and
   multiplied into the float activations; a prompt's (or a large batch's)
   weights are dequantized once into cache-sized panels;
-- with AVX-512 VNNI (avx512-vnni), for the models int8.py's probe lets take
-  int8 activations, and by name only (avx-vnni, avx2-int8), as llama.cpp
+- for the models int8.py's probe lets take int8 activations, as llama.cpp
   computes its quantized products: the activations are quantized to int8 per
-  32 values and each block is an integer dot product (vpdpbusd, vpmaddubsw):
-  fewer instructions, but the int8 activations move some models' answers;
+  32 values and each block is an integer dot product, 16 output columns a
+  vector with AVX-512 VNNI (avx512-vnni, qgemm_vnni512.c), 8 with AVX2
+  (avx2-int8, qgemm_int8_avx2.c): fewer instructions, but the int8
+  activations move some models' answers; AVX-VNNI's by name only (avx-vnni);
 - anywhere else, the integer products in plain C.
 
 Every row has the same bits alone or batched.
@@ -32,7 +33,7 @@ them for the others.
 TIERLM_QUANT_KERNEL picks the path: auto (avx512, else avx2, else portable),
 avx512, avx2, avx512-vnni, avx-vnni, avx2-int8, portable (plain C, any CPU), or
 off (MLX's own). Under auto the products of a model int8.py registered take the
-avx512-vnni tiles. TIERLM_MAX_CPU_ISA caps what the CPU reports (isa.py): with
+avx512-vnni products where the CPU has VNNI, else the avx2-int8 ones. TIERLM_MAX_CPU_ISA caps what the CPU reports (isa.py): with
 avx2, auto is avx2.
 """
 
@@ -55,9 +56,9 @@ PATHS = {"avx512": 3, "avx2": 4, "avx512-vnni": 5, "avx-vnni": 2, "avx2-int8": 1
 FLOAT_PATHS = ("avx512", "avx2")  # float32 activations; the others quantize them to int8 per 32 values
 # the paths that keep every quantized model's weights quantized (not only those
 # float32 does not fit), read their float16 scales and biases as stored, and give
-# a row the same bits alone or batched: the float ones `auto` picks, and
-# avx512-vnni when named (int8.py's models take its tiles under auto too)
-KEEPING_PATHS = ("avx512-vnni",) + FLOAT_PATHS
+# a row the same bits alone or batched: the float ones `auto` picks, and the
+# int8 ones when named (int8.py's models take them under auto too)
+KEEPING_PATHS = ("avx512-vnni", "avx2-int8") + FLOAT_PATHS
 # each path's feature (isa.FEATURES)
 NEEDS = {"avx512": "avx512f", "avx2": "avx2", "avx512-vnni": "avx512vnni", "avx-vnni": "avx-vnni", "avx2-int8": "avx2"}
 NAMES = {number: name for name, number in PATHS.items()}

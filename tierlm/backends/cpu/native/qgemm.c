@@ -6,17 +6,17 @@
  *   - AVX-512, and AVX2 with FMA: float32 products of the weights unpacked in
  *     registers (qgemm_float.c, one source built for 16 and for 8 lanes): the
  *     activations stay float32, so the product is the dequantized weights' own;
- *   - AVX-512 VNNI for the weights cpu/int8.py registers (a model its probe
- *     found the int8 activations barely move; tierlm_qmm_int8_add), or for
- *     all (TIERLM_QUANT_KERNEL=avx512-vnni): the integer products below, two
- *     blocks a 512-bit vector;
- *   - AVX-VNNI and AVX2+FMA by name only (TIERLM_QUANT_KERNEL=avx-vnni or
- *     avx2-int8): this file's integer products, computed as llama.cpp computes
- *     its quantized ones: the activations are quantized to int8 per block of
- *     32 values, each block's product with the weights is an integer dot
- *     product (vpmaddubsw with AVX2, vpdpbusd with VNNI), scaled back in float.
- *     Fewer instructions a block than 8 lanes of float32, but the int8
- *     activations move a small model's answers (docs/cpu-backend.md);
+ *   - int8 activations for the weights cpu/int8.py registers (a model its
+ *     probe found they barely move; tierlm_qmm_int8_add), computed as llama.cpp
+ *     computes its quantized products: the activations quantized to int8 per
+ *     block of 32 values, each block's product with the weights an integer dot
+ *     product, scaled back in float. With AVX-512 VNNI sixteen output columns
+ *     a vector (qgemm_vnni512.c; TIERLM_QUANT_KERNEL=avx512-vnni for every
+ *     weight), else with AVX2 eight (qgemm_int8_avx2.c; avx2-int8 for every
+ *     weight). Fewer instructions a block than float32's, but the int8
+ *     activations move some models' answers (docs/cpu-backend.md);
+ *   - AVX-VNNI by name only (TIERLM_QUANT_KERNEL=avx-vnni): this file's
+ *     integer tiles, a block's products in the lanes of one output;
  *   - portable C that any CPU runs (the integer products).
  *
  *   out[m][n] = sum_k x[m][k] * (scale[n][k/g] * q[n][k] + bias[n][k/g])
@@ -99,7 +99,8 @@ int tierlm_qmm_supports(int bits, int group, long K) {
 static inline int centre(int bits) { return 1 << (bits - 1); }
 
 static inline int centred_products(int path, int bits) {
-  return path == PATH_SCALAR || (path == PATH_AVX2_INT8 && bits == 8);
+  (void)bits;
+  return path == PATH_SCALAR;
 }
 
 
@@ -197,17 +198,6 @@ static inline int value_at(const uint8_t *row, int bits, long k) {
   return (window >> (bit & 7)) & ((1 << bits) - 1);
 }
 
-/* sum of w[i] * q[i] in 8 int32 lanes with vpmaddubsw: 8-bit weights as w - 128
- * (unsigned ones would overflow its int16 pairs), narrower ones as they are. */
-static inline __attribute__((always_inline)) TARGET __m256i dot_avx2(__m256i w, __m256i q, int bits) {
-  if (bits == 8) {
-    __m256i centred = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
-    w = _mm256_sign_epi8(centred, centred); /* |w - 128|, 128 read back as unsigned */
-    q = _mm256_sign_epi8(q, centred);
-  }
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1));
-}
-
 /* sum_b scale_g * d_b * (w_b . xq_b) for R activation rows from m0 times C
  * weight rows from wrow (row_bytes apart), into out[r * C + c]. Every output
  * element is one chain of adds over the blocks in order, then the same
@@ -282,14 +272,9 @@ UNPACK_ROWS(unpack_rows_8, 8)
 
 /* vpdpbusd sums u8 x s8 products into int32 lanes without saturating (AVX-VNNI,
  * VEX-encoded). */
-#define DOT_AVX2 dot_avx2(w, q, bits)
 #define DOT_AVXVNNI _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, q)
-#define ISA_AVX2 "avx2,fma"
 #define ISA_AVXVNNI "avx2,fma,avxvnni"
 
-PRODUCTS(avx2_4, ISA_AVX2, DOT_AVX2, 4)
-PRODUCTS(avx2_5, ISA_AVX2, DOT_AVX2, 5)
-PRODUCTS(avx2_8, ISA_AVX2, DOT_AVX2, 8)
 PRODUCTS(avxvnni_4, ISA_AVXVNNI, DOT_AVXVNNI, 4)
 PRODUCTS(avxvnni_5, ISA_AVXVNNI, DOT_AVXVNNI, 5)
 PRODUCTS(avxvnni_8, ISA_AVXVNNI, DOT_AVXVNNI, 8)
@@ -303,7 +288,7 @@ static tiles tiles_for(int path, int bits) {
 #define TILES(p, b) {p##_##b##_4x2, p##_##b##_4x2_panel, p##_##b##_1x8, p##_##b##_1x1, unpack_rows_##b}
   static const tiles table[3][3] = {
       {{0}, {0}, {0}},
-      {TILES(avx2, 4), TILES(avx2, 5), TILES(avx2, 8)},
+      {{0}, {0}, {0}}, /* avx2-int8: qgemm_int8_avx2.c */
       {TILES(avxvnni, 4), TILES(avxvnni, 5), TILES(avxvnni, 8)},
   };
 #undef TILES
@@ -437,7 +422,7 @@ static long int8_find(const void *w) {
 /* 1: w's products take int8 activations from now on; 0: this CPU has no
  * AVX-512 VNNI (under TIERLM_MAX_CPU_ISA), or the table is full. */
 int tierlm_qmm_int8_add(const void *w) {
-  if (!tierlm_qmm_available(PATH_AVX512_VNNI) || w == NULL || w == INT8_GONE) return 0;
+  if (!tierlm_qmm_available(PATH_AVX2_INT8) || w == NULL || w == INT8_GONE) return 0;
   int added = 0;
   pthread_rwlock_wrlock(&int8_lock);
   if (int8_find(w) >= 0) added = 1;
@@ -466,13 +451,26 @@ void tierlm_qmm_int8_remove(const void *w) {
 /* Weights registered now. */
 int tierlm_qmm_int8_weights(void) { return __atomic_load_n(&int8_count, __ATOMIC_ACQUIRE); }
 
-/* Whether w's product of K values takes the int8 tiles. */
-static int int8_weight(const void *w, long K) {
-  if (__atomic_load_n(&int8_count, __ATOMIC_ACQUIRE) == 0 || K % (2 * BLOCK)) return 0;
+typedef void (*int8_product)(const float *x, long M, long K, const void *w, const void *scales, const void *biases,
+                             int half, long N, int bits, int group, float *out);
+
+/* The int8 product w's product of K values takes (AVX-512 VNNI where the CPU
+ * has it and K is a whole number of block pairs, else AVX2), or NULL: w is not
+ * registered. */
+static int8_product int8_kernel(const void *w, long K) {
+  if (__atomic_load_n(&int8_count, __ATOMIC_ACQUIRE) == 0) return NULL;
   pthread_rwlock_rdlock(&int8_lock);
   int found = int8_find(w) >= 0;
   pthread_rwlock_unlock(&int8_lock);
-  return found;
+  if (!found) return NULL;
+  if (tierlm_qmm_available(PATH_AVX512_VNNI)) return K % (2 * BLOCK) ? NULL : tierlm_qmm_vnni512;
+  return tierlm_qmm_int8_avx2;
+}
+
+/* The int8 product `path` names for a product of K values, or NULL. */
+static int8_product named_kernel(int path, long K) {
+  if (path == PATH_AVX512_VNNI) return K % (2 * BLOCK) ? tierlm_qmm_int8_avx2 : tierlm_qmm_vnni512;
+  return path == PATH_AVX2_INT8 ? tierlm_qmm_int8_avx2 : NULL;
 }
 
 /* out (M x N) = x (M x K) times the quantized W (N x K) transposed. */
@@ -480,12 +478,12 @@ void tierlm_qmm(const float *x, long M, long K, const void *w, const float *scal
                 int bits, int group, float *out) {
   if (path_in_use < 0) tierlm_qmm_select(-1);
   int path = path_in_use;
-  if ((path == PATH_AVX512_VNNI && K % (2 * BLOCK) == 0) || int8_weight(w, K)) {
-    tierlm_qmm_vnni512(x, M, K, w, scales, biases, 0, N, bits, group, out);
+  int8_product int8 = named_kernel(path, K);
+  if (int8 || (int8 = int8_kernel(w, K))) {
+    int8(x, M, K, w, scales, biases, 0, N, bits, group, out);
     TIERLM_COUNT(COUNT_QMM);
     return;
   }
-  if (path == PATH_AVX512_VNNI) path = PATH_AVX2_INT8; /* K of an odd number of blocks */
   if (path == PATH_AVX512 || path == PATH_AVX2_FLOAT) {
     (path == PATH_AVX512 ? tierlm_qmm_float_avx512 : tierlm_qmm_float_avx2)(x, M, K, w, scales, biases, 0, N, bits,
                                                                             group, out);
@@ -519,8 +517,9 @@ static float half_to_float(uint16_t h) {
 void tierlm_qmm_half(const float *x, long M, long K, const void *w, const uint16_t *scales, const uint16_t *biases,
                      long N, int bits, int group, float *out) {
   if (path_in_use < 0) tierlm_qmm_select(-1);
-  if ((path_in_use == PATH_AVX512_VNNI && K % (2 * BLOCK) == 0) || int8_weight(w, K)) {
-    tierlm_qmm_vnni512(x, M, K, w, scales, biases, 1, N, bits, group, out);
+  int8_product int8 = named_kernel(path_in_use, K);
+  if (int8 || (int8 = int8_kernel(w, K))) {
+    int8(x, M, K, w, scales, biases, 1, N, bits, group, out);
     TIERLM_COUNT(COUNT_QMM);
     return;
   }

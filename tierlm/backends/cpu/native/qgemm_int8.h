@@ -31,4 +31,9 @@ int tierlm_qmm_available(int path);
 void tierlm_qmm_vnni512(const float *x, long M, long K, const void *w, const void *scales, const void *biases,
                         int half, long N, int bits, int group, float *out);
 
+/* The same with AVX2 alone, eight columns a 256-bit vector (qgemm_int8_avx2.c);
+ * any K of whole blocks. */
+void tierlm_qmm_int8_avx2(const float *x, long M, long K, const void *w, const void *scales, const void *biases,
+                          int half, long N, int bits, int group, float *out);
+
 #endif

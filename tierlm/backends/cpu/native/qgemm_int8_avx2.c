@@ -1,0 +1,343 @@
+/* qgemm.c's integer products with AVX2 alone (no VNNI), eight output columns
+ * a 256-bit vector: qgemm_vnni512.c's layout for the CPUs every x86-64 server
+ * has.
+ *
+ * The weights of 8 consecutive output columns (a strip) are unpacked a
+ * 32-value block at a time and transposed as an 8 x 8 matrix of 4-byte words,
+ * so that one vpmaddubsw takes 4 values of one activation row (a broadcast
+ * word) against the same 4 values of the 8 columns. Its 16-bit sums are added
+ * up over several words before vpmaddwd widens them (4 words for 5-bit
+ * weights, 8 for 4-bit: 8 x 2 x 15 x 127 stays below 2^15); 8-bit weights are
+ * taken as two 4-bit halves, 16 x high + low, so that no sum saturates. Then
+ * one conversion and one multiply-add scale a block for the 8 outputs. One
+ * activation row (decoding) multiplies each column's block as it lies and
+ * gathers the 8 columns' sums into lanes with horizontal adds; from two rows
+ * the transposed strips are kept in the core's cache while every ROWS rows
+ * sweep them. Scales and biases are read as stored (float32 or float16),
+ * transposed the same way. The activations are quantized as qgemm.c quantizes
+ * them for the avx2-int8 path (uncentred for 4 and 5 bits; 8-bit weights are
+ * taken uncentred here too, so the centre goes back through `fix` as with
+ * VNNI: the caller quantizes them as the avx512-vnni path does). Every output
+ * is computed in one order (block_step8) whatever the tile or the number of
+ * rows: a row has the same bits alone or batched. */
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qgemm_int8.h"
+#include "threads.h"
+#include "unpack.h"
+
+#define UNROLL _Pragma("GCC unroll 16")
+#define ISA_INT8_AVX2 "avx2,fma,f16c"
+#define TARGET8 __attribute__((target(ISA_INT8_AVX2)))
+#define INLINE8 static inline __attribute__((always_inline, target(ISA_INT8_AVX2)))
+
+#define STRIP8 8 /* output columns a vector */
+#define ROWS8 3  /* activation rows a tile over kept strips takes at most (AVX2 has 16 registers) */
+
+/* The 8 x 8 matrix of 32-bit values in v[0..7] (row i in v[i]) transposed in place. */
+INLINE8 void transpose8(__m256 v[8]) {
+  __m256 t[8], s[8];
+  UNROLL for (int i = 0; i < 4; i++) {
+    t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  UNROLL for (int i = 0; i < 2; i++) {
+    s[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  UNROLL for (int k = 0; k < 4; k++) {
+    v[k] = _mm256_permute2f128_ps(s[k], s[4 + k], 0x20);
+    v[4 + k] = _mm256_permute2f128_ps(s[k], s[4 + k], 0x31);
+  }
+}
+
+/* The next strip's weights, scales and biases fetched a share a block while
+ * this strip is read (qgemm_vnni512.c's reason). */
+typedef struct {
+  const char *at;
+  long lines, share;
+} fetch8;
+
+static fetch8 fetch8_of(const void *at, long bytes) { return (fetch8){at, (bytes + 63) / 64, 0}; }
+
+static inline __attribute__((always_inline)) void fetch8_shares(fetch8 ahead[3], long blocks) {
+  for (int i = 0; i < 3; i++)
+    for (ahead[i].share += ahead[i].lines; ahead[i].share >= blocks; ahead[i].share -= blocks, ahead[i].at += 64)
+      _mm_prefetch(ahead[i].at, _MM_HINT_T1);
+}
+
+/* 8 float16 or float32 (`half`) values from p, the first n of them (others 0) */
+INLINE8 __m256 load8(const void *p, int half, long n) {
+  if (n >= 8) return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps(p);
+  float f[8] = {0};
+  const uint16_t *h = p;
+  uint16_t wide[8] = {0};
+  if (half) {
+    memcpy(wide, h, n * sizeof *h);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)wide));
+  }
+  memcpy(f, p, n * sizeof *f);
+  return _mm256_loadu_ps(f);
+}
+
+/* A strip's scales (or biases) as float32, a vector of its columns' for each
+ * group: 8 groups at a time transposed. Columns past the matrix's are 0. */
+static TARGET8 void strip8_scales(const void *s, int half, long groups, int columns, float *to) {
+  long width = half ? 2 : 4;
+  for (long g = 0; g < groups; g += 8) {
+    __m256 v[STRIP8];
+    UNROLL for (int c = 0; c < STRIP8; c++)
+      v[c] = c < columns ? load8((const char *)s + (c * groups + g) * width, half, groups - g) : _mm256_setzero_ps();
+    transpose8(v);
+    for (long i = 0; i < 8 && g + i < groups; i++) _mm256_storeu_ps(to + (g + i) * STRIP8, v[i]);
+  }
+}
+
+/* qgemm_vnni512.c's block_step, 8 outputs at once: the same order of float
+ * operations for every output. */
+INLINE8 void block_step8(__m256 *u, __m256 *acc, __m256i dot, const activations *a, long m, long b, long blocks, long g,
+                         long groups, int opens, int closes, const float *scale, const float *bias) {
+  if (opens) *u = _mm256_set1_ps(a->fix[m * groups + g]);
+  *u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(a->d[m * blocks + b]), *u);
+  if (closes) {
+    *acc = _mm256_fmadd_ps(_mm256_loadu_ps(scale + g * STRIP8), *u, *acc);
+    *acc = _mm256_fmadd_ps(_mm256_loadu_ps(bias + g * STRIP8), _mm256_set1_ps(a->sum[m * groups + g]), *acc);
+  }
+}
+
+/* 16-bit pairs summed into 32-bit lanes */
+INLINE8 __m256i widen(__m256i pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
+
+/* ---- one activation row -------------------------------------------------- */
+
+/* One column's block (unpacked, 32 bytes) against the row's block x: 8 lanes
+ * of 32-bit partial sums. 8-bit weights as 16 x high nibbles + low ones. */
+INLINE8 __m256i column_dot(__m256i w, __m256i x, int bits) {
+  if (bits != 8) return widen(_mm256_maddubs_epi16(w, x));
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256i lo = widen(_mm256_maddubs_epi16(_mm256_and_si256(w, low), x));
+  __m256i hi = widen(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), low), x));
+  return _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4));
+}
+
+/* The sums of each of d[0..7]'s lanes, as one vector of the 8 columns. */
+INLINE8 __m256i column_sums(const __m256i d[8]) {
+  __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+  __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+  /* a: columns 0-3 over lanes 0-3, then over lanes 4-7; b the same for 4-7 */
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+#define ONE_ROW8(name, bits_)                                                                                       \
+  static TARGET8 void name(const uint8_t *w, long row_bytes, long K, int group, int columns, const float *scale,    \
+                           const float *bias, const activations *a, float *out, fetch8 ahead[3]) {                 \
+    const int bits = bits_;                                                                                         \
+    long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
+    __m256 acc = _mm256_setzero_ps(), u = _mm256_setzero_ps();                                                      \
+    for (long b = 0; b < blocks; b++) {                                                                             \
+      fetch8_shares(ahead, blocks);                                                                                 \
+      __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + b * BLOCK)), d[STRIP8];                               \
+      UNROLL for (int c = 0; c < STRIP8; c++)                                                                       \
+        d[c] = c < columns ? column_dot(unpack(w + c * row_bytes + b * BLOCK * bits / 8, bits), x, bits)            \
+                           : _mm256_setzero_si256();                                                                \
+      block_step8(&u, &acc, column_sums(d), a, 0, b, blocks, b / per_group, groups, b % per_group == 0,             \
+                  (b + 1) % per_group == 0, scale, bias);                                                           \
+    }                                                                                                               \
+    float got[STRIP8];                                                                                              \
+    _mm256_storeu_ps(got, acc);                                                                                     \
+    memcpy(out, got, columns * sizeof *got);                                                                        \
+  }
+
+/* ---- kept strips, for two rows and more ---------------------------------- */
+
+/* A kept strip: for each block, `planes` sets (8-bit weights: low nibbles,
+ * then high ones) of 8 vectors, vector j holding values 4j .. 4j + 3 of the
+ * block (in unpack()'s order) of the 8 columns; then its scales and biases. */
+typedef struct {
+  uint8_t *q;
+  float *scale, *bias;
+} strip8;
+
+static int planes_of(int bits) { return bits == 8 ? 2 : 1; }
+
+static size_t strip8_bytes(long K, int group, int bits) {
+  return (size_t)K * STRIP8 * planes_of(bits) + 2 * sizeof(float) * STRIP8 * (K / group);
+}
+
+static strip8 strip8_at(uint8_t *at, long K, int group, int bits) {
+  float *scale = (float *)(at + K * STRIP8 * planes_of(bits));
+  return (strip8){at, scale, scale + STRIP8 * (K / group)};
+}
+
+#define KEEP_STRIP8(name, bits_)                                                                                    \
+  static TARGET8 void name(const uint8_t *w, long row_bytes, long K, int columns, uint8_t *q, fetch8 ahead[3]) {   \
+    const int bits = bits_, planes = planes_of(bits);                                                               \
+    for (long b = 0; b < K / BLOCK; b++) {                                                                          \
+      fetch8_shares(ahead, K / BLOCK);                                                                              \
+      __m256 v[STRIP8];                                                                                             \
+      UNROLL for (int c = 0; c < STRIP8; c++)                                                                       \
+        v[c] = c < columns ? _mm256_castsi256_ps(unpack(w + c * row_bytes + b * BLOCK * bits / 8, bits))            \
+                           : _mm256_setzero_ps();                                                                   \
+      transpose8(v);                                                                                                \
+      uint8_t *at = q + b * planes * STRIP8 * 32;                                                                   \
+      UNROLL for (int j = 0; j < STRIP8; j++) {                                                                     \
+        __m256i word = _mm256_castps_si256(v[j]), low = _mm256_set1_epi8(0x0F);                                     \
+        if (planes == 1) {                                                                                          \
+          _mm256_storeu_si256((__m256i *)(at + j * 32), word);                                                      \
+        } else {                                                                                                    \
+          _mm256_storeu_si256((__m256i *)(at + j * 32), _mm256_and_si256(word, low));                               \
+          _mm256_storeu_si256((__m256i *)(at + (STRIP8 + j) * 32), _mm256_and_si256(_mm256_srli_epi16(word, 4), low)); \
+        }                                                                                                           \
+      }                                                                                                             \
+    }                                                                                                               \
+  }
+
+/* Row m's 4 quantized values from k, as a vector's 8 words */
+INLINE8 __m256i four8(const activations *a, long m, long K, long k) {
+  int32_t word;
+  memcpy(&word, a->q + m * K + k, sizeof word);
+  return _mm256_set1_epi32(word);
+}
+
+/* Rows m0 .. m0 + R of S kept strips' outputs: each word of weights loaded
+ * once for the R rows, each row's word broadcast once for the S strips; a
+ * plane's 16-bit sums over `run` words at a time (no more than fit), then
+ * widened; 8-bit weights' high plane x 16 added to the low one's. */
+#define KEPT_ROWS8(name, R, S)                                                                                      \
+  static TARGET8 void name(const strip8 *st, int bits, const activations *a, long m0, long K, int group,            \
+                           float *out, long N, const int *columns) {                                                \
+    long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
+    int planes = planes_of(bits), run = bits == 5 ? 4 : 8;                                                          \
+    __m256 acc[R][S], u[R][S];                                                                                      \
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++) acc[r][s] = u[r][s] = _mm256_setzero_ps(); \
+    for (long b = 0; b < blocks; b++) {                                                                             \
+      long g = b / per_group;                                                                                       \
+      int opens = b % per_group == 0, closes = (b + 1) % per_group == 0;                                            \
+      __m256i dot[R][S];                                                                                            \
+      for (int p = 0; p < planes; p++) {                                                                            \
+        __m256i total[R][S];                                                                                        \
+        UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++) total[r][s] = _mm256_setzero_si256(); \
+        for (int j0 = 0; j0 < 8; j0 += run) {                                                                       \
+          __m256i pairs[R][S];                                                                                      \
+          UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++) pairs[r][s] = _mm256_setzero_si256(); \
+          for (int j = j0; j < j0 + run; j++) {                                                                     \
+            __m256i w[S];                                                                                           \
+            UNROLL for (int s = 0; s < S; s++)                                                                      \
+              w[s] = _mm256_loadu_si256((const __m256i *)(st[s].q + ((b * planes + p) * STRIP8 + j) * 32));         \
+            UNROLL for (int r = 0; r < R; r++) {                                                                    \
+              __m256i x = four8(a, m0 + r, K, b * BLOCK + 4 * j);                                                   \
+              UNROLL for (int s = 0; s < S; s++)                                                                    \
+                pairs[r][s] = _mm256_add_epi16(pairs[r][s], _mm256_maddubs_epi16(w[s], x));                         \
+            }                                                                                                       \
+          }                                                                                                         \
+          UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++)                                     \
+            total[r][s] = _mm256_add_epi32(total[r][s], widen(pairs[r][s]));                                        \
+        }                                                                                                           \
+        UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++)                                       \
+          dot[r][s] = p == 0 ? total[r][s] : _mm256_add_epi32(dot[r][s], _mm256_slli_epi32(total[r][s], 4));       \
+      }                                                                                                             \
+      UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++)                                         \
+        block_step8(&u[r][s], &acc[r][s], dot[r][s], a, m0 + r, b, blocks, g, groups, opens, closes, st[s].scale,   \
+                    st[s].bias);                                                                                    \
+    }                                                                                                               \
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++) {                                         \
+      float got[STRIP8];                                                                                            \
+      _mm256_storeu_ps(got, acc[r][s]);                                                                             \
+      memcpy(out + (m0 + r) * N + s * STRIP8, got, columns[s] * sizeof *got);                                       \
+    }                                                                                                               \
+  }
+
+typedef void (*one8_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, const float *scale,
+                        const float *bias, const activations *a, float *out, fetch8 ahead[3]);
+typedef void (*keep8_fn)(const uint8_t *w, long row_bytes, long K, int columns, uint8_t *q, fetch8 ahead[3]);
+typedef void (*kept8_fn)(const strip8 *st, int bits, const activations *a, long m0, long K, int group, float *out,
+                         long N, const int *columns);
+
+ONE_ROW8(one8_4, 4)
+ONE_ROW8(one8_5, 5)
+ONE_ROW8(one8_8, 8)
+KEEP_STRIP8(keep8_4, 4)
+KEEP_STRIP8(keep8_5, 5)
+KEEP_STRIP8(keep8_8, 8)
+KEPT_ROWS8(kept8_1x1, 1, 1)
+KEPT_ROWS8(kept8_2x1, 2, 1)
+KEPT_ROWS8(kept8_3x1, 3, 1)
+KEPT_ROWS8(kept8_1x2, 1, 2)
+KEPT_ROWS8(kept8_2x2, 2, 2)
+KEPT_ROWS8(kept8_3x2, 3, 2)
+/* by rows, then strips (1 or 2) */
+static const kept8_fn kept8_rows[ROWS8 + 1][3] = {
+    {0}, {0, kept8_1x1, kept8_1x2}, {0, kept8_2x1, kept8_2x2}, {0, kept8_3x1, kept8_3x2}};
+
+typedef struct {
+  long M, K, N;
+  int bits, group, half;
+  const uint8_t *w;
+  const void *scales, *biases; /* float32, or float16 where `half` */
+  const activations *a;
+  float *out;
+} job8;
+
+static __thread void *strips8_kept; /* this thread's strips (threads.h) */
+static __thread size_t strips8_capacity;
+#define STRIPS8_BYTES 131072 /* strips kept at a time: they stay in the core's cache while the rows sweep them */
+
+/* Output columns [first, last) of every activation row, a strip at a time
+ * (first a whole number of strips): one row straight from the packing; more,
+ * a few strips kept, every ROWS8 rows' tiles over them, and so on. */
+static void rows_of8(void *arg, int part, int parts) {
+  const job8 *j = arg;
+  long first = j->N * part / parts / STRIP8 * STRIP8;
+  long last = part + 1 == parts ? j->N : j->N * (part + 1) / parts / STRIP8 * STRIP8;
+  long groups = j->K / j->group, row_bytes = j->K * j->bits / 8, width = j->half ? 2 : 4;
+  int which = j->bits == 4 ? 0 : j->bits == 5 ? 1 : 2;
+  one8_fn one = (const one8_fn[]){one8_4, one8_5, one8_8}[which];
+  keep8_fn keep = (const keep8_fn[]){keep8_4, keep8_5, keep8_8}[which];
+  size_t size = strip8_bytes(j->K, j->group, j->bits);
+  long at_once = j->M == 1 ? 1 : STRIPS8_BYTES / size > 1 ? (long)(STRIPS8_BYTES / size) : 1;
+  uint8_t *kept = tierlm_kept_buffer(&strips8_kept, &strips8_capacity, size * at_once);
+  for (long n0 = first; n0 < last; n0 += at_once * STRIP8) {
+    long count = 0;
+    for (long n = n0; n < last && count < at_once; n += STRIP8, count++) {
+      int columns = last - n < STRIP8 ? (int)(last - n) : STRIP8;
+      strip8 st = strip8_at(kept + count * size, j->K, j->group, j->bits);
+      const uint8_t *w = j->w + n * row_bytes;
+      const char *s = (const char *)j->scales + n * groups * width, *bias = (const char *)j->biases + n * groups * width;
+      fetch8 ahead[3] = {fetch8_of(w + STRIP8 * row_bytes, STRIP8 * row_bytes),
+                         fetch8_of(s + STRIP8 * groups * width, STRIP8 * groups * width),
+                         fetch8_of(bias + STRIP8 * groups * width, STRIP8 * groups * width)};
+      strip8_scales(s, j->half, groups, columns, st.scale);
+      strip8_scales(bias, j->half, groups, columns, st.bias);
+      if (j->M == 1)
+        one(w, row_bytes, j->K, j->group, columns, st.scale, st.bias, j->a, j->out + n, ahead);
+      else
+        keep(w, row_bytes, j->K, columns, st.q, ahead);
+    }
+    for (long m0 = 0; j->M > 1 && m0 < j->M; m0 += ROWS8) {
+      int R = j->M - m0 < ROWS8 ? (int)(j->M - m0) : ROWS8;
+      for (long i = 0; i < count; i += 2) {
+        int S = count - i >= 2 ? 2 : 1, columns[2];
+        strip8 st[2];
+        for (int s = 0; s < S; s++) {
+          long n = n0 + (i + s) * STRIP8;
+          columns[s] = last - n < STRIP8 ? (int)(last - n) : STRIP8;
+          st[s] = strip8_at(kept + (i + s) * size, j->K, j->group, j->bits);
+        }
+        kept8_rows[R][S](st, j->bits, j->a, m0, j->K, j->group, j->out + n0 + i * STRIP8, j->N, columns);
+      }
+    }
+  }
+}
+
+void tierlm_qmm_int8_avx2(const float *x, long M, long K, const void *w, const void *scales, const void *biases,
+                          int half, long N, int bits, int group, float *out) {
+  activations a;
+  void *buffer = tierlm_quantize_activations(x, M, K, bits, group, PATH_AVX512_VNNI, &a);
+  job8 j = {M, K, N, bits, group, half, w, scales, biases, &a, out};
+  tierlm_parallel(rows_of8, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
+  free(buffer);
+}
