@@ -22,6 +22,34 @@ typedef struct {
  * in the buffer returned (the caller frees it). */
 void *tierlm_quantize_activations(const float *x, long M, long K, int bits, int group, int path, activations *a);
 
+/* One product as the int8 products share it over the cores. */
+typedef struct {
+  long M, K, N;
+  int bits, group, half;
+  const uint8_t *w;
+  const void *scales, *biases; /* float32, or float16 where `half` */
+  const activations *a;
+  float *out;
+} int8_job;
+
+/* The next strip's weights, scales and biases (each one stretch of memory),
+ * fetched a share a step while this strip is read (qgemm_vnni512.c,
+ * qgemm_int8_avx2.c): rows read across at once are not followed by the
+ * hardware's prefetcher. */
+typedef struct {
+  const char *at;
+  long lines, share;
+} fetch;
+
+static inline fetch fetch_of(const void *at, long bytes) { return (fetch){at, (bytes + 63) / 64, 0}; }
+
+/* This step's share of each of the three, for `steps` steps a strip. */
+static inline __attribute__((always_inline)) void fetch_shares(fetch ahead[3], long steps) {
+  for (int i = 0; i < 3; i++)
+    for (ahead[i].share += ahead[i].lines; ahead[i].share >= steps; ahead[i].share -= steps, ahead[i].at += 64)
+      __builtin_prefetch(ahead[i].at, 0, 2); /* into L2, as _MM_HINT_T1 */
+}
+
 /* 1 when the CPU has what `path` needs (under TIERLM_MAX_CPU_ISA). */
 int tierlm_qmm_available(int path);
 

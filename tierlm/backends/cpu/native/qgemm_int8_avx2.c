@@ -55,21 +55,6 @@ INLINE8 void transpose8(__m256 v[8]) {
   }
 }
 
-/* The next strip's weights, scales and biases fetched a share a block while
- * this strip is read (qgemm_vnni512.c's reason). */
-typedef struct {
-  const char *at;
-  long lines, share;
-} fetch8;
-
-static fetch8 fetch8_of(const void *at, long bytes) { return (fetch8){at, (bytes + 63) / 64, 0}; }
-
-static inline __attribute__((always_inline)) void fetch8_shares(fetch8 ahead[3], long blocks) {
-  for (int i = 0; i < 3; i++)
-    for (ahead[i].share += ahead[i].lines; ahead[i].share >= blocks; ahead[i].share -= blocks, ahead[i].at += 64)
-      _mm_prefetch(ahead[i].at, _MM_HINT_T1);
-}
-
 /* 8 float16 or float32 (`half`) values from p, the first n of them (others 0) */
 INLINE8 __m256 load8(const void *p, int half, long n) {
   if (n >= 8) return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps(p);
@@ -134,12 +119,12 @@ INLINE8 __m256i column_sums(const __m256i d[8]) {
 
 #define ONE_ROW8(name, bits_)                                                                                       \
   static TARGET8 void name(const uint8_t *w, long row_bytes, long K, int group, int columns, const float *scale,    \
-                           const float *bias, const activations *a, float *out, fetch8 ahead[3]) {                 \
+                           const float *bias, const activations *a, float *out, fetch ahead[3]) {                 \
     const int bits = bits_;                                                                                         \
     long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
     __m256 acc = _mm256_setzero_ps(), u = _mm256_setzero_ps();                                                      \
     for (long b = 0; b < blocks; b++) {                                                                             \
-      fetch8_shares(ahead, blocks);                                                                                 \
+      fetch_shares(ahead, blocks);                                                                                 \
       __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + b * BLOCK)), d[STRIP8];                               \
       UNROLL for (int c = 0; c < STRIP8; c++)                                                                       \
         d[c] = c < columns ? column_dot(unpack(w + c * row_bytes + b * BLOCK * bits / 8, bits), x, bits)            \
@@ -174,10 +159,10 @@ static strip8 strip8_at(uint8_t *at, long K, int group, int bits) {
 }
 
 #define KEEP_STRIP8(name, bits_)                                                                                    \
-  static TARGET8 void name(const uint8_t *w, long row_bytes, long K, int columns, uint8_t *q, fetch8 ahead[3]) {   \
+  static TARGET8 void name(const uint8_t *w, long row_bytes, long K, int columns, uint8_t *q, fetch ahead[3]) {   \
     const int bits = bits_, planes = planes_of(bits);                                                               \
     for (long b = 0; b < K / BLOCK; b++) {                                                                          \
-      fetch8_shares(ahead, K / BLOCK);                                                                              \
+      fetch_shares(ahead, K / BLOCK);                                                                              \
       __m256 v[STRIP8];                                                                                             \
       UNROLL for (int c = 0; c < STRIP8; c++)                                                                       \
         v[c] = c < columns ? _mm256_castsi256_ps(unpack(w + c * row_bytes + b * BLOCK * bits / 8, bits))            \
@@ -252,8 +237,8 @@ INLINE8 __m256i four8(const activations *a, long m, long K, long k) {
   }
 
 typedef void (*one8_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, const float *scale,
-                        const float *bias, const activations *a, float *out, fetch8 ahead[3]);
-typedef void (*keep8_fn)(const uint8_t *w, long row_bytes, long K, int columns, uint8_t *q, fetch8 ahead[3]);
+                        const float *bias, const activations *a, float *out, fetch ahead[3]);
+typedef void (*keep8_fn)(const uint8_t *w, long row_bytes, long K, int columns, uint8_t *q, fetch ahead[3]);
 typedef void (*kept8_fn)(const strip8 *st, int bits, const activations *a, long m0, long K, int group, float *out,
                          long N, const int *columns);
 
@@ -273,15 +258,6 @@ KEPT_ROWS8(kept8_3x2, 3, 2)
 static const kept8_fn kept8_rows[ROWS8 + 1][3] = {
     {0}, {0, kept8_1x1, kept8_1x2}, {0, kept8_2x1, kept8_2x2}, {0, kept8_3x1, kept8_3x2}};
 
-typedef struct {
-  long M, K, N;
-  int bits, group, half;
-  const uint8_t *w;
-  const void *scales, *biases; /* float32, or float16 where `half` */
-  const activations *a;
-  float *out;
-} job8;
-
 static __thread void *strips8_kept; /* this thread's strips (threads.h) */
 static __thread size_t strips8_capacity;
 #define STRIPS8_BYTES 131072 /* strips kept at a time: they stay in the core's cache while the rows sweep them */
@@ -290,7 +266,7 @@ static __thread size_t strips8_capacity;
  * (first a whole number of strips): one row straight from the packing; more,
  * a few strips kept, every ROWS8 rows' tiles over them, and so on. */
 static void rows_of8(void *arg, int part, int parts) {
-  const job8 *j = arg;
+  const int8_job *j = arg;
   long first = j->N * part / parts / STRIP8 * STRIP8;
   long last = part + 1 == parts ? j->N : j->N * (part + 1) / parts / STRIP8 * STRIP8;
   long groups = j->K / j->group, row_bytes = j->K * j->bits / 8, width = j->half ? 2 : 4;
@@ -307,9 +283,9 @@ static void rows_of8(void *arg, int part, int parts) {
       strip8 st = strip8_at(kept + count * size, j->K, j->group, j->bits);
       const uint8_t *w = j->w + n * row_bytes;
       const char *s = (const char *)j->scales + n * groups * width, *bias = (const char *)j->biases + n * groups * width;
-      fetch8 ahead[3] = {fetch8_of(w + STRIP8 * row_bytes, STRIP8 * row_bytes),
-                         fetch8_of(s + STRIP8 * groups * width, STRIP8 * groups * width),
-                         fetch8_of(bias + STRIP8 * groups * width, STRIP8 * groups * width)};
+      fetch ahead[3] = {fetch_of(w + STRIP8 * row_bytes, STRIP8 * row_bytes),
+                         fetch_of(s + STRIP8 * groups * width, STRIP8 * groups * width),
+                         fetch_of(bias + STRIP8 * groups * width, STRIP8 * groups * width)};
       strip8_scales(s, j->half, groups, columns, st.scale);
       strip8_scales(bias, j->half, groups, columns, st.bias);
       if (j->M == 1)
@@ -337,7 +313,7 @@ void tierlm_qmm_int8_avx2(const float *x, long M, long K, const void *w, const v
                           int half, long N, int bits, int group, float *out) {
   activations a;
   void *buffer = tierlm_quantize_activations(x, M, K, bits, group, PATH_AVX512_VNNI, &a);
-  job8 j = {M, K, N, bits, group, half, w, scales, biases, &a, out};
+  int8_job j = {M, K, N, bits, group, half, w, scales, biases, &a, out};
   tierlm_parallel(rows_of8, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
   free(buffer);
 }

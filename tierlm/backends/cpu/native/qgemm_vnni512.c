@@ -87,22 +87,6 @@ static inline __attribute__((always_inline, target(ISA_VNNI512))) void transpose
 #define FEW 4    /* up to this many activation rows: the weights straight from registers */
 #define ROWS 8   /* activation rows a tile over a kept strip takes at most */
 
-/* The next strip's weights, scales and biases (each one stretch of memory),
- * fetched a share a block pair while this strip is read: 16 rows read at
- * once are not followed by the hardware's prefetcher. */
-typedef struct {
-  const char *at;
-  long lines, share;
-} fetch;
-
-static fetch fetch_of(const void *at, long bytes) { return (fetch){at, (bytes + 63) / 64, 0}; }
-
-static inline __attribute__((always_inline)) void fetch_shares(fetch ahead[3], long pairs) {
-  for (int i = 0; i < 3; i++)
-    for (ahead[i].share += ahead[i].lines; ahead[i].share >= pairs; ahead[i].share -= pairs, ahead[i].at += 64)
-      _mm_prefetch(ahead[i].at, _MM_HINT_T1);
-}
-
 /* 16 float16 or float32 (`half`) values from p, the first n of them (others 0) */
 static inline __attribute__((always_inline, target(ISA_VNNI512))) __m512 load16(const void *p, int half, long n) {
   __mmask16 in = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
@@ -364,17 +348,8 @@ static tiles512 tiles512_for(int bits) {
   return table[bits == 4 ? 0 : bits == 5 ? 1 : 2];
 }
 
-typedef struct {
-  long M, K, N;
-  int bits, group, half;
-  const uint8_t *w;
-  const void *scales, *biases; /* float32, or float16 where `half` */
-  const activations *a;
-  float *out;
-} job512;
-
 /* What the strip of columns from n reads, and where the next one's lie. */
-static void strip_sources(const job512 *j, long n, const uint8_t **w, const char **s, const char **bias,
+static void strip_sources(const int8_job *j, long n, const uint8_t **w, const char **s, const char **bias,
                           fetch ahead[3]) {
   long groups = j->K / j->group, row_bytes = j->K * j->bits / 8, width = j->half ? 2 : 4;
   *w = j->w + n * row_bytes;
@@ -394,7 +369,7 @@ static __thread size_t strips_capacity;
  * straight from registers. More: a few strips kept, every ROWS rows' tiles
  * over them, and so on. */
 static void rows_of512(void *arg, int part, int parts) {
-  const job512 *j = arg;
+  const int8_job *j = arg;
   long first = j->N * part / parts / STRIP * STRIP;
   long last = part + 1 == parts ? j->N : j->N * (part + 1) / parts / STRIP * STRIP;
   long groups = j->K / j->group, row_bytes = j->K * j->bits / 8;
@@ -437,7 +412,7 @@ void tierlm_qmm_vnni512(const float *x, long M, long K, const void *w, const voi
                         int half, long N, int bits, int group, float *out) {
   activations a;
   void *buffer = tierlm_quantize_activations(x, M, K, bits, group, PATH_AVX512_VNNI, &a);
-  job512 j = {M, K, N, bits, group, half, w, scales, biases, &a, out};
+  int8_job j = {M, K, N, bits, group, half, w, scales, biases, &a, out};
   tierlm_parallel(rows_of512, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
   free(buffer);
 }
