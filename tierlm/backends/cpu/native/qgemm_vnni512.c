@@ -8,11 +8,12 @@
  * of them, then one conversion and one multiply-add for its activation step,
  * for all 16 outputs at once. (Laid out as stored, a block's products would
  * land in the lanes of one output, and each would need its own conversion and
- * scaling, about as many instructions as float32's products.) Up to FEW
- * activation rows (decoding, a few draft tokens) take the transposed weights
- * straight from registers; more take them from strips kept in the core's cache
- * while every ROWS rows sweep them (a prompt, a batch), about 2.5x float32's
- * speed there. Scales and biases are read as stored (float32 or float16) and
+ * scaling, about as many instructions as float32's products.) One activation
+ * row (decoding) multiplies each column's blocks as they lie and gathers the
+ * 16 columns' integer sums into lanes (half_sums); up to FEW rows (a few draft
+ * tokens) take the transposed weights straight from registers; more take them
+ * from strips kept in the core's cache while every ROWS rows sweep them (a
+ * prompt, a batch), 2-2.5x float32's speed there. Scales and biases are read as stored (float32 or float16) and
  * transposed the same way. The activations are quantized as qgemm.c quantizes
  * them (uncentred: the centre goes back through `fix`). Every output is
  * computed in one order (see block_step) whatever the tile or the number of
