@@ -94,14 +94,13 @@ int tierlm_qmm_supports(int bits, int group, long K) {
  * the weights, and the centre is given back with the exact sum of x:
  * (bias + c * scale) * xsum. Uncentred, the error of quantizing x would be
  * multiplied by the weights' whole range instead of half of it (about twice the
- * error). Some paths' products are uncentred (vpdpbusd wants unsigned weights):
- * for them a group's `fix` also takes back c * sum_b d_b * sum(xq_b). */
+ * error). The vector paths' products are uncentred (vpdpbusd and vpmaddubsw
+ * want unsigned weights): for them a group's `fix` also takes back
+ * c * sum_b d_b * sum(xq_b). */
 static inline int centre(int bits) { return 1 << (bits - 1); }
 
-static inline int centred_products(int path, int bits) {
-  (void)bits;
-  return path == PATH_SCALAR;
-}
+/* Only the portable C products are centred; the vector ones take unsigned weights. */
+static inline int centred_products(int path) { return path == PATH_SCALAR; }
 
 
 static void quantize_block_c(const float *v, int bits, int8_t *q, float *d, int32_t *qsum) {
@@ -158,7 +157,7 @@ static TARGET void quantize_block_avx2(const float *v, int bits, int8_t *q, floa
 
 static void quantize_rows(const float *x, long M, long K, int bits, int group, int path, activations *a) {
   long blocks = K / BLOCK, groups = K / group, per_group = group / BLOCK;
-  int c = centre(bits), centred = centred_products(path, bits);
+  int c = centre(bits), centred = centred_products(path);
   for (long m = 0; m < M; m++) {
     const float *row = x + m * K;
     for (long g = 0; g < groups; g++) {
@@ -284,15 +283,12 @@ typedef struct {
   unpack_rows_fn unpack_rows;
 } tiles;
 
-static tiles tiles_for(int path, int bits) {
-#define TILES(p, b) {p##_##b##_4x2, p##_##b##_4x2_panel, p##_##b##_1x8, p##_##b##_1x1, unpack_rows_##b}
-  static const tiles table[3][3] = {
-      {{0}, {0}, {0}},
-      {{0}, {0}, {0}}, /* avx2-int8: qgemm_int8_avx2.c */
-      {TILES(avxvnni, 4), TILES(avxvnni, 5), TILES(avxvnni, 8)},
-  };
+/* The AVX-VNNI tiles, the only vector path left to rows_of (the others have files of their own). */
+static tiles tiles_for(int bits) {
+#define TILES(b) {avxvnni_##b##_4x2, avxvnni_##b##_4x2_panel, avxvnni_##b##_1x8, avxvnni_##b##_1x1, unpack_rows_##b}
+  static const tiles table[3] = {TILES(4), TILES(5), TILES(8)};
 #undef TILES
-  return table[path][bits == 4 ? 0 : bits == 5 ? 1 : 2];
+  return table[bits == 4 ? 0 : bits == 5 ? 1 : 2];
 }
 
 /* sum_g bias_g * xsum_g + scale_g * fix_g */
@@ -373,7 +369,7 @@ static __thread size_t panel_capacity;
 static void rows_of(void *arg, int part, int parts) {
   const job *j = arg;
   long first = j->N * part / parts, last = j->N * (part + 1) / parts;
-  tiles t = j->path == PATH_SCALAR ? (tiles){0} : tiles_for(j->path, j->bits);
+  tiles t = j->path == PATH_SCALAR ? (tiles){0} : tiles_for(j->bits);
   long tiled = t.t4x2 ? j->M / 4 * 4 : 0, pairs = first + (last - first) / 2 * 2;
   long row_bytes = j->K * j->bits / 8;
   int many = tiled && j->M >= PANEL_ROWS;
@@ -396,9 +392,9 @@ static void rows_of(void *arg, int part, int parts) {
 
 /* ---- the weights multiplied with int8 activations, whatever the path ----- */
 
-/* quantized.py registers here the weights of a model whose predictions the int8
+/* int8.py registers here the weights of a model whose predictions the int8
  * activations barely move (its probe at load), by their packed data's address;
- * their products take the AVX-512 VNNI tiles while every other weight keeps the
+ * their products take the int8 products (int8_kernel) while every other weight keeps the
  * path in use. A weight is registered for its whole life (a weakref finalizer
  * removes it before MLX can free the buffer and hand the address to another
  * array), so each weight's products always take one path: a row keeps its bits
@@ -419,8 +415,8 @@ static long int8_find(const void *w) {
   return -1;
 }
 
-/* 1: w's products take int8 activations from now on; 0: this CPU has no
- * AVX-512 VNNI (under TIERLM_MAX_CPU_ISA), or the table is full. */
+/* 1: w's products take int8 activations from now on; 0: this CPU has no AVX2
+ * (under TIERLM_MAX_CPU_ISA), or the table is full. */
 int tierlm_qmm_int8_add(const void *w) {
   if (!tierlm_qmm_available(PATH_AVX2_INT8) || w == NULL || w == INT8_GONE) return 0;
   int added = 0;

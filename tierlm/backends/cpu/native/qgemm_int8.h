@@ -1,5 +1,6 @@
-/* What qgemm.c's integer paths share with qgemm_vnni512.c: the paths' numbers,
- * the activations quantized to int8, and the AVX-512 VNNI product. */
+/* What qgemm.c's integer paths share with qgemm_vnni512.c and
+ * qgemm_int8_avx2.c: the paths' numbers, the activations quantized to int8, a
+ * product's job, the prefetch of the next strip, and the two int8 products. */
 #ifndef TIERLM_QGEMM_INT8_H
 #define TIERLM_QGEMM_INT8_H
 

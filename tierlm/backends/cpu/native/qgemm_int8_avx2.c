@@ -15,9 +15,7 @@
  * the transposed strips are kept in the core's cache while every ROWS rows
  * sweep them. Scales and biases are read as stored (float32 or float16),
  * transposed the same way. The activations are quantized as qgemm.c quantizes
- * them for the avx2-int8 path (uncentred for 4 and 5 bits; 8-bit weights are
- * taken uncentred here too, so the centre goes back through `fix` as with
- * VNNI: the caller quantizes them as the avx512-vnni path does). Every output
+ * them (uncentred: the centre goes back through `fix`). Every output
  * is computed in one order (block_step8) whatever the tile or the number of
  * rows: a row has the same bits alone or batched. */
 #include <immintrin.h>
@@ -57,16 +55,9 @@ INLINE8 void transpose8(__m256 v[8]) {
 
 /* 8 float16 or float32 (`half`) values from p, the first n of them (others 0) */
 INLINE8 __m256 load8(const void *p, int half, long n) {
-  if (n >= 8) return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps(p);
-  float f[8] = {0};
-  const uint16_t *h = p;
-  uint16_t wide[8] = {0};
-  if (half) {
-    memcpy(wide, h, n * sizeof *h);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)wide));
-  }
-  memcpy(f, p, n * sizeof *f);
-  return _mm256_loadu_ps(f);
+  uint8_t tail[32] = {0};
+  if (n < 8) p = memcpy(tail, p, n * (half ? 2 : 4));
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps(p);
 }
 
 /* A strip's scales (or biases) as float32, a vector of its columns' for each
@@ -312,7 +303,7 @@ static void rows_of8(void *arg, int part, int parts) {
 void tierlm_qmm_int8_avx2(const float *x, long M, long K, const void *w, const void *scales, const void *biases,
                           int half, long N, int bits, int group, float *out) {
   activations a;
-  void *buffer = tierlm_quantize_activations(x, M, K, bits, group, PATH_AVX512_VNNI, &a);
+  void *buffer = tierlm_quantize_activations(x, M, K, bits, group, PATH_AVX2_INT8, &a);
   int8_job j = {M, K, N, bits, group, half, w, scales, biases, &a, out};
   tierlm_parallel(rows_of8, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
   free(buffer);

@@ -88,22 +88,17 @@ static inline __attribute__((always_inline, target(ISA_VNNI512))) void transpose
 #define FEW 4    /* up to this many activation rows: the weights straight from registers */
 #define ROWS 8   /* activation rows a tile over a kept strip takes at most */
 
-/* 16 float16 or float32 (`half`) values from p, the first n of them (others 0) */
-static inline __attribute__((always_inline, target(ISA_VNNI512))) __m512 load16(const void *p, int half, long n) {
-  __mmask16 in = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
-  if (half) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, p));
-  return _mm512_maskz_loadu_ps(in, p);
-}
+/* The first n of 16 lanes (all from 16) */
+static inline __mmask16 first_lanes(long n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1); }
 
-/* A strip's scales (or biases) as float32, a vector of its columns' for each
- * group: 16 groups at a time transposed. Columns past the matrix's are 0. */
-static __attribute__((target(ISA_VNNI512))) void strip_scales(const void *s, int half, long groups, int columns,
-                                                              float *to) {
-  long width = half ? 2 : 4;
+/* A strip's float32 scales (or biases), a vector of its columns' for each
+ * group: 16 groups at a time transposed. Columns past the matrix's are 0.
+ * (Float16 ones: strip_halves.) */
+static __attribute__((target(ISA_VNNI512))) void strip_scales(const float *s, long groups, int columns, float *to) {
   for (long g = 0; g < groups; g += 16) {
     __m512 v[STRIP];
     UNROLL for (int c = 0; c < STRIP; c++)
-      v[c] = c < columns ? load16((const char *)s + (c * groups + g) * width, half, groups - g) : _mm512_setzero_ps();
+      v[c] = c < columns ? _mm512_maskz_loadu_ps(first_lanes(groups - g), s + c * groups + g) : _mm512_setzero_ps();
     transpose16(v);
     for (long i = 0; i < 16 && g + i < groups; i++) _mm512_storeu_ps(to + (g + i) * STRIP, v[i]);
   }
@@ -116,7 +111,7 @@ static __attribute__((target(ISA_VNNI512))) void strip_scales(const void *s, int
 static __attribute__((target(ISA_VNNI512))) void strip_halves(const uint16_t *s, const uint16_t *bias, long groups,
                                                               int columns, float *scale_to, float *bias_to) {
   for (long g = 0; g < groups; g += 16) {
-    __mmask16 in = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+    __mmask16 in = first_lanes(groups - g);
     __m512 v[STRIP];
     UNROLL for (int c = 0; c < STRIP; c++) {
       __m512i row = _mm512_setzero_si512();
@@ -210,8 +205,7 @@ static inline __attribute__((always_inline, target(ISA_VNNI512))) __m512i block_
                      groups, opens, closes, scale, bias);                                                           \
       }                                                                                                             \
     }                                                                                                               \
-    __mmask16 in = columns >= STRIP ? 0xFFFF : (__mmask16)((1u << columns) - 1);                                    \
-    UNROLL for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * N, in, acc[r]);                              \
+    UNROLL for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * N, first_lanes(columns), acc[r]);           \
   }
 
 /* The sums of the two 8-lane halves of each of d[0..15] (one column's
@@ -259,7 +253,7 @@ static inline __attribute__((always_inline, target(ISA_VNNI512))) void half_sums
                    (bb + 1) % per_group == 0, scale, bias);                                                         \
       }                                                                                                             \
     }                                                                                                               \
-    _mm512_mask_storeu_ps(out, columns >= STRIP ? 0xFFFF : (__mmask16)((1u << columns) - 1), acc);                  \
+    _mm512_mask_storeu_ps(out, first_lanes(columns), acc);                                                          \
   }
 
 /* A kept strip: the weights as PAIR_OF_STRIP leaves them (v[j] of pair b at
@@ -304,8 +298,7 @@ static strip strip_at(uint8_t *at, long K, int group) {
         block_step(&u[r], &acc[r], block_dot(w, a, m0 + r, K, b), a, m0 + r, b, blocks, g, groups, opens, closes,   \
                    st.scale, st.bias);                                                                              \
     }                                                                                                               \
-    __mmask16 in = columns >= STRIP ? 0xFFFF : (__mmask16)((1u << columns) - 1);                                    \
-    UNROLL for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + (m0 + r) * N, in, acc[r]);                       \
+    UNROLL for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + (m0 + r) * N, first_lanes(columns), acc[r]);    \
   }
 
 typedef void (*few_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, const float *scale,
@@ -390,8 +383,8 @@ static void rows_of512(void *arg, int part, int parts) {
       if (j->half) {
         strip_halves((const uint16_t *)s, (const uint16_t *)bias, groups, columns, st.scale, st.bias);
       } else {
-        strip_scales(s, 0, groups, columns, st.scale);
-        strip_scales(bias, 0, groups, columns, st.bias);
+        strip_scales((const float *)s, groups, columns, st.scale);
+        strip_scales((const float *)bias, groups, columns, st.bias);
       }
       if (j->M <= FEW)
         t.few[j->M](w, row_bytes, j->K, j->group, columns, st.scale, st.bias, j->a, j->out + n, j->N, ahead);
