@@ -881,19 +881,21 @@ def test_int8_activations_are_registered_for_the_models_life_and_tagged(monkeypa
 
     tokens = mx.array([[3, 5, 7, 11, 13]])
     floats = _half_scaled_tiny_model()
-    want = backends.prepare(floats, cpu_weights_dtype="quantized", memory_bytes=2**40)
+    # AMX off: its bfloat16 copies of the float layers would add a layout tag of their own
+    want = backends.prepare(floats, cpu_weights_dtype="quantized", memory_bytes=2**40, cpu_amx=False)
     if not quantized.float_products():
         pytest.skip("the process runs a path other than the float ones (TIERLM_QUANT_KERNEL)")
     assert want.layout_tag == b"" and want.summary["int8_activations"].startswith("off (no reference text")
     before = int8.registered()
     monkeypatch.setenv("TIERLM_INT8_ACTIVATIONS", "on")
     model = _half_scaled_tiny_model()  # the same weights (seeded), in buffers of its own
-    backend = backends.prepare(model, cpu_weights_dtype="quantized", memory_bytes=2**40)
+    backend = backends.prepare(model, cpu_weights_dtype="quantized", memory_bytes=2**40, cpu_amx=False)
     layers = len([m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)])
     kernel = int8.kernel(route.current().lib)  # AVX-512 VNNI, else AVX2
     assert backend.summary["int8_activations"] == f"on ({layers} layers, {kernel}, TIERLM_INT8_ACTIVATIONS=on)"
     assert backend.layout_tag == int8.LAYOUT_TAG and "CPU int8 activations: on" in backend.log[3]
     assert int8.registered() == before + layers
+    assert backend.extra_bytes == int8.laid_bytes(model) > 0  # its scales laid out by strips, outside MLX
     got, float_logits = model(tokens), floats(tokens)
     assert not mx.array_equal(got, float_logits).item()
     assert mx.allclose(got, float_logits, rtol=0.05, atol=0.05).item()
@@ -905,7 +907,7 @@ def test_int8_activations_are_registered_for_the_models_life_and_tagged(monkeypa
         monkeypatch.setenv("TIERLM_INT8_ACTIVATIONS", value)
         other = _half_scaled_tiny_model()
         assert backends.prepare(other, cpu_weights_dtype="quantized",
-                                memory_bytes=2**40).summary["int8_activations"] == why
+                                memory_bytes=2**40, cpu_amx=False).summary["int8_activations"] == why
     assert int8.registered() == before
 
 

@@ -123,37 +123,60 @@ def test_float16_scales_give_the_bits_of_their_float32_widening(name, bits, path
             assert np.array_equal(got, want), (group, rows)
 
 
+def _half_kernel(x, w, scales, biases, bits, group) -> np.ndarray:
+    out = np.zeros((x.shape[0], w.shape[0]), np.float32)
+    STATE.lib.tierlm_qmm_half(x.ctypes.data, x.shape[0], x.shape[1], w.ctypes.data, scales.ctypes.data,
+                              biases.ctypes.data, w.shape[0], bits, group, out.ctypes.data)
+    return out
+
+
+def _register(w, scales, biases, group) -> int:
+    return STATE.lib.tierlm_qmm_int8_add(w.ctypes.data, scales.ctypes.data, biases.ctypes.data,
+                                         int(scales.dtype == np.float16), w.shape[0], scales.shape[1] * group, group)
+
+
 @pytest.mark.skipif("avx2-int8" not in PATHS, reason="needs AVX2")
 def test_a_registered_weight_takes_the_int8_tiles_and_the_rest_keep_the_path(path):
     """cpu.int8 registers a model's weights with qgemm.c: their products take the
     int8 products (AVX-512 VNNI's where the CPU has it, else AVX2's: the bits
-    the path of that name gives), alone and in a batch, while another weight
-    keeps the path in use; removed, a weight's products are the float path's
-    again. With VNNI a K of an odd number of block pairs stays on the path in
-    use (its tiles read blocks two at a time); AVX2's take any K."""
+    the path of that name gives), alone, a few rows and in a batch, with float32
+    or float16 scales, while another weight keeps the path in use; removed, a
+    weight's products are the float path's again. A registered weight keeps its
+    scales laid out by strips (70 columns: the last strip part empty): the same
+    bits as laying them out for each product, and other scales with the same
+    weights are read as they are. With VNNI a K of an odd number of block pairs
+    stays on the path in use (its tiles read blocks two at a time); AVX2's take
+    any K."""
     vnni = "avx512-vnni" in PATHS
     x = np.random.default_rng(11).standard_normal((21, 384)).astype(np.float32)
     w, scales, biases = _weights(70, 384, 5, 32, seed=12)
+    halves = scales.astype(np.float16), biases.astype(np.float16)
     other = _weights(70, 384, 5, 32, seed=13)
     odd = _weights(70, 96, 5, 32, seed=14)
     odd_x = x[:, :96].copy()
     STATE.lib.tierlm_qmm_select(quantized.PATHS["avx512-vnni" if vnni else "avx2-int8"])
     int8, odd_int8 = _kernel(x, w, scales, biases, 5, 32), _kernel(odd_x, *odd, 5, 32)
+    half_int8, other_scales_int8 = _half_kernel(x, w, *halves, 5, 32), _kernel(x, w, *other[1:], 5, 32)
     STATE.lib.tierlm_qmm_select(quantized.PATHS["avx512" if "avx512" in PATHS else "avx2"])
     floats, other_floats = _kernel(x, w, scales, biases, 5, 32), _kernel(x, *other, 5, 32)
     odd_floats = _kernel(odd_x, *odd, 5, 32)
     assert not np.array_equal(int8, floats)
     before = STATE.lib.tierlm_qmm_int8_weights()
+    w_half = w.copy()  # the same weights at another address, registered with float16 scales
     try:
-        for weight in (w, odd[0]):
-            assert STATE.lib.tierlm_qmm_int8_add(weight.ctypes.data) == 1
-        assert STATE.lib.tierlm_qmm_int8_weights() == before + 2
-        assert np.array_equal(_kernel(x, w, scales, biases, 5, 32), int8)
+        for weight, *rest in ((w, scales, biases), (odd[0], *odd[1:]), (w_half, *halves)):
+            assert _register(weight, *rest, 32) == 1
+        assert STATE.lib.tierlm_qmm_int8_weights() == before + 3
+        assert STATE.lib.tierlm_qmm_int8_laid_bytes(70, 384, 32, 1) == (80 if vnni else 72) * 12 * 2 * 2
+        for rows in (1, 3, 21):
+            assert np.array_equal(_kernel(x[:rows].copy(), w, scales, biases, 5, 32), int8[:rows])
+            assert np.array_equal(_half_kernel(x[:rows].copy(), w_half, *halves, 5, 32), half_int8[:rows])
         assert np.array_equal(_kernel(x[3:4].copy(), w, scales, biases, 5, 32)[0], int8[3])
+        assert np.array_equal(_kernel(x, w, *other[1:], 5, 32), other_scales_int8)
         assert np.array_equal(_kernel(x, *other, 5, 32), other_floats)
         assert np.array_equal(_kernel(odd_x, *odd, 5, 32), odd_floats if vnni else odd_int8)
     finally:
-        for weight in (w, odd[0]):
+        for weight in (w, odd[0], w_half):
             STATE.lib.tierlm_qmm_int8_remove(weight.ctypes.data)
     assert STATE.lib.tierlm_qmm_int8_weights() == before
     assert np.array_equal(_kernel(x, w, scales, biases, 5, 32), floats)

@@ -120,7 +120,8 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
     # and gemm do not
     invariant = dtype == "quantized" and quantized.keeps_weights_quantized() and state.exact_attention.on
     summary["batch_invariant"] = invariant
-    layout_tag = AMX_LAYOUT_TAG if packed else int8.LAYOUT_TAG if int8_on else b""
-    return Backend(name="cpu", extra_bytes=packed_bytes, layout_tag=layout_tag,
+    # both where both: a model's float32 layers on AMX and its quantized ones with int8 activations
+    layout_tag = (AMX_LAYOUT_TAG if packed else b"") + (int8.LAYOUT_TAG if int8_on else b"")
+    return Backend(name="cpu", extra_bytes=packed_bytes + int8.laid_bytes(model), layout_tag=layout_tag,
                    batch_invariant=invariant, log=tuple(log), warnings=warnings, summary=summary,
                    counters=counters)

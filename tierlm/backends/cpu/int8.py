@@ -80,7 +80,8 @@ def choose(model: nn.Module, tokens: list[int] | None) -> tuple[Feature, bool]:
     lib = _lib()
     if lib is None or not quantized.float_products() or not lib.tierlm_qmm_available(quantized.PATHS["avx2-int8"]):
         return Feature(False, "needs AVX2 and the float kernels in use"), False
-    weights = _weights(model)
+    layers = _layers(model)
+    weights = [layer["weight"] for layer in layers]
     if not weights:
         return Feature(False, "no quantized layer the kernels take"), False
     if setting == "auto" and (tokens is None or len(tokens) < 8):
@@ -90,15 +91,16 @@ def choose(model: nn.Module, tokens: list[int] | None) -> tuple[Feature, bool]:
     before = _log_probs(model, tokens) if setting == "auto" and change is None else None
     if change is not None and change >= THRESHOLD:
         return _declined(change), False
-    addresses = _register(lib, weights)
-    weakref.finalize(model, _unregister, lib, addresses)  # before MLX can free the buffers and reuse them
+    addresses, _laid_bytes[id(model)] = _register(lib, layers)
+    # before MLX can free the buffers and reuse them
+    weakref.finalize(model, _unregister, lib, addresses, id(model))
     if setting == "on":
         return Feature(True, f"{len(addresses)} layers, {kernel(lib)}, {VARIABLE}=on"), True
     if change is None:
         change = float(np.abs(_log_probs(model, tokens) - before).mean())
         _remember(key, change)
     if change >= THRESHOLD:
-        _unregister(lib, addresses)
+        _unregister(lib, addresses, id(model))
         return _declined(change), False
     return Feature(True, f"{len(addresses)} layers, {kernel(lib)}; the probe moved log-probabilities by "
                          f"{change:.3f} (< {THRESHOLD}) over {len(tokens) - 1} tokens"), True
@@ -113,30 +115,51 @@ def _declined(change: float) -> Feature:
     return Feature(False, f"the probe moved log-probabilities by {change:.3f} (>= {THRESHOLD}): float32 products")
 
 
-def _weights(model: nn.Module) -> list[mx.array]:
-    """The packed weights of the model's layers whose products the kernels take."""
-    return [m["weight"] for _, m in model.named_modules()
-            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.mode == "affine"
+def _layers(model: nn.Module) -> list[nn.Module]:
+    """The model's quantized layers whose products the kernels take: its
+    linear layers, and its embedding where there is no output head (tied
+    embeddings multiply through `as_linear`; an untied one only gathers rows)."""
+    named = list(model.named_modules())
+    has_head = any(name.endswith("lm_head") for name, m in named if isinstance(m, nn.QuantizedLinear))
+    kinds = nn.QuantizedLinear if has_head else (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    return [m for _, m in named if isinstance(m, kinds) and m.mode == "affine"
             and m.bits in quantized.BITS and m.group_size in quantized.GROUP_SIZES]
 
 
-def _address(weight: mx.array) -> int:
-    return np.array(weight, copy=False).ctypes.data  # MLX's own buffer: the pointer the hook hands qgemm.c
+def _address(array: mx.array) -> int:
+    return np.array(array, copy=False).ctypes.data  # MLX's own buffer: the pointer the hook hands qgemm.c
 
 
-def _register(lib, weights: list[mx.array]) -> list[int]:
-    addresses = []
-    for weight in weights:
+_laid_bytes: dict[int, int] = {}  # id(model) -> bytes qgemm.c keeps for its registered weights, while it lives
+
+
+def laid_bytes(model: nn.Module) -> int:
+    """Bytes qgemm.c keeps for the model's registered weights (their scales and
+    biases laid out as the int8 products read them), outside MLX's allocator."""
+    return _laid_bytes.get(id(model), 0)
+
+
+def _register(lib, layers: list[nn.Module]) -> tuple[list[int], int]:
+    """Registers each layer's weight with its scales and biases: the addresses
+    registered, and the bytes qgemm.c keeps for them."""
+    addresses, kept = [], 0
+    for layer in layers:
+        weight, scales = layer["weight"], layer["scales"]
+        half, (rows, groups) = int(scales.dtype == mx.float16), scales.shape
+        k = groups * layer.group_size
         address = _address(weight)
-        if lib.tierlm_qmm_int8_add(address):
+        if lib.tierlm_qmm_int8_add(address, _address(scales), _address(layer["biases"]), half, rows, k,
+                                   layer.group_size):
             addresses.append(address)
-    return addresses
+            kept += lib.tierlm_qmm_int8_laid_bytes(rows, k, layer.group_size, half)
+    return addresses, kept
 
 
-def _unregister(lib, addresses: list[int]) -> None:
+def _unregister(lib, addresses: list[int], model_id: int) -> None:
     for address in addresses:
         lib.tierlm_qmm_int8_remove(address)
     addresses.clear()
+    _laid_bytes.pop(model_id, None)
 
 
 def _log_probs(model: nn.Module, tokens: list[int]) -> np.ndarray:

@@ -127,7 +127,10 @@ def load() -> ctypes.CDLL:
     lib.tierlm_qmm_supports.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long]
     lib.tierlm_qmm_select.argtypes = [ctypes.c_int]
     lib.tierlm_qmm_available.argtypes = [ctypes.c_int]
-    lib.tierlm_qmm_int8_add.argtypes = [ctypes.c_void_p]
+    lib.tierlm_qmm_int8_add.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_long,
+                                        ctypes.c_long, ctypes.c_int]
+    lib.tierlm_qmm_int8_laid_bytes.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int]
+    lib.tierlm_qmm_int8_laid_bytes.restype = ctypes.c_long
     lib.tierlm_qmm_int8_remove.argtypes = [ctypes.c_void_p]
     lib.tierlm_float_select.argtypes = [ctypes.c_int]
     lib.tierlm_cpu_has.argtypes = [ctypes.c_int]

@@ -398,11 +398,21 @@ static void rows_of(void *arg, int part, int parts) {
  * path in use. A weight is registered for its whole life (a weakref finalizer
  * removes it before MLX can free the buffer and hand the address to another
  * array), so each weight's products always take one path: a row keeps its bits
- * alone or batched. Open addressing over a fixed table; few writers (loads,
- * unloads), a reader per product. */
+ * alone or batched. Each keeps its scales and biases laid out by the strips
+ * its product reads (tierlm_int8_lay): a one-row product otherwise lays out
+ * every strip's anew, ~40% of its time with AVX2. Open addressing over a fixed
+ * table; few writers (loads, unloads), a reader per product, which holds the
+ * lock through the product: a model can be collected while a graph it queued
+ * still multiplies by its weights, and removing one then waits. */
 #define INT8_SLOTS 16384
 #define INT8_GONE ((const void *)1) /* a removed entry: probing goes on past it */
-static const void *int8_table[INT8_SLOTS];
+typedef struct {
+  const void *w;
+  const void *scales; /* the scales the laid-out ones are of: a product by others lays out its own */
+  int half, lanes;    /* and how: float16 or not, the columns of a strip */
+  char *laid;
+} int8_weight;
+static int8_weight int8_table[INT8_SLOTS];
 static int int8_count;
 static pthread_rwlock_t int8_lock = PTHREAD_RWLOCK_INITIALIZER;
 
@@ -410,26 +420,60 @@ static size_t int8_slot(const void *w) { return ((uintptr_t)w >> 6) * 0x9E3779B9
 
 /* The slot holding w, or -1; with the lock held. */
 static long int8_find(const void *w) {
-  for (size_t i = int8_slot(w), n = 0; n < INT8_SLOTS && int8_table[i]; i = (i + 1) % INT8_SLOTS, n++)
-    if (int8_table[i] == w) return (long)i;
+  for (size_t i = int8_slot(w), n = 0; n < INT8_SLOTS && int8_table[i].w; i = (i + 1) % INT8_SLOTS, n++)
+    if (int8_table[i].w == w) return (long)i;
   return -1;
 }
 
-/* 1: w's products take int8 activations from now on; 0: this CPU has no AVX2
- * (under TIERLM_MAX_CPU_ISA), or the table is full. */
-int tierlm_qmm_int8_add(const void *w) {
-  if (!tierlm_qmm_available(PATH_AVX2_INT8) || w == NULL || w == INT8_GONE) return 0;
+void tierlm_int8_lay(const void *scales, const void *biases, int half, long N, long groups, int lanes, char *to) {
+  long width = half ? 2 : 4, strips = (N + lanes - 1) / lanes;
+  for (long s = 0; s < strips; s++) {
+    lane_scales at = laid_strip(to, s, groups, lanes, half);
+    const void *from[2] = {scales, biases};
+    char *into[2] = {(char *)at.scale, (char *)at.bias};
+    for (int k = 0; k < 2; k++)
+      for (long g = 0; g < groups; g++)
+        for (int c = 0; c < lanes; c++) {
+          long n = s * lanes + c;
+          char *cell = into[k] + (g * lanes + c) * width;
+          if (n < N) memcpy(cell, (const char *)from[k] + (n * groups + g) * width, width);
+          else memset(cell, 0, width);
+        }
+  }
+}
+
+/* Columns a strip of the int8 product w's product of K values takes. */
+static int int8_lanes(long K) { return tierlm_qmm_available(PATH_AVX512_VNNI) && K % (2 * BLOCK) == 0 ? 16 : 8; }
+
+/* Bytes tierlm_qmm_int8_add keeps for an N x K weight's laid-out scales and biases. */
+long tierlm_qmm_int8_laid_bytes(long N, long K, int group, int half) {
+  int lanes = int8_lanes(K);
+  return (N + lanes - 1) / lanes * laid_strip_bytes(K / group, lanes, half);
+}
+
+/* 1: w's products take int8 activations from now on, its scales and biases
+ * (N x K / group, float16 where `half`) laid out once; 0: this CPU has no AVX2
+ * (under TIERLM_MAX_CPU_ISA), no memory, or the table is full. */
+int tierlm_qmm_int8_add(const void *w, const void *scales, const void *biases, int half, long N, long K, int group) {
+  if (!tierlm_qmm_available(PATH_AVX2_INT8) || w == NULL || w == INT8_GONE || group <= 0 || K % group) return 0;
+  int lanes = int8_lanes(K);
+  char *laid = malloc(tierlm_qmm_int8_laid_bytes(N, K, group, half));
+  if (!laid) return 0;
+  tierlm_int8_lay(scales, biases, half, N, K / group, lanes, laid);
   int added = 0;
   pthread_rwlock_wrlock(&int8_lock);
-  if (int8_find(w) >= 0) added = 1;
-  else if (int8_count < INT8_SLOTS / 2) {
+  if (int8_find(w) < 0 && int8_count < INT8_SLOTS / 2) {
     size_t i = int8_slot(w);
-    while (int8_table[i] && int8_table[i] != INT8_GONE) i = (i + 1) % INT8_SLOTS;
-    int8_table[i] = w;
+    while (int8_table[i].w && int8_table[i].w != INT8_GONE) i = (i + 1) % INT8_SLOTS;
+    int8_table[i] = (int8_weight){w, scales, half, lanes, laid};
+    laid = NULL;
     __atomic_add_fetch(&int8_count, 1, __ATOMIC_RELEASE);
     added = 1;
+  } else {
+    added = int8_find(w) >= 0;
   }
   pthread_rwlock_unlock(&int8_lock);
+  free(laid); /* not kept: already registered, or no room */
   return added;
 }
 
@@ -437,7 +481,8 @@ void tierlm_qmm_int8_remove(const void *w) {
   pthread_rwlock_wrlock(&int8_lock);
   long i = int8_find(w);
   if (i >= 0) {
-    int8_table[i] = INT8_GONE;
+    free(int8_table[i].laid);
+    int8_table[i] = (int8_weight){INT8_GONE, NULL, 0, 0, NULL};
     /* the last one gone: no removed entries left to probe past */
     if (__atomic_sub_fetch(&int8_count, 1, __ATOMIC_RELEASE) == 0) memset(int8_table, 0, sizeof int8_table);
   }
@@ -448,20 +493,7 @@ void tierlm_qmm_int8_remove(const void *w) {
 int tierlm_qmm_int8_weights(void) { return __atomic_load_n(&int8_count, __ATOMIC_ACQUIRE); }
 
 typedef void (*int8_product)(const float *x, long M, long K, const void *w, const void *scales, const void *biases,
-                             int half, long N, int bits, int group, float *out);
-
-/* The int8 product w's product of K values takes (AVX-512 VNNI where the CPU
- * has it and K is a whole number of block pairs, else AVX2), or NULL: w is not
- * registered. */
-static int8_product int8_kernel(const void *w, long K) {
-  if (__atomic_load_n(&int8_count, __ATOMIC_ACQUIRE) == 0) return NULL;
-  pthread_rwlock_rdlock(&int8_lock);
-  int found = int8_find(w) >= 0;
-  pthread_rwlock_unlock(&int8_lock);
-  if (!found) return NULL;
-  if (tierlm_qmm_available(PATH_AVX512_VNNI)) return K % (2 * BLOCK) ? NULL : tierlm_qmm_vnni512;
-  return tierlm_qmm_int8_avx2;
-}
+                             int half, long N, int bits, int group, float *out, const char *laid);
 
 /* The int8 product `path` names for a product of K values, or NULL. */
 static int8_product named_kernel(int path, long K) {
@@ -469,14 +501,37 @@ static int8_product named_kernel(int path, long K) {
   return path == PATH_AVX2_INT8 ? tierlm_qmm_int8_avx2 : NULL;
 }
 
+/* The product by w with int8 activations, if the path in use names one or w
+ * is registered (then with its laid-out scales, the lock held through it, and
+ * AVX-512 VNNI's where the CPU has it and K is a whole number of block pairs,
+ * else AVX2's); 0 when neither. */
+static int int8_product_of(int path, const float *x, long M, long K, const void *w, const void *scales,
+                           const void *biases, int half, long N, int bits, int group, float *out) {
+  int8_product named = named_kernel(path, K);
+  if (named) {
+    named(x, M, K, w, scales, biases, half, N, bits, group, out, NULL);
+    return 1;
+  }
+  if (__atomic_load_n(&int8_count, __ATOMIC_ACQUIRE) == 0) return 0;
+  pthread_rwlock_rdlock(&int8_lock);
+  long i = int8_find(w);
+  int lanes = int8_lanes(K), takes = i >= 0 && (lanes == 16 || !tierlm_qmm_available(PATH_AVX512_VNNI));
+  if (takes) {
+    const int8_weight *e = &int8_table[i];
+    const char *laid = e->scales == scales && e->half == half && e->lanes == lanes ? e->laid : NULL;
+    (lanes == 16 ? tierlm_qmm_vnni512 : tierlm_qmm_int8_avx2)(x, M, K, w, scales, biases, half, N, bits, group, out,
+                                                              laid);
+  }
+  pthread_rwlock_unlock(&int8_lock);
+  return takes;
+}
+
 /* out (M x N) = x (M x K) times the quantized W (N x K) transposed. */
 void tierlm_qmm(const float *x, long M, long K, const void *w, const float *scales, const float *biases, long N,
                 int bits, int group, float *out) {
   if (path_in_use < 0) tierlm_qmm_select(-1);
   int path = path_in_use;
-  int8_product int8 = named_kernel(path, K);
-  if (int8 || (int8 = int8_kernel(w, K))) {
-    int8(x, M, K, w, scales, biases, 0, N, bits, group, out);
+  if (int8_product_of(path, x, M, K, w, scales, biases, 0, N, bits, group, out)) {
     TIERLM_COUNT(COUNT_QMM);
     return;
   }
@@ -513,9 +568,7 @@ static float half_to_float(uint16_t h) {
 void tierlm_qmm_half(const float *x, long M, long K, const void *w, const uint16_t *scales, const uint16_t *biases,
                      long N, int bits, int group, float *out) {
   if (path_in_use < 0) tierlm_qmm_select(-1);
-  int8_product int8 = named_kernel(path_in_use, K);
-  if (int8 || (int8 = int8_kernel(w, K))) {
-    int8(x, M, K, w, scales, biases, 1, N, bits, group, out);
+  if (int8_product_of(path_in_use, x, M, K, w, scales, biases, 1, N, bits, group, out)) {
     TIERLM_COUNT(COUNT_QMM);
     return;
   }

@@ -31,7 +31,30 @@ typedef struct {
   const void *scales, *biases; /* float32, or float16 where `half` */
   const activations *a;
   float *out;
+  const char *laid; /* the scales and biases laid out by strips (tierlm_int8_lay), or NULL */
 } int8_job;
+
+/* A strip's scales and biases as the products read them: for each group, the
+ * strip's columns' values one after another (float16 where `half`, else
+ * float32; columns past the matrix's 0). */
+typedef struct {
+  const void *scale, *bias;
+  int half;
+} lane_scales;
+
+/* Bytes of one strip of `lanes` columns' laid-out scales and biases. */
+static inline long laid_strip_bytes(long groups, int lanes, int half) { return 2L * groups * lanes * (half ? 2 : 4); }
+
+/* Where strip `s`'s scales and biases lie in `laid` (tierlm_int8_lay). */
+static inline lane_scales laid_strip(const char *laid, long s, long groups, int lanes, int half) {
+  const char *at = laid + s * laid_strip_bytes(groups, lanes, half);
+  return (lane_scales){at, at + laid_strip_bytes(groups, lanes, half) / 2, half};
+}
+
+/* Every strip of `lanes` columns' scales and biases of an N x K weight laid
+ * out at once (a registered weight keeps them: its products need not lay out
+ * a strip's for each product). `to` holds N / lanes strips (rounded up). */
+void tierlm_int8_lay(const void *scales, const void *biases, int half, long N, long groups, int lanes, char *to);
 
 /* The next strip's weights, scales and biases (each one stretch of memory),
  * fetched a share a step while this strip is read (qgemm_vnni512.c,
@@ -56,13 +79,14 @@ int tierlm_qmm_available(int path);
 
 /* out (M x N) = x (M x K) times the quantized W (N x K) transposed, with int8
  * activations on 512-bit VNNI tiles; K a whole number of block pairs; scales
- * and biases float16 where `half`, else float32. */
+ * and biases float16 where `half`, else float32; `laid`: them laid out for
+ * 16 columns a strip (tierlm_int8_lay), or NULL. */
 void tierlm_qmm_vnni512(const float *x, long M, long K, const void *w, const void *scales, const void *biases,
-                        int half, long N, int bits, int group, float *out);
+                        int half, long N, int bits, int group, float *out, const char *laid);
 
 /* The same with AVX2 alone, eight columns a 256-bit vector (qgemm_int8_avx2.c);
- * any K of whole blocks. */
+ * any K of whole blocks; `laid` for 8 columns a strip. */
 void tierlm_qmm_int8_avx2(const float *x, long M, long K, const void *w, const void *scales, const void *biases,
-                          int half, long N, int bits, int group, float *out);
+                          int half, long N, int bits, int group, float *out, const char *laid);
 
 #endif

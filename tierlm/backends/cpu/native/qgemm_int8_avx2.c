@@ -10,11 +10,12 @@
  * weights, 8 for 4-bit: 8 x 2 x 15 x 127 stays below 2^15); 8-bit weights are
  * taken as two 4-bit halves, 16 x high + low, so that no sum saturates. Then
  * one conversion and one multiply-add scale a block for the 8 outputs. One
- * activation row (decoding) multiplies each column's block as it lies and
- * gathers the 8 columns' sums into lanes with horizontal adds; from two rows
- * the transposed strips are kept in the core's cache while every ROWS rows
- * sweep them. Scales and biases are read as stored (float32 or float16),
- * transposed the same way. The activations are quantized as qgemm.c quantizes
+ * activation row (decoding) multiplies each column's block as it lies (8-bit
+ * weights less 128, signed: column_dot) and gathers the 8 columns' sums into
+ * lanes with horizontal adds; from two rows the transposed strips are kept in
+ * the core's cache while every ROWS rows sweep them. Scales and biases are
+ * read as stored (float32 or float16), a strip's transposed the same way, or
+ * as a registered weight keeps them laid out (qgemm.c). The activations are quantized as qgemm.c quantizes
  * them (uncentred: the centre goes back through `fix`). Every output
  * is computed in one order (block_step8) whatever the tile or the number of
  * rows: a row has the same bits alone or batched. */
@@ -60,28 +61,39 @@ INLINE8 __m256 load8(const void *p, int half, long n) {
   return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps(p);
 }
 
-/* A strip's scales (or biases) as float32, a vector of its columns' for each
- * group: 8 groups at a time transposed. Columns past the matrix's are 0. */
-static TARGET8 void strip8_scales(const void *s, int half, long groups, int columns, float *to) {
+/* A strip's scales (or biases) as stored (float16 where `half`), a vector of
+ * its columns' for each group: 8 groups at a time transposed (float16 ones as
+ * their exact float32 widening, narrowed back). Columns past the matrix's are 0. */
+static TARGET8 void strip8_scales(const void *s, int half, long groups, int columns, void *to) {
   long width = half ? 2 : 4;
   for (long g = 0; g < groups; g += 8) {
     __m256 v[STRIP8];
     UNROLL for (int c = 0; c < STRIP8; c++)
       v[c] = c < columns ? load8((const char *)s + (c * groups + g) * width, half, groups - g) : _mm256_setzero_ps();
     transpose8(v);
-    for (long i = 0; i < 8 && g + i < groups; i++) _mm256_storeu_ps(to + (g + i) * STRIP8, v[i]);
+    for (long i = 0; i < 8 && g + i < groups; i++) {
+      if (half)
+        _mm_storeu_si128((__m128i *)to + g + i, _mm256_cvtps_ph(v[i], _MM_FROUND_TO_NEAREST_INT));
+      else
+        _mm256_storeu_ps((float *)to + (g + i) * STRIP8, v[i]);
+    }
   }
+}
+
+/* Group g's values of a strip's 8 columns (lane_scales), as float32. */
+INLINE8 __m256 group_lanes8(const void *p, int half, long g) {
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p + g)) : _mm256_loadu_ps((const float *)p + g * STRIP8);
 }
 
 /* qgemm_vnni512.c's block_step, 8 outputs at once: the same order of float
  * operations for every output. */
 INLINE8 void block_step8(__m256 *u, __m256 *acc, __m256i dot, const activations *a, long m, long b, long blocks, long g,
-                         long groups, int opens, int closes, const float *scale, const float *bias) {
+                         long groups, int opens, int closes, lane_scales ls) {
   if (opens) *u = _mm256_set1_ps(a->fix[m * groups + g]);
   *u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(a->d[m * blocks + b]), *u);
   if (closes) {
-    *acc = _mm256_fmadd_ps(_mm256_loadu_ps(scale + g * STRIP8), *u, *acc);
-    *acc = _mm256_fmadd_ps(_mm256_loadu_ps(bias + g * STRIP8), _mm256_set1_ps(a->sum[m * groups + g]), *acc);
+    *acc = _mm256_fmadd_ps(group_lanes8(ls.scale, ls.half, g), *u, *acc);
+    *acc = _mm256_fmadd_ps(group_lanes8(ls.bias, ls.half, g), _mm256_set1_ps(a->sum[m * groups + g]), *acc);
   }
 }
 
@@ -91,13 +103,23 @@ INLINE8 __m256i widen(__m256i pairs) { return _mm256_madd_epi16(pairs, _mm256_se
 /* ---- one activation row -------------------------------------------------- */
 
 /* One column's block (unpacked, 32 bytes) against the row's block x: 8 lanes
- * of 32-bit partial sums. 8-bit weights as 16 x high nibbles + low ones. */
+ * of 32-bit partial sums. 8-bit weights (0-255, too wide for vpmaddubsw's
+ * unsigned side against a signed x) are taken less 128, signed, their
+ * magnitudes against x with their signs (|pairs| <= 2 x 128 x 127, no
+ * saturation): 128 x the block's sum of x short (centre8 adds it back). */
 INLINE8 __m256i column_dot(__m256i w, __m256i x, int bits) {
   if (bits != 8) return widen(_mm256_maddubs_epi16(w, x));
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256i lo = widen(_mm256_maddubs_epi16(_mm256_and_si256(w, low), x));
-  __m256i hi = widen(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), low), x));
-  return _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4));
+  __m256i centred = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+  return widen(_mm256_maddubs_epi16(_mm256_abs_epi8(centred), _mm256_sign_epi8(x, centred)));
+}
+
+/* 128 x the sum of block x's 32 values, in every lane: what column_dot leaves
+ * out of 8-bit weights' products. */
+INLINE8 __m256i centre8(__m256i x) {
+  __m256i t = widen(_mm256_maddubs_epi16(_mm256_set1_epi8(1), x));
+  t = _mm256_add_epi32(t, _mm256_permute2x128_si256(t, t, 1));
+  t = _mm256_add_epi32(t, _mm256_shuffle_epi32(t, 0x4E));
+  return _mm256_slli_epi32(_mm256_add_epi32(t, _mm256_shuffle_epi32(t, 0xB1)), 7);
 }
 
 /* The sums of each of d[0..7]'s lanes, as one vector of the 8 columns. */
@@ -109,8 +131,8 @@ INLINE8 __m256i column_sums(const __m256i d[8]) {
 }
 
 #define ONE_ROW8(name, bits_)                                                                                       \
-  static TARGET8 void name(const uint8_t *w, long row_bytes, long K, int group, int columns, const float *scale,    \
-                           const float *bias, const activations *a, float *out, fetch ahead[3]) {                 \
+  static TARGET8 void name(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,       \
+                           const activations *a, float *out, fetch ahead[3]) {                                    \
     const int bits = bits_;                                                                                         \
     long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
     __m256 acc = _mm256_setzero_ps(), u = _mm256_setzero_ps();                                                      \
@@ -120,8 +142,10 @@ INLINE8 __m256i column_sums(const __m256i d[8]) {
       UNROLL for (int c = 0; c < STRIP8; c++)                                                                       \
         d[c] = c < columns ? column_dot(unpack(w + c * row_bytes + b * BLOCK * bits / 8, bits), x, bits)            \
                            : _mm256_setzero_si256();                                                                \
-      block_step8(&u, &acc, column_sums(d), a, 0, b, blocks, b / per_group, groups, b % per_group == 0,             \
-                  (b + 1) % per_group == 0, scale, bias);                                                           \
+      __m256i sums = column_sums(d);                                                                                \
+      if (bits == 8) sums = _mm256_add_epi32(sums, centre8(x));                                                     \
+      block_step8(&u, &acc, sums, a, 0, b, blocks, b / per_group, groups, b % per_group == 0,                       \
+                  (b + 1) % per_group == 0, ls);                                                                    \
     }                                                                                                               \
     float got[STRIP8];                                                                                              \
     _mm256_storeu_ps(got, acc);                                                                                     \
@@ -132,21 +156,17 @@ INLINE8 __m256i column_sums(const __m256i d[8]) {
 
 /* A kept strip: for each block, `planes` sets (8-bit weights: low nibbles,
  * then high ones) of 8 vectors, vector j holding values 4j .. 4j + 3 of the
- * block (in unpack()'s order) of the 8 columns; then its scales and biases. */
+ * block (in unpack()'s order) of the 8 columns; then (unless the weight's are
+ * laid out) its scales and biases as strip8_scales leaves them. */
 typedef struct {
   uint8_t *q;
-  float *scale, *bias;
+  lane_scales s;
 } strip8;
 
 static int planes_of(int bits) { return bits == 8 ? 2 : 1; }
 
 static size_t strip8_bytes(long K, int group, int bits) {
-  return (size_t)K * STRIP8 * planes_of(bits) + 2 * sizeof(float) * STRIP8 * (K / group);
-}
-
-static strip8 strip8_at(uint8_t *at, long K, int group, int bits) {
-  float *scale = (float *)(at + K * STRIP8 * planes_of(bits));
-  return (strip8){at, scale, scale + STRIP8 * (K / group)};
+  return (size_t)K * STRIP8 * planes_of(bits) + laid_strip_bytes(K / group, STRIP8, 0);
 }
 
 #define KEEP_STRIP8(name, bits_)                                                                                    \
@@ -217,8 +237,7 @@ INLINE8 __m256i four8(const activations *a, long m, long K, long k) {
           dot[r][s] = p == 0 ? total[r][s] : _mm256_add_epi32(dot[r][s], _mm256_slli_epi32(total[r][s], 4));       \
       }                                                                                                             \
       UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++)                                         \
-        block_step8(&u[r][s], &acc[r][s], dot[r][s], a, m0 + r, b, blocks, g, groups, opens, closes, st[s].scale,   \
-                    st[s].bias);                                                                                    \
+        block_step8(&u[r][s], &acc[r][s], dot[r][s], a, m0 + r, b, blocks, g, groups, opens, closes, st[s].s);      \
     }                                                                                                               \
     UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++) {                                         \
       float got[STRIP8];                                                                                            \
@@ -227,8 +246,8 @@ INLINE8 __m256i four8(const activations *a, long m, long K, long k) {
     }                                                                                                               \
   }
 
-typedef void (*one8_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, const float *scale,
-                        const float *bias, const activations *a, float *out, fetch ahead[3]);
+typedef void (*one8_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,
+                        const activations *a, float *out, fetch ahead[3]);
 typedef void (*keep8_fn)(const uint8_t *w, long row_bytes, long K, int columns, uint8_t *q, fetch ahead[3]);
 typedef void (*kept8_fn)(const strip8 *st, int bits, const activations *a, long m0, long K, int group, float *out,
                          long N, const int *columns);
@@ -252,6 +271,30 @@ static const kept8_fn kept8_rows[ROWS8 + 1][3] = {
 static __thread void *strips8_kept; /* this thread's strips (threads.h) */
 static __thread size_t strips8_capacity;
 #define STRIPS8_BYTES 131072 /* strips kept at a time: they stay in the core's cache while the rows sweep them */
+#define MOST_KEPT8 512       /* STRIPS8_BYTES / (K * STRIP8) with K >= 32 */
+
+/* The strip of columns from n: its weights (and where the next strip's lie),
+ * and its scales and biases: the weight's laid-out ones, else laid out into
+ * `at`. */
+static strip8 strip8_from(const int8_job *j, long n, int columns, uint8_t *at, const uint8_t **w, fetch ahead[3]) {
+  long groups = j->K / j->group, row_bytes = j->K * j->bits / 8, width = j->half ? 2 : 4;
+  *w = j->w + n * row_bytes;
+  ahead[0] = fetch_of(*w + STRIP8 * row_bytes, STRIP8 * row_bytes);
+  strip8 st = {at, laid_strip((const char *)at + j->K * STRIP8 * planes_of(j->bits), 0, groups, STRIP8, j->half)};
+  if (j->laid) {
+    st.s = laid_strip(j->laid, n / STRIP8, groups, STRIP8, j->half);
+    ahead[1] = fetch_of((const char *)st.s.scale + laid_strip_bytes(groups, STRIP8, j->half),
+                        laid_strip_bytes(groups, STRIP8, j->half));
+    ahead[2] = fetch_of(NULL, 0);
+    return st;
+  }
+  const char *s = (const char *)j->scales + n * groups * width, *bias = (const char *)j->biases + n * groups * width;
+  ahead[1] = fetch_of(s + STRIP8 * groups * width, STRIP8 * groups * width);
+  ahead[2] = fetch_of(bias + STRIP8 * groups * width, STRIP8 * groups * width);
+  strip8_scales(s, j->half, groups, columns, (void *)st.s.scale);
+  strip8_scales(bias, j->half, groups, columns, (void *)st.s.bias);
+  return st;
+}
 
 /* Output columns [first, last) of every activation row, a strip at a time
  * (first a whole number of strips): one row straight from the packing; more,
@@ -260,51 +303,46 @@ static void rows_of8(void *arg, int part, int parts) {
   const int8_job *j = arg;
   long first = j->N * part / parts / STRIP8 * STRIP8;
   long last = part + 1 == parts ? j->N : j->N * (part + 1) / parts / STRIP8 * STRIP8;
-  long groups = j->K / j->group, row_bytes = j->K * j->bits / 8, width = j->half ? 2 : 4;
+  long row_bytes = j->K * j->bits / 8;
   int which = j->bits == 4 ? 0 : j->bits == 5 ? 1 : 2;
   one8_fn one = (const one8_fn[]){one8_4, one8_5, one8_8}[which];
   keep8_fn keep = (const keep8_fn[]){keep8_4, keep8_5, keep8_8}[which];
   size_t size = strip8_bytes(j->K, j->group, j->bits);
   long at_once = j->M == 1 ? 1 : STRIPS8_BYTES / size > 1 ? (long)(STRIPS8_BYTES / size) : 1;
+  if (at_once > MOST_KEPT8) at_once = MOST_KEPT8;
   uint8_t *kept = tierlm_kept_buffer(&strips8_kept, &strips8_capacity, size * at_once);
+  strip8 st[MOST_KEPT8];
   for (long n0 = first; n0 < last; n0 += at_once * STRIP8) {
     long count = 0;
     for (long n = n0; n < last && count < at_once; n += STRIP8, count++) {
       int columns = last - n < STRIP8 ? (int)(last - n) : STRIP8;
-      strip8 st = strip8_at(kept + count * size, j->K, j->group, j->bits);
-      const uint8_t *w = j->w + n * row_bytes;
-      const char *s = (const char *)j->scales + n * groups * width, *bias = (const char *)j->biases + n * groups * width;
-      fetch ahead[3] = {fetch_of(w + STRIP8 * row_bytes, STRIP8 * row_bytes),
-                         fetch_of(s + STRIP8 * groups * width, STRIP8 * groups * width),
-                         fetch_of(bias + STRIP8 * groups * width, STRIP8 * groups * width)};
-      strip8_scales(s, j->half, groups, columns, st.scale);
-      strip8_scales(bias, j->half, groups, columns, st.bias);
+      const uint8_t *w;
+      fetch ahead[3];
+      st[count] = strip8_from(j, n, columns, kept + count * size, &w, ahead);
       if (j->M == 1)
-        one(w, row_bytes, j->K, j->group, columns, st.scale, st.bias, j->a, j->out + n, ahead);
+        one(w, row_bytes, j->K, j->group, columns, st[count].s, j->a, j->out + n, ahead);
       else
-        keep(w, row_bytes, j->K, columns, st.q, ahead);
+        keep(w, row_bytes, j->K, columns, st[count].q, ahead);
     }
     for (long m0 = 0; j->M > 1 && m0 < j->M; m0 += ROWS8) {
       int R = j->M - m0 < ROWS8 ? (int)(j->M - m0) : ROWS8;
       for (long i = 0; i < count; i += 2) {
         int S = count - i >= 2 ? 2 : 1, columns[2];
-        strip8 st[2];
         for (int s = 0; s < S; s++) {
           long n = n0 + (i + s) * STRIP8;
           columns[s] = last - n < STRIP8 ? (int)(last - n) : STRIP8;
-          st[s] = strip8_at(kept + (i + s) * size, j->K, j->group, j->bits);
         }
-        kept8_rows[R][S](st, j->bits, j->a, m0, j->K, j->group, j->out + n0 + i * STRIP8, j->N, columns);
+        kept8_rows[R][S](st + i, j->bits, j->a, m0, j->K, j->group, j->out + n0 + i * STRIP8, j->N, columns);
       }
     }
   }
 }
 
 void tierlm_qmm_int8_avx2(const float *x, long M, long K, const void *w, const void *scales, const void *biases,
-                          int half, long N, int bits, int group, float *out) {
+                          int half, long N, int bits, int group, float *out, const char *laid) {
   activations a;
   void *buffer = tierlm_quantize_activations(x, M, K, bits, group, PATH_AVX2_INT8, &a);
-  int8_job j = {M, K, N, bits, group, half, w, scales, biases, &a, out};
+  int8_job j = {M, K, N, bits, group, half, w, scales, biases, &a, out, laid};
   tierlm_parallel(rows_of8, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
   free(buffer);
 }

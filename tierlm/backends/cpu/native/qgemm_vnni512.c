@@ -104,12 +104,12 @@ static __attribute__((target(ISA_VNNI512))) void strip_scales(const float *s, lo
   }
 }
 
-/* Both of a strip's float16 arrays at once, for half the work of two
- * strip_scales: column c's 16 scales and 16 biases from group g as one row of
- * 16 words (scale pairs, then bias pairs), the 16 x 16 words transposed, each
- * word's two halves widened into their groups' vectors. The same floats. */
+/* Both of a strip's float16 arrays at once, as float16: column c's 16 scales
+ * and 16 biases from group g as one row of 16 words (scale pairs, then bias
+ * pairs), the 16 x 16 words transposed, each word's two halves stored as their
+ * groups' vectors. */
 static __attribute__((target(ISA_VNNI512))) void strip_halves(const uint16_t *s, const uint16_t *bias, long groups,
-                                                              int columns, float *scale_to, float *bias_to) {
+                                                              int columns, uint16_t *scale_to, uint16_t *bias_to) {
   for (long g = 0; g < groups; g += 16) {
     __mmask16 in = first_lanes(groups - g);
     __m512 v[STRIP];
@@ -123,13 +123,18 @@ static __attribute__((target(ISA_VNNI512))) void strip_halves(const uint16_t *s,
     transpose16(v);
     UNROLL for (int j = 0; j < STRIP; j++) {
       __m512i words = _mm512_castps_si512(v[j]);
-      float *to = j < 8 ? scale_to : bias_to;
+      uint16_t *to = j < 8 ? scale_to : bias_to;
       long at = g + 2 * (j % 8);
-      if (at < groups) _mm512_storeu_ps(to + at * STRIP, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)));
+      if (at < groups) _mm256_storeu_si256((__m256i *)(to + at * STRIP), _mm512_cvtepi32_epi16(words));
       if (at + 1 < groups)
-        _mm512_storeu_ps(to + (at + 1) * STRIP, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))));
+        _mm256_storeu_si256((__m256i *)(to + (at + 1) * STRIP), _mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
     }
   }
+}
+
+/* Group g's values of a strip's 16 columns (lane_scales), as float32. */
+static inline __attribute__((always_inline, target(ISA_VNNI512))) __m512 group_lanes(const void *p, int half, long g) {
+  return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p + g)) : _mm512_loadu_ps((const float *)p + g * STRIP);
 }
 
 /* One block of one activation row m for a strip's 16 outputs, the integer
@@ -143,12 +148,12 @@ static __attribute__((target(ISA_VNNI512))) void strip_halves(const uint16_t *s,
  * whatever the path or the tile. */
 static inline __attribute__((always_inline, target(ISA_VNNI512))) void block_step(
     __m512 *u, __m512 *acc, __m512i dot, const activations *a, long m, long b, long blocks, long g, long groups,
-    int opens, int closes, const float *scale, const float *bias) {
+    int opens, int closes, lane_scales ls) {
   if (opens) *u = _mm512_set1_ps(a->fix[m * groups + g]);
   *u = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(a->d[m * blocks + b]), *u);
   if (closes) {
-    *acc = _mm512_fmadd_ps(_mm512_loadu_ps(scale + g * STRIP), *u, *acc);
-    *acc = _mm512_fmadd_ps(_mm512_loadu_ps(bias + g * STRIP), _mm512_set1_ps(a->sum[m * groups + g]), *acc);
+    *acc = _mm512_fmadd_ps(group_lanes(ls.scale, ls.half, g), *u, *acc);
+    *acc = _mm512_fmadd_ps(group_lanes(ls.bias, ls.half, g), _mm512_set1_ps(a->sum[m * groups + g]), *acc);
   }
 }
 
@@ -187,8 +192,8 @@ static inline __attribute__((always_inline, target(ISA_VNNI512))) __m512i block_
  * pairs unpacked and transposed in registers and taken by every row. */
 #define FEW_ROWS(name, isa, UNPACK, bits_, R)                                                                       \
   static __attribute__((target(isa))) void name(const uint8_t *w, long row_bytes, long K, int group, int columns,   \
-                                                const float *scale, const float *bias, const activations *a,        \
-                                                float *out, long N, fetch ahead[3]) {                               \
+                                                lane_scales ls, const activations *a, float *out, long N,           \
+                                                fetch ahead[3]) {                                                   \
     const int bits = bits_;                                                                                         \
     long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
     __m512 acc[R], u[R];                                                                                            \
@@ -202,7 +207,7 @@ static inline __attribute__((always_inline, target(ISA_VNNI512))) __m512i block_
         int opens = bb % per_group == 0, closes = (bb + 1) % per_group == 0;                                        \
         UNROLL for (int r = 0; r < R; r++)                                                                          \
           block_step(&u[r], &acc[r], block_dot((const __m512i *)v + 8 * h, a, r, K, bb), a, r, bb, blocks, g,       \
-                     groups, opens, closes, scale, bias);                                                           \
+                     groups, opens, closes, ls);                                                                    \
       }                                                                                                             \
     }                                                                                                               \
     UNROLL for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * N, first_lanes(columns), acc[r]);           \
@@ -234,8 +239,8 @@ static inline __attribute__((always_inline, target(ISA_VNNI512))) void half_sums
  * row. The same order of float operations as the other tiles. */
 #define ONE_ROW(name, isa, UNPACK, bits_)                                                                           \
   static __attribute__((target(isa))) void name(const uint8_t *w, long row_bytes, long K, int group, int columns,   \
-                                                const float *scale, const float *bias, const activations *a,        \
-                                                float *out, long N, fetch ahead[3]) {                               \
+                                                lane_scales ls, const activations *a, float *out, long N,           \
+                                                fetch ahead[3]) {                                                   \
     const int bits = bits_;                                                                                         \
     long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
     __m512 acc = _mm512_setzero_ps(), u = _mm512_setzero_ps();                                                      \
@@ -250,25 +255,21 @@ static inline __attribute__((always_inline, target(ISA_VNNI512))) void half_sums
       UNROLL for (int h = 0; h < 2; h++) {                                                                          \
         long bb = b + h;                                                                                            \
         block_step(&u, &acc, sums[h], a, 0, bb, blocks, bb / per_group, groups, bb % per_group == 0,                \
-                   (bb + 1) % per_group == 0, scale, bias);                                                         \
+                   (bb + 1) % per_group == 0, ls);                                                                  \
       }                                                                                                             \
     }                                                                                                               \
     _mm512_mask_storeu_ps(out, first_lanes(columns), acc);                                                          \
   }
 
 /* A kept strip: the weights as PAIR_OF_STRIP leaves them (v[j] of pair b at
- * (b * 8 + j) * 64 bytes), then the scales and biases as strip_scales. */
+ * (b * 8 + j) * 64 bytes), then (unless the weight's are laid out) the scales
+ * and biases as strip_scales or strip_halves leave them. */
 typedef struct {
   uint8_t *q;
-  float *scale, *bias;
+  lane_scales s;
 } strip;
 
-static size_t strip_bytes(long K, int group) { return (size_t)K * STRIP + 2 * sizeof(float) * STRIP * (K / group); }
-
-static strip strip_at(uint8_t *at, long K, int group) {
-  float *scale = (float *)(at + K * STRIP);
-  return (strip){at, scale, scale + STRIP * (K / group)};
-}
+static size_t strip_bytes(long K, int group) { return (size_t)K * STRIP + laid_strip_bytes(K / group, STRIP, 0); }
 
 #define KEEP_STRIP(name, isa, UNPACK, bits_)                                                                        \
   static __attribute__((target(isa))) void name(const uint8_t *w, long row_bytes, long K, int columns, uint8_t *q, \
@@ -296,13 +297,13 @@ static strip strip_at(uint8_t *at, long K, int group) {
       UNROLL for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512(st.q + (b * 8 + j) * 64);                        \
       UNROLL for (int r = 0; r < R; r++)                                                                            \
         block_step(&u[r], &acc[r], block_dot(w, a, m0 + r, K, b), a, m0 + r, b, blocks, g, groups, opens, closes,   \
-                   st.scale, st.bias);                                                                              \
+                   st.s);                                                                                           \
     }                                                                                                               \
     UNROLL for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + (m0 + r) * N, first_lanes(columns), acc[r]);    \
   }
 
-typedef void (*few_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, const float *scale,
-                       const float *bias, const activations *a, float *out, long N, fetch ahead[3]);
+typedef void (*few_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,
+                       const activations *a, float *out, long N, fetch ahead[3]);
 typedef void (*keep_fn)(const uint8_t *w, long row_bytes, long K, int columns, uint8_t *q, fetch ahead[3]);
 typedef void (*kept_fn)(strip st, const activations *a, long m0, long K, int group, float *out, long N, int columns);
 
@@ -342,21 +343,38 @@ static tiles512 tiles512_for(int bits) {
   return table[bits == 4 ? 0 : bits == 5 ? 1 : 2];
 }
 
-/* What the strip of columns from n reads, and where the next one's lie. */
-static void strip_sources(const int8_job *j, long n, const uint8_t **w, const char **s, const char **bias,
-                          fetch ahead[3]) {
+/* The strip of columns from n: its weights (and where the next strip's lie),
+ * and its scales and biases: the weight's laid-out ones, else laid out into
+ * `at`. */
+static strip strip_from(const int8_job *j, long n, int columns, uint8_t *at, const uint8_t **w, fetch ahead[3]) {
   long groups = j->K / j->group, row_bytes = j->K * j->bits / 8, width = j->half ? 2 : 4;
   *w = j->w + n * row_bytes;
-  *s = (const char *)j->scales + n * groups * width;
-  *bias = (const char *)j->biases + n * groups * width;
   ahead[0] = fetch_of(*w + STRIP * row_bytes, STRIP * row_bytes);
-  ahead[1] = fetch_of(*s + STRIP * groups * width, STRIP * groups * width);
-  ahead[2] = fetch_of(*bias + STRIP * groups * width, STRIP * groups * width);
+  strip st = {at, laid_strip((const char *)at + j->K * STRIP, 0, groups, STRIP, j->half)};
+  if (j->laid) {
+    st.s = laid_strip(j->laid, n / STRIP, groups, STRIP, j->half);
+    ahead[1] = fetch_of((const char *)st.s.scale + laid_strip_bytes(groups, STRIP, j->half),
+                        laid_strip_bytes(groups, STRIP, j->half));
+    ahead[2] = fetch_of(NULL, 0);
+    return st;
+  }
+  const char *s = (const char *)j->scales + n * groups * width, *bias = (const char *)j->biases + n * groups * width;
+  ahead[1] = fetch_of(s + STRIP * groups * width, STRIP * groups * width);
+  ahead[2] = fetch_of(bias + STRIP * groups * width, STRIP * groups * width);
+  if (j->half) {
+    strip_halves((const uint16_t *)s, (const uint16_t *)bias, groups, columns, (uint16_t *)st.s.scale,
+                 (uint16_t *)st.s.bias);
+  } else {
+    strip_scales((const float *)s, groups, columns, (float *)st.s.scale);
+    strip_scales((const float *)bias, groups, columns, (float *)st.s.bias);
+  }
+  return st;
 }
 
 static __thread void *strips_kept; /* this thread's strips (threads.h) */
 static __thread size_t strips_capacity;
 #define STRIPS_BYTES 262144 /* strips kept at a time: they stay in the core's cache while the rows sweep them */
+#define MOST_KEPT 256       /* STRIPS_BYTES / (K * STRIP) with K >= 64 */
 
 /* Output columns [first, last) of every activation row, a strip at a time
  * (first a whole number of strips). Up to FEW rows: each strip's weights
@@ -366,47 +384,41 @@ static void rows_of512(void *arg, int part, int parts) {
   const int8_job *j = arg;
   long first = j->N * part / parts / STRIP * STRIP;
   long last = part + 1 == parts ? j->N : j->N * (part + 1) / parts / STRIP * STRIP;
-  long groups = j->K / j->group, row_bytes = j->K * j->bits / 8;
+  long row_bytes = j->K * j->bits / 8;
   tiles512 t = tiles512_for(j->bits);
   size_t one = strip_bytes(j->K, j->group);
   long at_once = j->M <= FEW ? 1 : STRIPS_BYTES / one > 1 ? (long)(STRIPS_BYTES / one) : 1;
+  if (at_once > MOST_KEPT) at_once = MOST_KEPT;
   uint8_t *kept = tierlm_kept_buffer(&strips_kept, &strips_capacity, one * at_once);
+  strip st[MOST_KEPT];
   for (long n0 = first; n0 < last; n0 += at_once * STRIP) {
     long count = 0;
     for (long n = n0; n < last && count < at_once; n += STRIP, count++) {
       int columns = last - n < STRIP ? (int)(last - n) : STRIP;
-      strip st = strip_at(kept + count * one, j->K, j->group);
       const uint8_t *w;
-      const char *s, *bias;
       fetch ahead[3];
-      strip_sources(j, n, &w, &s, &bias, ahead);
-      if (j->half) {
-        strip_halves((const uint16_t *)s, (const uint16_t *)bias, groups, columns, st.scale, st.bias);
-      } else {
-        strip_scales((const float *)s, groups, columns, st.scale);
-        strip_scales((const float *)bias, groups, columns, st.bias);
-      }
+      st[count] = strip_from(j, n, columns, kept + count * one, &w, ahead);
       if (j->M <= FEW)
-        t.few[j->M](w, row_bytes, j->K, j->group, columns, st.scale, st.bias, j->a, j->out + n, j->N, ahead);
+        t.few[j->M](w, row_bytes, j->K, j->group, columns, st[count].s, j->a, j->out + n, j->N, ahead);
       else
-        t.keep(w, row_bytes, j->K, columns, st.q, ahead);
+        t.keep(w, row_bytes, j->K, columns, st[count].q, ahead);
     }
     for (long m0 = 0; j->M > FEW && m0 < j->M; m0 += ROWS) {
       int R = j->M - m0 < ROWS ? (int)(j->M - m0) : ROWS;
       for (long i = 0; i < count; i++) {
         long n = n0 + i * STRIP;
         int columns = last - n < STRIP ? (int)(last - n) : STRIP;
-        kept_rows[R](strip_at(kept + i * one, j->K, j->group), j->a, m0, j->K, j->group, j->out + n, j->N, columns);
+        kept_rows[R](st[i], j->a, m0, j->K, j->group, j->out + n, j->N, columns);
       }
     }
   }
 }
 
 void tierlm_qmm_vnni512(const float *x, long M, long K, const void *w, const void *scales, const void *biases,
-                        int half, long N, int bits, int group, float *out) {
+                        int half, long N, int bits, int group, float *out, const char *laid) {
   activations a;
   void *buffer = tierlm_quantize_activations(x, M, K, bits, group, PATH_AVX512_VNNI, &a);
-  int8_job j = {M, K, N, bits, group, half, w, scales, biases, &a, out};
+  int8_job j = {M, K, N, bits, group, half, w, scales, biases, &a, out, laid};
   tierlm_parallel(rows_of512, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
   free(buffer);
 }
