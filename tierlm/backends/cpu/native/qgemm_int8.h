@@ -74,6 +74,29 @@ static inline __attribute__((always_inline)) void fetch_shares(fetch ahead[3], l
       __builtin_prefetch(ahead[i].at, 0, 2); /* into L2, as _MM_HINT_T1 */
 }
 
+/* What the strip of `lanes` columns from n reads, and the next strip's
+ * weights and scales fetched while it is read: its weights at *w; its scales
+ * and biases laid out (the weight's: returns 1, *ls set), or as stored, for
+ * the caller to lay out into *ls (returns 0, *s and *bias set). */
+static inline int strip_sources(const int8_job *j, long n, int lanes, const uint8_t **w, lane_scales *ls,
+                                const char **s, const char **bias, fetch ahead[3]) {
+  long groups = j->K / j->group, row_bytes = j->K * j->bits / 8, width = j->half ? 2 : 4;
+  *w = j->w + n * row_bytes;
+  ahead[0] = fetch_of(*w + lanes * row_bytes, lanes * row_bytes);
+  if (j->laid) {
+    long bytes = laid_strip_bytes(groups, lanes, j->half);
+    *ls = laid_strip(j->laid, n / lanes, groups, lanes, j->half);
+    ahead[1] = fetch_of((const char *)ls->scale + bytes, bytes);
+    ahead[2] = fetch_of(NULL, 0);
+    return 1;
+  }
+  *s = (const char *)j->scales + n * groups * width;
+  *bias = (const char *)j->biases + n * groups * width;
+  ahead[1] = fetch_of(*s + lanes * groups * width, lanes * groups * width);
+  ahead[2] = fetch_of(*bias + lanes * groups * width, lanes * groups * width);
+  return 0;
+}
+
 /* 1 when the CPU has what `path` needs (under TIERLM_MAX_CPU_ISA). */
 int tierlm_qmm_available(int path);
 

@@ -273,26 +273,16 @@ static __thread size_t strips8_capacity;
 #define STRIPS8_BYTES 131072 /* strips kept at a time: they stay in the core's cache while the rows sweep them */
 #define MOST_KEPT8 512       /* STRIPS8_BYTES / (K * STRIP8) with K >= 32 */
 
-/* The strip of columns from n: its weights (and where the next strip's lie),
- * and its scales and biases: the weight's laid-out ones, else laid out into
- * `at`. */
+/* The strip of columns from n (strip_sources), its scales and biases laid
+ * out into `at` unless the weight's are. */
 static strip8 strip8_from(const int8_job *j, long n, int columns, uint8_t *at, const uint8_t **w, fetch ahead[3]) {
-  long groups = j->K / j->group, row_bytes = j->K * j->bits / 8, width = j->half ? 2 : 4;
-  *w = j->w + n * row_bytes;
-  ahead[0] = fetch_of(*w + STRIP8 * row_bytes, STRIP8 * row_bytes);
+  long groups = j->K / j->group;
   strip8 st = {at, laid_strip((const char *)at + j->K * STRIP8 * planes_of(j->bits), 0, groups, STRIP8, j->half)};
-  if (j->laid) {
-    st.s = laid_strip(j->laid, n / STRIP8, groups, STRIP8, j->half);
-    ahead[1] = fetch_of((const char *)st.s.scale + laid_strip_bytes(groups, STRIP8, j->half),
-                        laid_strip_bytes(groups, STRIP8, j->half));
-    ahead[2] = fetch_of(NULL, 0);
-    return st;
+  const char *s, *bias;
+  if (!strip_sources(j, n, STRIP8, w, &st.s, &s, &bias, ahead)) {
+    strip8_scales(s, j->half, groups, columns, (void *)st.s.scale);
+    strip8_scales(bias, j->half, groups, columns, (void *)st.s.bias);
   }
-  const char *s = (const char *)j->scales + n * groups * width, *bias = (const char *)j->biases + n * groups * width;
-  ahead[1] = fetch_of(s + STRIP8 * groups * width, STRIP8 * groups * width);
-  ahead[2] = fetch_of(bias + STRIP8 * groups * width, STRIP8 * groups * width);
-  strip8_scales(s, j->half, groups, columns, (void *)st.s.scale);
-  strip8_scales(bias, j->half, groups, columns, (void *)st.s.bias);
   return st;
 }
 

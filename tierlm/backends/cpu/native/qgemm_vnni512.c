@@ -343,24 +343,13 @@ static tiles512 tiles512_for(int bits) {
   return table[bits == 4 ? 0 : bits == 5 ? 1 : 2];
 }
 
-/* The strip of columns from n: its weights (and where the next strip's lie),
- * and its scales and biases: the weight's laid-out ones, else laid out into
- * `at`. */
+/* The strip of columns from n (strip_sources), its scales and biases laid
+ * out into `at` unless the weight's are. */
 static strip strip_from(const int8_job *j, long n, int columns, uint8_t *at, const uint8_t **w, fetch ahead[3]) {
-  long groups = j->K / j->group, row_bytes = j->K * j->bits / 8, width = j->half ? 2 : 4;
-  *w = j->w + n * row_bytes;
-  ahead[0] = fetch_of(*w + STRIP * row_bytes, STRIP * row_bytes);
+  long groups = j->K / j->group;
   strip st = {at, laid_strip((const char *)at + j->K * STRIP, 0, groups, STRIP, j->half)};
-  if (j->laid) {
-    st.s = laid_strip(j->laid, n / STRIP, groups, STRIP, j->half);
-    ahead[1] = fetch_of((const char *)st.s.scale + laid_strip_bytes(groups, STRIP, j->half),
-                        laid_strip_bytes(groups, STRIP, j->half));
-    ahead[2] = fetch_of(NULL, 0);
-    return st;
-  }
-  const char *s = (const char *)j->scales + n * groups * width, *bias = (const char *)j->biases + n * groups * width;
-  ahead[1] = fetch_of(s + STRIP * groups * width, STRIP * groups * width);
-  ahead[2] = fetch_of(bias + STRIP * groups * width, STRIP * groups * width);
+  const char *s, *bias;
+  if (strip_sources(j, n, STRIP, w, &st.s, &s, &bias, ahead)) return st;
   if (j->half) {
     strip_halves((const uint16_t *)s, (const uint16_t *)bias, groups, columns, (uint16_t *)st.s.scale,
                  (uint16_t *)st.s.bias);
