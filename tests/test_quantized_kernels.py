@@ -49,6 +49,13 @@ def _kernel(x, w, scales, biases, bits, group) -> np.ndarray:
     return out
 
 
+def _half_kernel(x, w, scales, biases, bits, group) -> np.ndarray:
+    out = np.zeros((x.shape[0], w.shape[0]), np.float32)
+    STATE.lib.tierlm_qmm_half(x.ctypes.data, x.shape[0], x.shape[1], w.ctypes.data, scales.ctypes.data,
+                              biases.ctypes.data, w.shape[0], bits, group, out.ctypes.data)
+    return out
+
+
 def _int8_reference(x, w, scales, biases, bits, group) -> np.ndarray:
     """What the kernels compute, in float64: x quantized to int8 per 32 values
     times the weights centred on 2^(bits-1), plus the rest with x exact."""
@@ -117,17 +124,8 @@ def test_float16_scales_give_the_bits_of_their_float32_widening(name, bits, path
         for rows in (1, 2, 3, 5, 9, 21, 37):
             want = _kernel(x[:rows].copy(), w, half_scales.astype(np.float32), half_biases.astype(np.float32), bits,
                            group)
-            got = np.zeros_like(want)
-            STATE.lib.tierlm_qmm_half(x.ctypes.data, rows, x.shape[1], w.ctypes.data, half_scales.ctypes.data,
-                                      half_biases.ctypes.data, w.shape[0], bits, group, got.ctypes.data)
+            got = _half_kernel(x[:rows].copy(), w, half_scales, half_biases, bits, group)
             assert np.array_equal(got, want), (group, rows)
-
-
-def _half_kernel(x, w, scales, biases, bits, group) -> np.ndarray:
-    out = np.zeros((x.shape[0], w.shape[0]), np.float32)
-    STATE.lib.tierlm_qmm_half(x.ctypes.data, x.shape[0], x.shape[1], w.ctypes.data, scales.ctypes.data,
-                              biases.ctypes.data, w.shape[0], bits, group, out.ctypes.data)
-    return out
 
 
 def _register(w, scales, biases, group) -> int:
