@@ -74,6 +74,23 @@ static inline __attribute__((always_inline)) void fetch_shares(fetch ahead[3], l
       __builtin_prefetch(ahead[i].at, 0, 2); /* into L2, as _MM_HINT_T1 */
 }
 
+/* Part `part` of `parts` of a product's N output columns, [*first, *last):
+ * whole strips of `lanes`, the last part taking the rest. */
+static inline void part_columns(long N, int lanes, int part, int parts, long *first, long *last) {
+  *first = N * part / parts / lanes * lanes;
+  *last = part + 1 == parts ? N : N * (part + 1) / parts / lanes * lanes;
+}
+
+/* Columns the strip from n holds, before `last`. */
+static inline int strip_width(long n, long last, int lanes) { return last - n < lanes ? (int)(last - n) : lanes; }
+
+/* Strips a sweep keeps at once: as many of `bytes` as `budget` holds (at least
+ * 1, at most `most`), or 1 where the rows take each strip straight. */
+static inline long strips_at_once(int straight, size_t budget, size_t bytes, long most) {
+  long n = straight || budget / bytes < 1 ? 1 : (long)(budget / bytes);
+  return n < most ? n : most;
+}
+
 /* What the strip of `lanes` columns from n reads, and the next strip's
  * weights and scales fetched while it is read: its weights at *w; its scales
  * and biases laid out (the weight's: returns 1, *ls set), or as stored, for

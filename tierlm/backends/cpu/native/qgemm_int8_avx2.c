@@ -291,21 +291,20 @@ static strip8 strip8_from(const int8_job *j, long n, int columns, uint8_t *at, c
  * a few strips kept, every ROWS8 rows' tiles over them, and so on. */
 static void rows_of8(void *arg, int part, int parts) {
   const int8_job *j = arg;
-  long first = j->N * part / parts / STRIP8 * STRIP8;
-  long last = part + 1 == parts ? j->N : j->N * (part + 1) / parts / STRIP8 * STRIP8;
+  long first, last;
+  part_columns(j->N, STRIP8, part, parts, &first, &last);
   long row_bytes = j->K * j->bits / 8;
   int which = j->bits == 4 ? 0 : j->bits == 5 ? 1 : 2;
   one8_fn one = (const one8_fn[]){one8_4, one8_5, one8_8}[which];
   keep8_fn keep = (const keep8_fn[]){keep8_4, keep8_5, keep8_8}[which];
   size_t size = strip8_bytes(j->K, j->group, j->bits);
-  long at_once = j->M == 1 ? 1 : STRIPS8_BYTES / size > 1 ? (long)(STRIPS8_BYTES / size) : 1;
-  if (at_once > MOST_KEPT8) at_once = MOST_KEPT8;
+  long at_once = strips_at_once(j->M == 1, STRIPS8_BYTES, size, MOST_KEPT8);
   uint8_t *kept = tierlm_kept_buffer(&strips8_kept, &strips8_capacity, size * at_once);
   strip8 st[MOST_KEPT8];
   for (long n0 = first; n0 < last; n0 += at_once * STRIP8) {
     long count = 0;
     for (long n = n0; n < last && count < at_once; n += STRIP8, count++) {
-      int columns = last - n < STRIP8 ? (int)(last - n) : STRIP8;
+      int columns = strip_width(n, last, STRIP8);
       const uint8_t *w;
       fetch ahead[3];
       st[count] = strip8_from(j, n, columns, kept + count * size, &w, ahead);
@@ -318,10 +317,7 @@ static void rows_of8(void *arg, int part, int parts) {
       int R = j->M - m0 < ROWS8 ? (int)(j->M - m0) : ROWS8;
       for (long i = 0; i < count; i += 2) {
         int S = count - i >= 2 ? 2 : 1, columns[2];
-        for (int s = 0; s < S; s++) {
-          long n = n0 + (i + s) * STRIP8;
-          columns[s] = last - n < STRIP8 ? (int)(last - n) : STRIP8;
-        }
+        for (int s = 0; s < S; s++) columns[s] = strip_width(n0 + (i + s) * STRIP8, last, STRIP8);
         kept8_rows[R][S](st + i, j->bits, j->a, m0, j->K, j->group, j->out + n0 + i * STRIP8, j->N, columns);
       }
     }

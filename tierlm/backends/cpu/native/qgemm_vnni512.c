@@ -371,19 +371,18 @@ static __thread size_t strips_capacity;
  * over them, and so on. */
 static void rows_of512(void *arg, int part, int parts) {
   const int8_job *j = arg;
-  long first = j->N * part / parts / STRIP * STRIP;
-  long last = part + 1 == parts ? j->N : j->N * (part + 1) / parts / STRIP * STRIP;
+  long first, last;
+  part_columns(j->N, STRIP, part, parts, &first, &last);
   long row_bytes = j->K * j->bits / 8;
   tiles512 t = tiles512_for(j->bits);
   size_t one = strip_bytes(j->K, j->group);
-  long at_once = j->M <= FEW ? 1 : STRIPS_BYTES / one > 1 ? (long)(STRIPS_BYTES / one) : 1;
-  if (at_once > MOST_KEPT) at_once = MOST_KEPT;
+  long at_once = strips_at_once(j->M <= FEW, STRIPS_BYTES, one, MOST_KEPT);
   uint8_t *kept = tierlm_kept_buffer(&strips_kept, &strips_capacity, one * at_once);
   strip st[MOST_KEPT];
   for (long n0 = first; n0 < last; n0 += at_once * STRIP) {
     long count = 0;
     for (long n = n0; n < last && count < at_once; n += STRIP, count++) {
-      int columns = last - n < STRIP ? (int)(last - n) : STRIP;
+      int columns = strip_width(n, last, STRIP);
       const uint8_t *w;
       fetch ahead[3];
       st[count] = strip_from(j, n, columns, kept + count * one, &w, ahead);
@@ -396,8 +395,7 @@ static void rows_of512(void *arg, int part, int parts) {
       int R = j->M - m0 < ROWS ? (int)(j->M - m0) : ROWS;
       for (long i = 0; i < count; i++) {
         long n = n0 + i * STRIP;
-        int columns = last - n < STRIP ? (int)(last - n) : STRIP;
-        kept_rows[R](st[i], j->a, m0, j->K, j->group, j->out + n, j->N, columns);
+        kept_rows[R](st[i], j->a, m0, j->K, j->group, j->out + n, j->N, strip_width(n, last, STRIP));
       }
     }
   }
