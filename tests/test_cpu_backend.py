@@ -911,6 +911,30 @@ def test_int8_activations_are_registered_for_the_models_life_and_tagged(monkeypa
     assert int8.registered() == before
 
 
+@needs_amx
+@pytest.mark.skipif(not _int8_available(), reason="needs AVX2")
+def test_amx_and_int8_products_in_one_model_tag_its_keys_with_both(monkeypatch):
+    """The tiny model's float32 (tied) embedding is packed for AMX while its
+    quantized layers take int8 activations: the prefix cache's keys carry both
+    tags, so KV computed with int8 activations on and off never share keys;
+    the memory added counts the AMX copies and the laid-out scales."""
+    from tierlm.backends import cpu as cpu_backend
+    from tierlm.backends.cpu import int8, quantized
+
+    monkeypatch.setenv("TIERLM_INT8_ACTIVATIONS", "off")
+    without = _half_scaled_tiny_model()
+    off = backends.prepare(without, cpu_weights_dtype="quantized", memory_bytes=2**40)
+    if not quantized.float_products():
+        pytest.skip("the process runs a path other than the float ones (TIERLM_QUANT_KERNEL)")
+    monkeypatch.setenv("TIERLM_INT8_ACTIVATIONS", "on")
+    model = _half_scaled_tiny_model()
+    on = backends.prepare(model, cpu_weights_dtype="quantized", memory_bytes=2**40)
+    assert off.layout_tag == cpu_backend.AMX_LAYOUT_TAG
+    assert on.layout_tag == cpu_backend.AMX_LAYOUT_TAG + int8.LAYOUT_TAG
+    assert on.extra_bytes == cpu_amx.packed_bytes(model) + int8.laid_bytes(model)
+    assert cpu_amx.packed_bytes(model) > 0 and int8.laid_bytes(model) > 0
+
+
 @pytest.mark.skipif(not _int8_available(), reason="needs AVX2")
 def test_the_probes_figure_is_remembered_by_the_weights(monkeypatch, tmp_path):
     """auto probes a model once: its figure goes to int8-probe.json in the cache
