@@ -371,8 +371,10 @@ def test_native_masked_softmax_is_where_then_softmax_bit_for_bit(batch, mask_bat
 
 
 @pytest.mark.parametrize("native", NATIVE_SOFTMAX)
-def test_gelu_matches_mlx_and_runs_for_prefill_only(native, monkeypatch, float_width):
-    """The mlx.nn proxy's GELU: native code where the CPU allows, else numpy's."""
+def test_gelu_matches_mlx_and_runs_native_at_every_size(native, monkeypatch, float_width):
+    """The mlx.nn proxy's GELU: native code where the CPU allows (one operation
+    in the graph at any size where graph_ops is on), else numpy's for a prompt's
+    activations and MLX's own for a decode step's."""
     monkeypatch.setattr(cpu_kernels, "native_kernels", lambda: native)
     x = mx.random.normal((2, 300, 256)) * 6
     if not native:
@@ -383,11 +385,14 @@ def test_gelu_matches_mlx_and_runs_for_prefill_only(native, monkeypatch, float_w
     proxy = cpu_kernels.ModelNn()
     before = counts()
     assert mx.allclose(proxy.gelu_approx(x), want, rtol=1e-5, atol=1e-6).item()
-    small = x[:1, :1]  # a decode step's activation: MLX's own
-    assert mx.array_equal(proxy.gelu_approx(small), nn.gelu_approx(small)).item()
+    small = x[:1, :1]  # a decode step's activation
+    in_graph = native and graph_ops.on()
+    want_small = cpu_kernels.native_gelu(small) if in_graph else nn.gelu_approx(small)
+    assert mx.array_equal(proxy.gelu_approx(small), want_small).item()
     assert proxy.Linear is nn.Linear
     delta = ran(before)
-    assert delta.get("kernel_gelu") == 1 and delta.get("gelu", 0) == int(native)  # the native library's count
+    # the proxy's count, and the native library's: the small one's reference is native too where in_graph
+    assert delta.get("kernel_gelu") == 1 + in_graph and delta.get("gelu", 0) == int(native) + 2 * in_graph
 
 
 def _bfloat16(a: np.ndarray) -> np.ndarray:
@@ -566,6 +571,7 @@ def test_native_logsumexp_matches_mlx_and_serves_mlx_lms_batch_step(float_width)
         while pending:
             pending -= {r.uid for r in gen.next()[1] if r.finish_reason is not None}
         gen.close()
+        mx.synchronize()  # the log-sum-exp is in the step's graph: the last step may still be running
         steps = ran(before)
         assert steps.get("kernel_logsumexp", 0) >= 2 and steps.get("logsumexp") == steps["kernel_logsumexp"]
     finally:
@@ -637,6 +643,9 @@ def test_installed_kernels_give_the_models_own_logits(name, replaced, monkeypatc
         assert cpu_kernels.install(model) == replaced + gelu + native + norms + rope
         before, graph_ops_before = counts(), graph_ops.ran()
         got = _logits_through_a_cache(model)
+        if graph_ops.on():  # the whole forward pass one graph: nothing ran before it is evaluated
+            assert ran(before) == {k: v for k, v in ran(before).items() if k.startswith("kernel_")}
+            assert graph_ops.ran() == graph_ops_before
         mx.eval(got)
         delta = ran(before)
         assert (graph_ops.ran() > graph_ops_before) == bool(norms or rope and graph_ops.on())

@@ -1,6 +1,7 @@
 """tierlm's own MLX operations on the CPU (backends/cpu/graph_ops.py): each one
 node of MLX's graph, with MLX's answers (RMSNorm within rounding, RoPE and
-attention bit for bit), lazy until evaluated, on any thread."""
+attention bit for bit; SwiGLU, GELU and the log-sum-exp with the bits of the
+native kernels on evaluated arrays), lazy until evaluated, on any thread."""
 
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ def test_what_they_do_not_take_is_none():
     q = _random((1, 2, 1, 8), 5)
     assert graph_ops.attention(q, q, q, 1.0, "sliding") is None
     assert graph_ops.attention(q, q, q, 1.0, mx.zeros((1, 1, 1, 1))) is None  # not a boolean mask
+    assert graph_ops.swiglu(x, x[:, :4]) is None  # shapes differ
+    assert graph_ops.swiglu(x.astype(mx.float16), x.astype(mx.float16)) is None
+    assert graph_ops.gelu_approx(x.astype(mx.bfloat16)) is None
 
 
 @pytest.mark.parametrize("traditional", [False, True])
@@ -97,6 +101,41 @@ def test_they_stay_lazy_until_evaluated():
     assert graph_ops.ran() == before
     mx.eval(out)
     assert graph_ops.ran() == before + 2
+
+
+@pytest.mark.parametrize("shape,view", [((1, 1, 4864), None), ((3, 7, 37), None), ((5, 3, 40), "swap")])
+def test_swiglu_and_gelu_have_the_native_kernels_bits_and_stay_lazy(shape, view):
+    """SwiGLU and GELU in the graph give the bits of native/swiglu.c run on
+    evaluated arrays (kernels.native_swiglu / native_gelu): on a strided view,
+    on a gate whose buffer they may take over, on one still held elsewhere."""
+    gate, x = _random(shape, 21) * 4, _random(shape, 22)
+    if view == "swap":
+        gate, x = gate.swapaxes(0, 1), x.swapaxes(0, 1)
+    mx.eval(gate, x)
+    want = kernels.native_swiglu(mx.contiguous(gate) * 1, mx.contiguous(x))  # in place: a copy of the gate
+    before = graph_ops.ran()
+    held = graph_ops.swiglu(gate, x)  # `gate` is still held here: not taken over
+    taken = graph_ops.swiglu(gate * 1, x)  # a fresh product: its buffer may be taken over
+    assert graph_ops.ran() == before  # lazy until evaluated
+    assert mx.array_equal(held, want).item() and mx.array_equal(taken, want).item()
+    assert graph_ops.ran() == before + 2
+    assert mx.array_equal(graph_ops.gelu_approx(x), kernels.native_gelu(x)).item()
+    alone = graph_ops.swiglu(gate[:1, :1], x[:1, :1])
+    assert mx.array_equal(alone, want[:1, :1]).item()  # a row has its bits alone
+
+
+def test_logsumexp_has_the_native_kernels_bits_on_logits():
+    """The log-sum-exp of each row of the logits, in the graph: a row of -inf
+    gives -inf, a strided view is read as it is."""
+    logits = mx.concatenate([_random((3, 1000), 23) * 8, mx.full((1, 1000), -mx.inf)])
+    got = graph_ops.logsumexp(logits)
+    assert got.shape == (4, 1)
+    assert mx.array_equal(got, kernels.native_logsumexp(logits)).item()
+    assert mx.allclose(got[:3], mx.logsumexp(logits[:3], axis=-1, keepdims=True), rtol=1e-6).item()
+    assert got[3, 0].item() == -float("inf")
+    strided = logits[:3, ::2]
+    assert mx.array_equal(graph_ops.logsumexp(strided), kernels.native_logsumexp(mx.contiguous(strided))).item()
+    assert graph_ops.logsumexp(logits[None]) is None  # not (rows, cols)
 
 
 def test_they_run_on_the_stream_of_the_thread_that_made_them():

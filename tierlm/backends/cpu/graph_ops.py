@@ -1,10 +1,14 @@
-"""tierlm's own MLX operations on the CPU: RMSNorm, RoPE and attention as one
-node of MLX's graph each (native/graph_ops.cpp).
+"""tierlm's own MLX operations on the CPU: RMSNorm, RoPE, attention, SwiGLU,
+GELU and the logits' log-sum-exp as one node of MLX's graph each
+(native/graph_ops.cpp).
 
 An MLX operation on this backend costs a few microseconds whatever its size,
 and `mx.fast.rms_norm` and `mx.fast.rope` have no CPU kernel: their fallback
 graphs are many operations, twice a layer each; attention was about ten and
-an evaluation. graph_ops.cpp defines three MLX primitives in C++ (built against
+an evaluation. SwiGLU, GELU and the logits' log-sum-exp ran in native code
+on evaluated arrays (kernels.py), so each split the step's graph: the next
+step could not be queued while one ran (mlx-lm's BatchGenerator builds step
+n + 1 while step n computes). graph_ops.cpp defines these as MLX primitives in C++ (built against
 the installed mlx package, as qmm_hook.cpp is) and makes their arrays from the
 `mx.array` objects Python passes by address; the arrays stay lazy, so nothing
 splits the step's graph.
@@ -15,9 +19,8 @@ known shapes and checks each operation against MLX's own (or, for attention,
 kernels.attention's) before anything uses them; otherwise they stay off and
 say why.
 
-`rms_norm`, `rope` and `attention` return None for what they do not take; the
-callers (`NativeRMSNorm`, rope.FewerOpsRoPE, kernels.attention) then compute
-it MLX's way.
+Each function returns None for what it does not take; the callers
+(`NativeRMSNorm`, rope.FewerOpsRoPE, kernels.py) then compute it another way.
 """
 
 from __future__ import annotations
@@ -83,6 +86,10 @@ def _load() -> ctypes.CDLL:
     lib.tierlm_graph_set_kernels.argtypes = [ctypes.c_void_p] * 3
     lib.tierlm_graph_ran.restype = ctypes.c_ulong
     lib.tierlm_graph_qmm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
+    lib.tierlm_graph_set_elementwise.argtypes = [ctypes.c_void_p] * 3
+    lib.tierlm_graph_swiglu.argtypes = [ctypes.c_void_p] * 3
+    lib.tierlm_graph_gelu_approx.argtypes = [ctypes.c_void_p] * 2
+    lib.tierlm_graph_logsumexp.argtypes = [ctypes.c_void_p] * 2
     return lib
 
 
@@ -99,11 +106,13 @@ def _install() -> Feature:
         return Feature(False, "the native kernels are off")
     lib.tierlm_graph_set_kernels(*(native.function_address(state.lib, name) for name in (
         "cblas_sgemm", "tierlm_softmax_rows", "tierlm_softmax_rows_masked")))
+    lib.tierlm_graph_set_elementwise(*(native.function_address(state.lib, name) for name in (
+        "tierlm_swiglu", "tierlm_gelu_approx", "tierlm_logsumexp_rows")))
     _lib = lib
     if (why := _computes_mlx_answers()) is not None:
         _lib = None
         return Feature(False, why)
-    return Feature(True, "RMSNorm, RoPE and attention as one MLX operation each")
+    return Feature(True, "RMSNorm, RoPE, attention, SwiGLU, GELU and log-sum-exp as one MLX operation each")
 
 
 def _finds_arrays(lib: ctypes.CDLL) -> str | None:
@@ -129,7 +138,31 @@ def _computes_mlx_answers() -> str | None:
         return "its RMSNorm differs from mx.fast.rms_norm's"
     if (why := _rope_differs()) is not None:
         return why
+    if (why := _elementwise_differs()) is not None:
+        return why
     return _attention_differs()
+
+
+def _elementwise_differs() -> str | None:
+    """Why `swiglu`, `gelu_approx` or `logsumexp` would not give the bits of
+    the native kernels run on evaluated arrays (kernels.py), or None: strided
+    and contiguous inputs, a length that is no whole number of vectors."""
+    from tierlm.backends.cpu import kernels  # kernels.py imports this module
+
+    gate = mx.random.normal((3, 37), key=mx.random.key(8)) * 4
+    x = mx.random.normal((37, 3), key=mx.random.key(9)).T  # strided
+    for g in (gate, gate + 0):  # the second one's buffer may be taken over
+        got = swiglu(g, x)
+        if got is None or not mx.array_equal(got, kernels.native_swiglu(gate + 0, mx.contiguous(x))).item():
+            return "its SwiGLU differs from native/swiglu.c's on evaluated arrays"
+    got = gelu_approx(x)
+    if got is None or not mx.array_equal(got, kernels.native_gelu(x)).item():
+        return "its GELU differs from native/swiglu.c's on evaluated arrays"
+    logits = mx.concatenate([x, mx.full((3, 2), -mx.inf)], axis=1)
+    got = logsumexp(logits)
+    if got is None or not mx.array_equal(got, kernels.native_logsumexp(logits)).item():
+        return "its log-sum-exp differs from native/softmax.c's on evaluated arrays"
+    return None
 
 
 def _rope_differs() -> str | None:
@@ -206,6 +239,33 @@ def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx
         return None
     out = mx.array(0.0)
     return _result(_lib.tierlm_graph_qmm(id(x), id(weight), id(scales), id(biases), id(out), group, bits), out)
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array | None:
+    """silu(gate) · x of float32 arrays of one shape as one operation, bit for
+    bit native/swiglu.c's; None for anything else."""
+    if _lib is None:
+        return None
+    out = mx.array(0.0)
+    return _result(_lib.tierlm_graph_swiglu(id(gate), id(x), id(out)), out)
+
+
+def gelu_approx(x: mx.array) -> mx.array | None:
+    """GELU (tanh approximation) of a float32 as one operation, bit for bit
+    native/swiglu.c's; None for anything else."""
+    if _lib is None:
+        return None
+    out = mx.array(0.0)
+    return _result(_lib.tierlm_graph_gelu_approx(id(x), id(out)), out)
+
+
+def logsumexp(x: mx.array) -> mx.array | None:
+    """log(sum(exp(x))) over the last axis of a float32 (rows, cols), keepdims,
+    as one operation, bit for bit native/softmax.c's; None for anything else."""
+    if _lib is None:
+        return None
+    out = mx.array(0.0)
+    return _result(_lib.tierlm_graph_logsumexp(id(x), id(out)), out)
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array | None:

@@ -3,8 +3,9 @@
 MLX's Linux CPU build computes `exp` one element at a time (~13 ns each here),
 and softmax and SiLU are mostly exp: in a 500-token prefill of SmolLM2 they took
 ~60% of the time, more than every matmul. On CPUs with AVX-512 or AVX2 both run
-in native code (native/softmax.c, native/swiglu.c) on evaluated arrays, in place:
-the softmax of a prefill layer ~25 -> ~0.7 ms (AVX-512). Elsewhere attention's softmax
+in native code (native/softmax.c, native/swiglu.c): the softmax of a prefill
+layer ~25 -> ~0.7 ms (AVX-512); as one operation in MLX's graph each where
+graph_ops.py is on, else on evaluated arrays, in place. Elsewhere attention's softmax
 over many scores (a prefill's) takes numpy's vectorized exp in place, ~5x
 faster than `fast_exp`, and smaller ones and SwiGLU take `fast_exp`, ordinary
 arithmetic that MLX compiles, ~3x faster than MLX's exp, within 3e-5.
@@ -94,6 +95,8 @@ def attention(queries, keys, values, scale: float, mask, native: bool | None = N
     batch, heads, length, _ = queries.shape
     span = keys.shape[2]
     native = native if native is not None else native_kernels()
+    if isinstance(mask, mx.array) and mask.ndim == 2 and mask.dtype == mx.bool_:
+        mask = mask[None, None]  # a sliding window's (L, S) mask: the shape the native softmax folds in
     rows = max(1, SCORES_BLOCK_BYTES // (4 * batch * heads * span))
     if native and length <= rows and (out := graph_ops.attention(queries, keys, values, scale, mask)) is not None:
         return out  # one operation in MLX's graph (graph_ops.py), the same bits as _attention's
@@ -238,6 +241,8 @@ def _wrap_swiglu(original):
         if gate.dtype != mx.float32 or x.dtype != mx.float32:
             return original(gate, x)
         calls["swiglu"] += 1
+        if native_kernels() and (out := graph_ops.swiglu(gate, x)) is not None:
+            return out  # one operation in MLX's graph, the same bits as native_swiglu's
         if native_kernels() and (out := native_swiglu(gate, x)) is not None:
             return out
         return swiglu(gate, x)
@@ -278,7 +283,8 @@ class GenerateMx(types.ModuleType):
     def logsumexp(a, axis=None, keepdims=False, **kwargs):
         if a.dtype == mx.float32 and a.ndim == 2 and axis in (-1, 1) and keepdims and not kwargs:
             calls["logsumexp"] += 1
-            return native_logsumexp(a)
+            out = graph_ops.logsumexp(a)  # in the graph: the next step can be queued while this one runs
+            return out if out is not None else native_logsumexp(a)
         return mx.logsumexp(a, axis=axis, keepdims=keepdims, **kwargs)
 
 
@@ -354,6 +360,9 @@ class ModelNn(types.ModuleType):
 
     @staticmethod
     def gelu_approx(x):
+        if x.dtype == mx.float32 and native_kernels() and (out := graph_ops.gelu_approx(x)) is not None:
+            calls["gelu"] += 1
+            return out  # one operation in MLX's graph, at any size
         if x.dtype == mx.float32 and x.size >= NATIVE_GELU_MIN:
             calls["gelu"] += 1
             return native_gelu(x) if native_kernels() else numpy_gelu(x)

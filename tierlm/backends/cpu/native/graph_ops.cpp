@@ -1,5 +1,6 @@
-// tierlm's own MLX operations for the CPU: RMSNorm, RoPE and attention, each
-// one node of MLX's graph instead of many.
+// tierlm's own MLX operations for the CPU: RMSNorm, RoPE, attention, SwiGLU,
+// GELU and the logits' log-sum-exp, each one node of MLX's graph instead of
+// many (or instead of an evaluation that split the step's graph).
 //
 // On MLX's CPU device every operation costs a few microseconds whatever its
 // size (perf: malloc, and MLX's stream thread woken through a futex for each
@@ -89,7 +90,9 @@ class NativeOperation : public UnaryPrimitive {
   using UnaryPrimitive::UnaryPrimitive;
 
   void eval_cpu(const std::vector<array> &inputs, array &out) override {
-    out.set_data(allocator::malloc(out.nbytes()));
+    int from = donor();
+    if (from >= 0 && takes_buffer_of(inputs[from], out)) out.copy_shared_buffer(inputs[from]);
+    else out.set_data(allocator::malloc(out.nbytes()));
     auto &encoder = cpu::get_command_encoder(stream());
     std::vector<array> weak;
     for (const array &a : inputs) {
@@ -108,6 +111,16 @@ class NativeOperation : public UnaryPrimitive {
   // the computation, its parameters captured by value (not `this`: the graph
   // may drop the primitive before the stream runs the task)
   virtual Task task() const = 0;
+  // the input whose buffer the output may take over when nothing else holds it
+  // (an element-wise operation then computes in place, as MLX's own unary ones
+  // do), or -1
+  virtual int donor() const { return -1; }
+
+ private:
+  static bool takes_buffer_of(const array &in, const array &out) {
+    return in.is_donatable() && in.flags().row_contiguous && in.data_size() == in.size() &&
+           in.nbytes() == out.nbytes();
+  }
 };
 
 // x * rsqrt(mean(x^2) + eps) * weight over the last axis: each row's sum of
@@ -221,6 +234,88 @@ using SoftmaxRowsMasked = void (*)(float *, long, long, const unsigned char *, l
 Sgemm sgemm = nullptr;
 SoftmaxRows softmax_rows = nullptr;
 SoftmaxRowsMasked softmax_rows_masked = nullptr;
+
+// ... and its element-wise kernels (set by tierlm_graph_set_elementwise):
+// SwiGLU in place into the gate, GELU (tanh approximation) into an output that
+// may be its input (swiglu.c), and each row's log-sum-exp (softmax.c).
+using SwiGLUKernel = void (*)(float *gate, const float *x, long n);
+using GeluKernel = void (*)(const float *x, float *out, long n);
+using LogSumExpKernel = void (*)(float *x, long rows, long cols, float *out);
+SwiGLUKernel swiglu_kernel = nullptr;
+GeluKernel gelu_kernel = nullptr;
+LogSumExpKernel logsumexp_kernel = nullptr;
+
+// a's elements row after row: its own buffer where it is row-contiguous, else
+// gathered into `scratch` (a strided or broadcast view)
+const float *row_major(const array &a, std::vector<float> &scratch) {
+  if (a.flags().row_contiguous && a.data_size() == a.size()) return a.data<float>();
+  const Shape &shape = a.shape();
+  int64_t width = shape.back(), step = a.ndim() && a.shape(-1) > 1 ? a.strides().back() : 0;
+  scratch.resize(a.size());
+  for (int64_t r = 0, n = rows_of(shape); r < n; r++) {
+    const float *row = a.data<float>() + row_offset(a, shape, r);
+    for (int64_t i = 0; i < width; i++) scratch[r * width + i] = row[i * step];
+  }
+  return scratch.data();
+}
+
+// silu(gate) * x element by element, swiglu.c's kernel computing in place in
+// the output (the gate's own buffer where MLX lets it go, else a copy of it):
+// the same bits as kernels.native_swiglu, which evaluated the step's graph up
+// to here first, once a layer.
+class SwiGLU : public NativeOperation {
+ public:
+  using NativeOperation::NativeOperation;
+  const char *name() const override { return "TierlmSwiGLU"; }
+
+ private:
+  int donor() const override { return 0; }
+  Task task() const override {
+    return [](std::vector<array> &inputs, array &out) {
+      std::vector<float> gate_rows, x_rows;
+      float *to = out.data<float>();
+      const float *gate = row_major(inputs[0], gate_rows);
+      if (gate != to) std::memcpy(to, gate, out.nbytes());
+      swiglu_kernel(to, row_major(inputs[1], x_rows), static_cast<long>(out.size()));
+    };
+  }
+};
+
+// GELU (tanh approximation) element by element, swiglu.c's kernel: a
+// decode step's activations too, which MLX's scalar tanh took before (the
+// eager native_gelu split the graph, so only prompts took it).
+class GeluApprox : public NativeOperation {
+ public:
+  using NativeOperation::NativeOperation;
+  const char *name() const override { return "TierlmGelu"; }
+
+ private:
+  int donor() const override { return 0; }
+  Task task() const override {
+    return [](std::vector<array> &inputs, array &out) {
+      std::vector<float> rows;
+      gelu_kernel(row_major(inputs[0], rows), out.data<float>(), static_cast<long>(out.size()));
+    };
+  }
+};
+
+// log(sum(exp(x))) over the last axis of (rows, cols) float32, as (rows, 1):
+// mlx-lm's normalization of each decode step's logits, in the graph (the eager
+// native_logsumexp evaluated the whole step before the next could be queued).
+class LogSumExpRows : public NativeOperation {
+ public:
+  using NativeOperation::NativeOperation;
+  const char *name() const override { return "TierlmLogSumExp"; }
+
+ private:
+  Task task() const override {
+    return [](std::vector<array> &inputs, array &out) {
+      std::vector<float> rows;
+      const array &x = inputs[0];
+      logsumexp_kernel(const_cast<float *>(row_major(x, rows)), x.shape(0), x.shape(1), out.data<float>());
+    };
+  }
+};
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 // Rows [0, rows) of the last two axes of (A, B, rows, width) `a` at (i, j), as
@@ -391,6 +486,50 @@ void tierlm_graph_set_kernels(void *route_sgemm, void *rows, void *rows_masked) 
   sgemm = reinterpret_cast<Sgemm>(route_sgemm);
   softmax_rows = reinterpret_cast<SoftmaxRows>(rows);
   softmax_rows_masked = reinterpret_cast<SoftmaxRowsMasked>(rows_masked);
+}
+
+void tierlm_graph_set_elementwise(void *swiglu, void *gelu_approx, void *logsumexp_rows) {
+  swiglu_kernel = reinterpret_cast<SwiGLUKernel>(swiglu);
+  gelu_kernel = reinterpret_cast<GeluKernel>(gelu_approx);
+  logsumexp_kernel = reinterpret_cast<LogSumExpKernel>(logsumexp_rows);
+}
+
+// *out = silu(gate) * x of float32 arrays of one shape, lazy. Return codes as above.
+int tierlm_graph_swiglu(void *gate_object, void *x_object, void *out_object) {
+  array *gate = array_of(gate_object), *x = array_of(x_object), *out = array_of(out_object);
+  if (!swiglu_kernel || !float32_array(gate) || !float32_array(x) || out == nullptr || gate->shape() != x->shape())
+    return 1;
+  try {
+    *out = array(gate->shape(), float32, std::make_shared<SwiGLU>(to_stream({})), {*gate, *x});
+    return 0;
+  } catch (...) {
+    return 2;
+  }
+}
+
+// *out = GELU (tanh approximation) of float32 x, lazy. Return codes as above.
+int tierlm_graph_gelu_approx(void *x_object, void *out_object) {
+  array *x = array_of(x_object), *out = array_of(out_object);
+  if (!gelu_kernel || !float32_array(x) || out == nullptr) return 1;
+  try {
+    *out = array(x->shape(), float32, std::make_shared<GeluApprox>(to_stream({})), {*x});
+    return 0;
+  } catch (...) {
+    return 2;
+  }
+}
+
+// *out = the log-sum-exp of each row of float32 (rows, cols) x, as (rows, 1), lazy.
+// Return codes as above.
+int tierlm_graph_logsumexp(void *x_object, void *out_object) {
+  array *x = array_of(x_object), *out = array_of(out_object);
+  if (!logsumexp_kernel || !float32_array(x) || x->ndim() != 2 || x->shape(1) == 0 || out == nullptr) return 1;
+  try {
+    *out = array({x->shape(0), 1}, float32, std::make_shared<LogSumExpRows>(to_stream({})), {*x});
+    return 0;
+  } catch (...) {
+    return 2;
+  }
 }
 
 // *out = attention of float32 q (B, H, L, D), k (B, KV, S, D), v (B, KV, S,
