@@ -311,6 +311,50 @@ def _feature_in_fresh_process(**env) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _digests_in_fresh_process(threads: int) -> dict:
+    """Each path's products of 1, 3 and 40 rows (digests of their bytes), and
+    the int8 products of a registered weight, with `threads` native threads."""
+    code = textwrap.dedent("""
+        import hashlib, json
+        import numpy as np
+        import mlx.core as mx
+        from tierlm.backends.cpu import quantized, route
+        state = route.prepare()
+        quantized.install(state.lib)
+        rng = np.random.default_rng(5)
+        x = rng.standard_normal((40, 384)).astype(np.float32)
+        w, s, b = (np.array(a) for a in mx.quantize(mx.array(rng.standard_normal((300, 384)).astype(np.float32)),
+                                                      group_size=32, bits=5))
+        def product(rows):
+            out = np.zeros((rows, 300), np.float32)
+            state.lib.tierlm_qmm(x[:rows].ctypes.data, rows, 384, w.ctypes.data, s.ctypes.data, b.ctypes.data,
+                                 300, 5, 32, out.ctypes.data)
+            return hashlib.sha256(out.tobytes()).hexdigest()
+        digests = {}
+        for name, number in quantized.PATHS.items():
+            if state.lib.tierlm_qmm_available(number):
+                state.lib.tierlm_qmm_select(number)
+                digests[name] = [product(rows) for rows in (1, 3, 40)]
+        state.lib.tierlm_qmm_select(-1)
+        if state.lib.tierlm_qmm_int8_add(w.ctypes.data, s.ctypes.data, b.ctypes.data, 0, 300, 384, 32):
+            digests["registered"] = [product(rows) for rows in (1, 3, 40)]
+        print(json.dumps({"threads": state.lib.tierlm_threads(), "digests": digests}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TIERLM_NATIVE_THREADS": str(threads)},
+                         capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_bits_do_not_depend_on_how_many_threads_share_a_product():
+    """A product's output columns go out in chunks to whichever thread is free
+    (threads.c): each column is computed whole by one thread, so one thread and
+    three give the same bits on every path, and for a registered weight."""
+    alone, shared = _digests_in_fresh_process(1), _digests_in_fresh_process(3)
+    assert alone["threads"] == 1 and shared["threads"] == 3
+    assert alone["digests"] == shared["digests"] and len(alone["digests"]) >= 2
+
+
 @pytest.mark.parametrize("name", PATHS)
 def test_a_path_can_be_named_and_the_portable_one_runs_anywhere(name):
     """TIERLM_QUANT_KERNEL names the path (portable: plain C, what a CPU without

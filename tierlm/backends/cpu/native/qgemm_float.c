@@ -346,6 +346,6 @@ void SIMD_NAME(tierlm_qmm_float)(const float *x, long M, long K, const void *w, 
                                  const void *biases, int half, long N, int bits, int group, float *out) {
   float *packed = pack_rows(x, M, K, bits, R);
   job j = {M, K, N, bits, group, w, scales, biases, half, packed, out};
-  /* a part per core, but not for products too small to share */
-  tierlm_parallel(columns_of, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
+  /* chunks for the cores (whichever is free takes the next), but not for products too small to share */
+  tierlm_parallel_chunks(columns_of, &j, M * N * K < (1L << 16) || N < 64 ? 1 : CHUNKS_PER_THREAD * tierlm_threads());
 }

@@ -329,6 +329,6 @@ void tierlm_qmm_int8_avx2(const float *x, long M, long K, const void *w, const v
   activations a;
   void *buffer = tierlm_quantize_activations(x, M, K, bits, group, PATH_AVX2_INT8, &a);
   int8_job j = {M, K, N, bits, group, half, w, scales, biases, &a, out, laid};
-  tierlm_parallel(rows_of8, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
+  tierlm_parallel_chunks(rows_of8, &j, M * N * K < (1L << 16) || N < 64 ? 1 : CHUNKS_PER_THREAD * tierlm_threads());
   free(buffer);
 }

@@ -406,6 +406,6 @@ void tierlm_qmm_vnni512(const float *x, long M, long K, const void *w, const voi
   activations a;
   void *buffer = tierlm_quantize_activations(x, M, K, bits, group, PATH_AVX512_VNNI, &a);
   int8_job j = {M, K, N, bits, group, half, w, scales, biases, &a, out, laid};
-  tierlm_parallel(rows_of512, &j, M * N * K < (1L << 16) || N < 64 ? 1 : 64);
+  tierlm_parallel_chunks(rows_of512, &j, M * N * K < (1L << 16) || N < 64 ? 1 : CHUNKS_PER_THREAD * tierlm_threads());
   free(buffer);
 }

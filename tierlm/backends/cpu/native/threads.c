@@ -134,6 +134,24 @@ void tierlm_parallel(tierlm_part_fn fn, void *arg, int max_parts) {
   pthread_mutex_unlock(&busy);
 }
 
+/* A job whose chunks go to whichever thread asks next. */
+typedef struct {
+  tierlm_part_fn fn;
+  void *arg;
+  int chunks, next;
+} chunked_job;
+
+static void take_chunks(void *arg, int part, int parts) {
+  (void)part, (void)parts;
+  chunked_job *c = arg;
+  for (int i; (i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) < c->chunks;) c->fn(c->arg, i, c->chunks);
+}
+
+void tierlm_parallel_chunks(tierlm_part_fn fn, void *arg, int chunks) {
+  chunked_job c = {fn, arg, chunks, 0};
+  tierlm_parallel(take_chunks, &c, chunks);
+}
+
 void *tierlm_kept_buffer(void **kept, size_t *capacity, size_t bytes) {
   if (bytes > *capacity) {
     free(*kept);
