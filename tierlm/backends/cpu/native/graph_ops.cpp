@@ -427,6 +427,18 @@ std::shared_ptr<Primitive> quantized_matmul_primitive(Stream stream, int group, 
 // a float32 array of at least one axis
 bool float32_array(const array *a) { return a != nullptr && a->dtype() == float32 && a->ndim() >= 1; }
 
+// a float32 array of `shape` that an Operation(this thread's default stream,
+// args...) computes from `inputs`, lazy, into *out: 0, or 2 where MLX refused
+template <class Operation, class... Args>
+int lazy(array *out, Shape shape, std::vector<array> inputs, Args... args) {
+  try {
+    *out = array(std::move(shape), float32, std::make_shared<Operation>(to_stream({}), args...), std::move(inputs));
+    return 0;
+  } catch (...) {
+    return 2;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -448,12 +460,7 @@ int tierlm_graph_rms_norm(void *x_object, void *weight_object, void *out_object,
   array *x = array_of(x_object), *w = array_of(weight_object), *out = array_of(out_object);
   if (!float32_array(x) || !float32_array(w) || out == nullptr || w->ndim() != 1 || w->shape(0) != x->shape(-1))
     return 1;
-  try {
-    *out = array(x->shape(), float32, std::make_shared<RMSNormRows>(to_stream({}), eps), {*x, *w});
-    return 0;
-  } catch (...) {
-    return 2;
-  }
+  return lazy<RMSNormRows>(out, x->shape(), {*x, *w}, eps);
 }
 
 // *out = RoPE of float32 x (B, H, T, D) with `inverse` the float32 inverse
@@ -473,13 +480,7 @@ int tierlm_graph_rope(void *x_object, void *inverse_object, void *offsets_object
       return 1;
     inputs.push_back(*offsets);
   }
-  try {
-    *out = array(x->shape(), float32,
-                 std::make_shared<Rope>(to_stream({}), dims, traditional != 0, scale, offset), std::move(inputs));
-    return 0;
-  } catch (...) {
-    return 2;
-  }
+  return lazy<Rope>(out, x->shape(), std::move(inputs), dims, traditional != 0, scale, offset);
 }
 
 void tierlm_graph_set_kernels(void *route_sgemm, void *rows, void *rows_masked) {
@@ -499,24 +500,14 @@ int tierlm_graph_swiglu(void *gate_object, void *x_object, void *out_object) {
   array *gate = array_of(gate_object), *x = array_of(x_object), *out = array_of(out_object);
   if (!swiglu_kernel || !float32_array(gate) || !float32_array(x) || out == nullptr || gate->shape() != x->shape())
     return 1;
-  try {
-    *out = array(gate->shape(), float32, std::make_shared<SwiGLU>(to_stream({})), {*gate, *x});
-    return 0;
-  } catch (...) {
-    return 2;
-  }
+  return lazy<SwiGLU>(out, gate->shape(), {*gate, *x});
 }
 
 // *out = GELU (tanh approximation) of float32 x, lazy. Return codes as above.
 int tierlm_graph_gelu_approx(void *x_object, void *out_object) {
   array *x = array_of(x_object), *out = array_of(out_object);
   if (!gelu_kernel || !float32_array(x) || out == nullptr) return 1;
-  try {
-    *out = array(x->shape(), float32, std::make_shared<GeluApprox>(to_stream({})), {*x});
-    return 0;
-  } catch (...) {
-    return 2;
-  }
+  return lazy<GeluApprox>(out, x->shape(), {*x});
 }
 
 // *out = the log-sum-exp of each row of float32 (rows, cols) x, as (rows, 1), lazy.
@@ -524,12 +515,7 @@ int tierlm_graph_gelu_approx(void *x_object, void *out_object) {
 int tierlm_graph_logsumexp(void *x_object, void *out_object) {
   array *x = array_of(x_object), *out = array_of(out_object);
   if (!logsumexp_kernel || !float32_array(x) || x->ndim() != 2 || x->shape(1) == 0 || out == nullptr) return 1;
-  try {
-    *out = array({x->shape(0), 1}, float32, std::make_shared<LogSumExpRows>(to_stream({})), {*x});
-    return 0;
-  } catch (...) {
-    return 2;
-  }
+  return lazy<LogSumExpRows>(out, {x->shape(0), 1}, {*x});
 }
 
 // *out = attention of float32 q (B, H, L, D), k (B, KV, S, D), v (B, KV, S,
@@ -553,13 +539,7 @@ int tierlm_graph_attention(void *q_object, void *k_object, void *v_object, void 
   }
   Shape shape = q->shape();
   shape.back() = v->shape(3);
-  try {
-    *out = array(shape, float32, std::make_shared<Attention>(to_stream({}), scale, causal != 0 && !mask),
-                 std::move(inputs));
-    return 0;
-  } catch (...) {
-    return 2;
-  }
+  return lazy<Attention>(out, shape, std::move(inputs), scale, causal != 0 && !mask);
 }
 
 // *out = float32 x (..., K) times the affine-quantized uint32 w (N x K packed)
