@@ -152,6 +152,49 @@ INLINE8 __m256i column_sums(const __m256i d[8]) {
     memcpy(out, got, columns * sizeof *got);                                                                        \
   }
 
+/* ---- a few rows, 4- and 5-bit weights ----------------------------------- */
+
+/* Up to FEW8 activation rows (a few sequences decoding, a short draft): each
+ * block of the strip unpacked and transposed in registers, as KEEP_STRIP8
+ * lays it out, and taken by every row as KEPT_ROWS8 takes a kept strip (the
+ * same 16-bit runs, the same integers), without storing the strip and reading
+ * it back. 8-bit weights, two planes of 8 vectors, keep their kept strips. */
+#define FEW8 4
+#define FEW_ROWS8(name, bits_, R)                                                                                   \
+  static TARGET8 void name(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,       \
+                           const activations *a, float *out, long N, fetch ahead[3]) {                            \
+    const int bits = bits_, run = bits == 5 ? 4 : 8;                                                                \
+    long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
+    __m256 acc[R], u[R];                                                                                            \
+    UNROLL for (int r = 0; r < R; r++) acc[r] = u[r] = _mm256_setzero_ps();                                         \
+    for (long b = 0; b < blocks; b++) {                                                                             \
+      fetch_shares(ahead, blocks);                                                                                 \
+      __m256 v[STRIP8];                                                                                             \
+      UNROLL for (int c = 0; c < STRIP8; c++)                                                                       \
+        v[c] = c < columns ? _mm256_castsi256_ps(unpack(w + c * row_bytes + b * BLOCK * bits / 8, bits))            \
+                           : _mm256_setzero_ps();                                                                   \
+      transpose8(v);                                                                                                \
+      long g = b / per_group;                                                                                       \
+      int opens = b % per_group == 0, closes = (b + 1) % per_group == 0;                                            \
+      UNROLL for (int r = 0; r < R; r++) {                                                                          \
+        __m256i total = _mm256_setzero_si256();                                                                     \
+        UNROLL for (int j0 = 0; j0 < 8; j0 += run) {                                                                \
+          __m256i pairs = _mm256_setzero_si256();                                                                   \
+          UNROLL for (int j = j0; j < j0 + run; j++)                                                                \
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_castps_si256(v[j]),                         \
+                                                                 four8(a, r, K, b * BLOCK + 4 * j)));               \
+          total = _mm256_add_epi32(total, widen(pairs));                                                            \
+        }                                                                                                           \
+        block_step8(&u[r], &acc[r], total, a, r, b, blocks, g, groups, opens, closes, ls);                          \
+      }                                                                                                             \
+    }                                                                                                               \
+    UNROLL for (int r = 0; r < R; r++) {                                                                            \
+      float got[STRIP8];                                                                                            \
+      _mm256_storeu_ps(got, acc[r]);                                                                                \
+      memcpy(out + r * N, got, columns * sizeof *got);                                                              \
+    }                                                                                                               \
+  }
+
 /* ---- kept strips, for two rows and more ---------------------------------- */
 
 /* A kept strip: for each block, `planes` sets (8-bit weights: low nibbles,
@@ -248,6 +291,8 @@ INLINE8 __m256i four8(const activations *a, long m, long K, long k) {
 
 typedef void (*one8_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,
                         const activations *a, float *out, fetch ahead[3]);
+typedef void (*few8_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,
+                        const activations *a, float *out, long N, fetch ahead[3]);
 typedef void (*keep8_fn)(const uint8_t *w, long row_bytes, long K, int columns, uint8_t *q, fetch ahead[3]);
 typedef void (*kept8_fn)(const strip8 *st, int bits, const activations *a, long m0, long K, int group, float *out,
                          long N, const int *columns);
@@ -255,6 +300,15 @@ typedef void (*kept8_fn)(const strip8 *st, int bits, const activations *a, long 
 ONE_ROW8(one8_4, 4)
 ONE_ROW8(one8_5, 5)
 ONE_ROW8(one8_8, 8)
+FEW_ROWS8(few8_4x2, 4, 2)
+FEW_ROWS8(few8_4x3, 4, 3)
+FEW_ROWS8(few8_4x4, 4, 4)
+FEW_ROWS8(few8_5x2, 5, 2)
+FEW_ROWS8(few8_5x3, 5, 3)
+FEW_ROWS8(few8_5x4, 5, 4)
+/* by bits (4, 5), then rows */
+static const few8_fn few8_rows[2][FEW8 + 1] = {{0, 0, few8_4x2, few8_4x3, few8_4x4},
+                                               {0, 0, few8_5x2, few8_5x3, few8_5x4}};
 KEEP_STRIP8(keep8_4, 4)
 KEEP_STRIP8(keep8_5, 5)
 KEEP_STRIP8(keep8_8, 8)
@@ -287,8 +341,9 @@ static strip8 strip8_from(const int8_job *j, long n, int columns, uint8_t *at, c
 }
 
 /* Output columns [first, last) of every activation row, a strip at a time
- * (first a whole number of strips): one row straight from the packing; more,
- * a few strips kept, every ROWS8 rows' tiles over them, and so on. */
+ * (first a whole number of strips): one row straight from the packing, up to
+ * FEW8 (4- and 5-bit weights) from registers; more, a few strips kept, every
+ * ROWS8 rows' tiles over them, and so on. */
 static void rows_of8(void *arg, int part, int parts) {
   const int8_job *j = arg;
   long first, last;
@@ -297,8 +352,9 @@ static void rows_of8(void *arg, int part, int parts) {
   int which = j->bits == 4 ? 0 : j->bits == 5 ? 1 : 2;
   one8_fn one = (const one8_fn[]){one8_4, one8_5, one8_8}[which];
   keep8_fn keep = (const keep8_fn[]){keep8_4, keep8_5, keep8_8}[which];
+  few8_fn few = j->M > 1 && j->M <= FEW8 && j->bits != 8 ? few8_rows[which][j->M] : NULL;
   size_t size = strip8_bytes(j->K, j->group, j->bits);
-  long at_once = strips_at_once(j->M == 1, STRIPS8_BYTES, size, MOST_KEPT8);
+  long at_once = strips_at_once(j->M == 1 || few, STRIPS8_BYTES, size, MOST_KEPT8);
   uint8_t *kept = tierlm_kept_buffer(&strips8_kept, &strips8_capacity, size * at_once);
   strip8 st[MOST_KEPT8];
   for (long n0 = first; n0 < last; n0 += at_once * STRIP8) {
@@ -310,10 +366,12 @@ static void rows_of8(void *arg, int part, int parts) {
       st[count] = strip8_from(j, n, columns, kept + count * size, &w, ahead);
       if (j->M == 1)
         one(w, row_bytes, j->K, j->group, columns, st[count].s, j->a, j->out + n, ahead);
+      else if (few)
+        few(w, row_bytes, j->K, j->group, columns, st[count].s, j->a, j->out + n, j->N, ahead);
       else
         keep(w, row_bytes, j->K, columns, st[count].q, ahead);
     }
-    for (long m0 = 0; j->M > 1 && m0 < j->M; m0 += ROWS8) {
+    for (long m0 = 0; j->M > 1 && !few && m0 < j->M; m0 += ROWS8) {
       int R = j->M - m0 < ROWS8 ? (int)(j->M - m0) : ROWS8;
       for (long i = 0; i < count; i += 2) {
         int S = count - i >= 2 ? 2 : 1, columns[2];
