@@ -19,6 +19,11 @@ typedef struct {
   float *fix;  /* M x K/g: what multiplies a group's weight scale besides the products (qgemm.c) */
 } activations;
 
+/* Row m of `a` as activations of one row. */
+static inline activations activations_row(const activations *a, long m, long K, int group) {
+  return (activations){a->q + m * K, a->d + m * (K / BLOCK), a->sum + m * (K / group), a->fix + m * (K / group)};
+}
+
 /* x's M rows of K quantized for `path`'s products into `a`, whose arrays live
  * in the buffer returned (the caller frees it). */
 void *tierlm_quantize_activations(const float *x, long M, long K, int bits, int group, int path, activations *a);

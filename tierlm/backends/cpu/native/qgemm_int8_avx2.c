@@ -340,10 +340,26 @@ static strip8 strip8_from(const int8_job *j, long n, int columns, uint8_t *at, c
   return st;
 }
 
+/* The strip's products for each of `rows` activation rows as a row alone
+ * (`one`): its weights read from memory by the first, from the core's cache
+ * by the others; the next strip fetched once. Up to FEW8 rows of 8-bit
+ * weights: their kept strips (two nibble planes, stored and read back) cost
+ * more there (the output head of Qwen2.5-Coder at 2 rows 20.7 -> 13.3 ms,
+ * at 4 rows 25.1 -> 24.6; from 8 rows the kept strips win). The same bits:
+ * a row alone is what every batch's row gives. */
+static void rows_alone(one8_fn one, const uint8_t *w, long row_bytes, const int8_job *j, int columns, lane_scales ls,
+                       long n, long rows, fetch ahead[3]) {
+  fetch none[3] = {fetch_of(NULL, 0), fetch_of(NULL, 0), fetch_of(NULL, 0)};
+  for (long m = 0; m < rows; m++) {
+    activations row = activations_row(j->a, m, j->K, j->group);
+    one(w, row_bytes, j->K, j->group, columns, ls, &row, j->out + m * j->N + n, m ? none : ahead);
+  }
+}
+
 /* Output columns [first, last) of every activation row, a strip at a time
  * (first a whole number of strips): one row straight from the packing, up to
- * FEW8 (4- and 5-bit weights) from registers; more, a few strips kept, every
- * ROWS8 rows' tiles over them, and so on. */
+ * FEW8 from registers (4- and 5-bit weights) or each as a row alone (8-bit);
+ * more, a few strips kept, every ROWS8 rows' tiles over them, and so on. */
 static void rows_of8(void *arg, int part, int parts) {
   const int8_job *j = arg;
   long first, last;
@@ -353,8 +369,9 @@ static void rows_of8(void *arg, int part, int parts) {
   one8_fn one = (const one8_fn[]){one8_4, one8_5, one8_8}[which];
   keep8_fn keep = (const keep8_fn[]){keep8_4, keep8_5, keep8_8}[which];
   few8_fn few = j->M > 1 && j->M <= FEW8 && j->bits != 8 ? few8_rows[which][j->M] : NULL;
+  long alone = j->M == 1 || (j->bits == 8 && j->M <= FEW8) ? j->M : 0; /* rows taken as rows alone */
   size_t size = strip8_bytes(j->K, j->group, j->bits);
-  long at_once = strips_at_once(j->M == 1 || few, STRIPS8_BYTES, size, MOST_KEPT8);
+  long at_once = strips_at_once(alone || few, STRIPS8_BYTES, size, MOST_KEPT8);
   uint8_t *kept = tierlm_kept_buffer(&strips8_kept, &strips8_capacity, size * at_once);
   strip8 st[MOST_KEPT8];
   for (long n0 = first; n0 < last; n0 += at_once * STRIP8) {
@@ -364,14 +381,14 @@ static void rows_of8(void *arg, int part, int parts) {
       const uint8_t *w;
       fetch ahead[3];
       st[count] = strip8_from(j, n, columns, kept + count * size, &w, ahead);
-      if (j->M == 1)
-        one(w, row_bytes, j->K, j->group, columns, st[count].s, j->a, j->out + n, ahead);
+      if (alone)
+        rows_alone(one, w, row_bytes, j, columns, st[count].s, n, alone, ahead);
       else if (few)
         few(w, row_bytes, j->K, j->group, columns, st[count].s, j->a, j->out + n, j->N, ahead);
       else
         keep(w, row_bytes, j->K, columns, st[count].q, ahead);
     }
-    for (long m0 = 0; j->M > 1 && !few && m0 < j->M; m0 += ROWS8) {
+    for (long m0 = 0; !alone && !few && m0 < j->M; m0 += ROWS8) {
       int R = j->M - m0 < ROWS8 ? (int)(j->M - m0) : ROWS8;
       for (long i = 0; i < count; i += 2) {
         int S = count - i >= 2 ? 2 : 1, columns[2];
