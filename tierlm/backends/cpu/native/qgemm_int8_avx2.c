@@ -158,7 +158,8 @@ INLINE8 __m256i column_sums(const __m256i d[8]) {
  * block of the strip unpacked and transposed in registers, as KEEP_STRIP8
  * lays it out, and taken by every row as KEPT_ROWS8 takes a kept strip (the
  * same 16-bit runs, the same integers), without storing the strip and reading
- * it back. 8-bit weights, two planes of 8 vectors, keep their kept strips. */
+ * it back. 8-bit weights' two planes of 8 vectors do not fit beside the rows:
+ * their few rows are taken as rows alone (rows_alone). */
 #define FEW8 4
 #define FEW_ROWS8(name, bits_, R)                                                                                   \
   static TARGET8 void name(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,       \
