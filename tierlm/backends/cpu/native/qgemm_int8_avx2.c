@@ -100,6 +100,13 @@ INLINE8 void block_step8(__m256 *u, __m256 *acc, __m256i dot, const activations 
 /* 16-bit pairs summed into 32-bit lanes */
 INLINE8 __m256i widen(__m256i pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
 
+/* Row m's 4 quantized values from k, as a vector's 8 words */
+INLINE8 __m256i four8(const activations *a, long m, long K, long k) {
+  int32_t word;
+  memcpy(&word, a->q + m * K + k, sizeof word);
+  return _mm256_set1_epi32(word);
+}
+
 /* ---- one activation row -------------------------------------------------- */
 
 /* One column's block (unpacked, 32 bytes) against the row's block x: 8 lanes
@@ -130,27 +137,44 @@ INLINE8 __m256i column_sums(const __m256i d[8]) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-#define ONE_ROW8(name, bits_)                                                                                       \
+/* One activation row against a strip's 8 columns as they lie in memory. */
+INLINE8 void one_row(const uint8_t *w, long row_bytes, long K, const long per_group, int columns, lane_scales ls,
+                     const activations *a, float *out, fetch ahead[3], const int bits) {
+  long blocks = K / BLOCK, groups = blocks / per_group;
+  __m256 acc = _mm256_setzero_ps(), u = _mm256_setzero_ps();
+  for (long b = 0; b < blocks; b++) {
+    fetch_shares(ahead, blocks);
+    __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + b * BLOCK)), d[STRIP8];
+    UNROLL for (int c = 0; c < STRIP8; c++)
+      d[c] = c < columns ? column_dot(unpack(w + c * row_bytes + b * BLOCK * bits / 8, bits), x, bits)
+                         : _mm256_setzero_si256();
+    __m256i sums = column_sums(d);
+    if (bits == 8) sums = _mm256_add_epi32(sums, centre8(x));
+    block_step8(&u, &acc, sums, a, 0, b, blocks, b / per_group, groups, b % per_group == 0, (b + 1) % per_group == 0,
+                ls);
+  }
+  float got[STRIP8];
+  _mm256_storeu_ps(got, acc);
+  memcpy(out, got, columns * sizeof *got);
+}
+
+/* A product's kernel for `bits` (and rows, strips), with a group of one
+ * block (every GGUF format's) compiled apart: per_group a constant 1 leaves
+ * no division a block and nothing carried from block to block but the sums. */
+#define BY_GROUP(kernel, ...)                                                                                       \
+  do {                                                                                                              \
+    if (group == BLOCK)                                                                                             \
+      kernel(1, __VA_ARGS__);                                                                                       \
+    else                                                                                                            \
+      kernel(group / BLOCK, __VA_ARGS__);                                                                           \
+  } while (0)
+
+#define ONE_ROW8(name, bits)                                                                                        \
   static TARGET8 void name(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,       \
                            const activations *a, float *out, fetch ahead[3]) {                                    \
-    const int bits = bits_;                                                                                         \
-    long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
-    __m256 acc = _mm256_setzero_ps(), u = _mm256_setzero_ps();                                                      \
-    for (long b = 0; b < blocks; b++) {                                                                             \
-      fetch_shares(ahead, blocks);                                                                                 \
-      __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + b * BLOCK)), d[STRIP8];                               \
-      UNROLL for (int c = 0; c < STRIP8; c++)                                                                       \
-        d[c] = c < columns ? column_dot(unpack(w + c * row_bytes + b * BLOCK * bits / 8, bits), x, bits)            \
-                           : _mm256_setzero_si256();                                                                \
-      __m256i sums = column_sums(d);                                                                                \
-      if (bits == 8) sums = _mm256_add_epi32(sums, centre8(x));                                                     \
-      block_step8(&u, &acc, sums, a, 0, b, blocks, b / per_group, groups, b % per_group == 0,                       \
-                  (b + 1) % per_group == 0, ls);                                                                    \
-    }                                                                                                               \
-    float got[STRIP8];                                                                                              \
-    _mm256_storeu_ps(got, acc);                                                                                     \
-    memcpy(out, got, columns * sizeof *got);                                                                        \
+    BY_GROUP(ONE_ROW_CALL, bits);                                                                                   \
   }
+#define ONE_ROW_CALL(per_group, bits) one_row(w, row_bytes, K, per_group, columns, ls, a, out, ahead, bits)
 
 /* ---- a few rows, 4- and 5-bit weights ----------------------------------- */
 
@@ -161,40 +185,45 @@ INLINE8 __m256i column_sums(const __m256i d[8]) {
  * it back. 8-bit weights' two planes of 8 vectors do not fit beside the rows:
  * their few rows are taken as rows alone (rows_alone). */
 #define FEW8 4
-#define FEW_ROWS8(name, bits_, R)                                                                                   \
+INLINE8 void few_rows(const uint8_t *w, long row_bytes, long K, const long per_group, int columns, lane_scales ls,
+                      const activations *a, float *out, long N, fetch ahead[3], const int bits, const int R) {
+  const int run = bits == 5 ? 4 : 8;
+  long blocks = K / BLOCK, groups = blocks / per_group;
+  __m256 acc[FEW8], u[FEW8];
+  UNROLL for (int r = 0; r < R; r++) acc[r] = u[r] = _mm256_setzero_ps();
+  for (long b = 0; b < blocks; b++) {
+    fetch_shares(ahead, blocks);
+    __m256 v[STRIP8];
+    UNROLL for (int c = 0; c < STRIP8; c++)
+      v[c] = c < columns ? _mm256_castsi256_ps(unpack(w + c * row_bytes + b * BLOCK * bits / 8, bits))
+                         : _mm256_setzero_ps();
+    transpose8(v);
+    long g = b / per_group;
+    int opens = b % per_group == 0, closes = (b + 1) % per_group == 0;
+    UNROLL for (int r = 0; r < R; r++) {
+      __m256i total = _mm256_setzero_si256();
+      UNROLL for (int j0 = 0; j0 < 8; j0 += run) {
+        __m256i pairs = _mm256_setzero_si256();
+        UNROLL for (int j = j0; j < j0 + run; j++)
+          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_castps_si256(v[j]), four8(a, r, K, b * BLOCK + 4 * j)));
+        total = _mm256_add_epi32(total, widen(pairs));
+      }
+      block_step8(&u[r], &acc[r], total, a, r, b, blocks, g, groups, opens, closes, ls);
+    }
+  }
+  UNROLL for (int r = 0; r < R; r++) {
+    float got[STRIP8];
+    _mm256_storeu_ps(got, acc[r]);
+    memcpy(out + r * N, got, columns * sizeof *got);
+  }
+}
+
+#define FEW_ROWS8(name, bits, R)                                                                                    \
   static TARGET8 void name(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,       \
                            const activations *a, float *out, long N, fetch ahead[3]) {                            \
-    const int bits = bits_, run = bits == 5 ? 4 : 8;                                                                \
-    long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
-    __m256 acc[R], u[R];                                                                                            \
-    UNROLL for (int r = 0; r < R; r++) acc[r] = u[r] = _mm256_setzero_ps();                                         \
-    for (long b = 0; b < blocks; b++) {                                                                             \
-      fetch_shares(ahead, blocks);                                                                                 \
-      __m256 v[STRIP8];                                                                                             \
-      UNROLL for (int c = 0; c < STRIP8; c++)                                                                       \
-        v[c] = c < columns ? _mm256_castsi256_ps(unpack(w + c * row_bytes + b * BLOCK * bits / 8, bits))            \
-                           : _mm256_setzero_ps();                                                                   \
-      transpose8(v);                                                                                                \
-      long g = b / per_group;                                                                                       \
-      int opens = b % per_group == 0, closes = (b + 1) % per_group == 0;                                            \
-      UNROLL for (int r = 0; r < R; r++) {                                                                          \
-        __m256i total = _mm256_setzero_si256();                                                                     \
-        UNROLL for (int j0 = 0; j0 < 8; j0 += run) {                                                                \
-          __m256i pairs = _mm256_setzero_si256();                                                                   \
-          UNROLL for (int j = j0; j < j0 + run; j++)                                                                \
-            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_castps_si256(v[j]),                         \
-                                                                 four8(a, r, K, b * BLOCK + 4 * j)));               \
-          total = _mm256_add_epi32(total, widen(pairs));                                                            \
-        }                                                                                                           \
-        block_step8(&u[r], &acc[r], total, a, r, b, blocks, g, groups, opens, closes, ls);                          \
-      }                                                                                                             \
-    }                                                                                                               \
-    UNROLL for (int r = 0; r < R; r++) {                                                                            \
-      float got[STRIP8];                                                                                            \
-      _mm256_storeu_ps(got, acc[r]);                                                                                \
-      memcpy(out + r * N, got, columns * sizeof *got);                                                              \
-    }                                                                                                               \
+    BY_GROUP(FEW_ROWS_CALL, bits, R);                                                                               \
   }
+#define FEW_ROWS_CALL(per_group, bits, R) few_rows(w, row_bytes, K, per_group, columns, ls, a, out, N, ahead, bits, R)
 
 /* ---- kept strips, for two rows and more ---------------------------------- */
 
@@ -236,67 +265,74 @@ static size_t strip8_bytes(long K, int group, int bits) {
     }                                                                                                               \
   }
 
-/* Row m's 4 quantized values from k, as a vector's 8 words */
-INLINE8 __m256i four8(const activations *a, long m, long K, long k) {
-  int32_t word;
-  memcpy(&word, a->q + m * K + k, sizeof word);
-  return _mm256_set1_epi32(word);
+/* Block b's integer dots of rows m0 .. m0 + R against S kept strips: each
+ * word of weights loaded once for the R rows, each row's word broadcast once
+ * for the S strips; a plane's 16-bit sums over `run` words at a time (no more
+ * than fit), then widened; 8-bit weights' high plane widened x 16. Inlined
+ * with bits, R and S constant, every loop unrolls into registers. */
+INLINE8 void kept_dots(__m256i dot[ROWS8][2], const strip8 *st, const int bits, const activations *a, long m0,
+                       long K, long b, const int R, const int S) {
+  const int planes = planes_of(bits), run = bits == 5 ? 4 : 8;
+  UNROLL for (int p = 0; p < planes; p++) {
+    UNROLL for (int j0 = 0; j0 < 8; j0 += run) {
+      __m256i pairs[ROWS8][2];
+      UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++) pairs[r][s] = _mm256_setzero_si256();
+      UNROLL for (int j = j0; j < j0 + run; j++) {
+        __m256i w[2];
+        UNROLL for (int s = 0; s < S; s++)
+          w[s] = _mm256_loadu_si256((const __m256i *)(st[s].q + ((b * planes + p) * STRIP8 + j) * 32));
+        UNROLL for (int r = 0; r < R; r++) {
+          __m256i x = four8(a, m0 + r, K, b * BLOCK + 4 * j);
+          UNROLL for (int s = 0; s < S; s++)
+            pairs[r][s] = _mm256_add_epi16(pairs[r][s], _mm256_maddubs_epi16(w[s], x));
+        }
+      }
+      __m256i times = _mm256_set1_epi16(p ? 16 : 1);
+      UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++) {
+        __m256i wide = _mm256_madd_epi16(pairs[r][s], times);
+        dot[r][s] = p == 0 && j0 == 0 ? wide : _mm256_add_epi32(dot[r][s], wide);
+      }
+    }
+  }
 }
 
-/* Rows m0 .. m0 + R of S kept strips' outputs: each word of weights loaded
- * once for the R rows, each row's word broadcast once for the S strips; a
- * plane's 16-bit sums over `run` words at a time (no more than fit), then
- * widened; 8-bit weights' high plane x 16 added to the low one's. */
-#define KEPT_ROWS8(name, R, S)                                                                                      \
-  static TARGET8 void name(const strip8 *st, int bits, const activations *a, long m0, long K, int group,            \
-                           float *out, long N, const int *columns) {                                                \
-    long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
-    int planes = planes_of(bits), run = bits == 5 ? 4 : 8;                                                          \
-    __m256 acc[R][S], u[R][S];                                                                                      \
-    UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++) acc[r][s] = u[r][s] = _mm256_setzero_ps(); \
-    for (long b = 0; b < blocks; b++) {                                                                             \
-      long g = b / per_group;                                                                                       \
-      int opens = b % per_group == 0, closes = (b + 1) % per_group == 0;                                            \
-      __m256i dot[R][S];                                                                                            \
-      for (int p = 0; p < planes; p++) {                                                                            \
-        __m256i total[R][S];                                                                                        \
-        UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++) total[r][s] = _mm256_setzero_si256(); \
-        for (int j0 = 0; j0 < 8; j0 += run) {                                                                       \
-          __m256i pairs[R][S];                                                                                      \
-          UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++) pairs[r][s] = _mm256_setzero_si256(); \
-          for (int j = j0; j < j0 + run; j++) {                                                                     \
-            __m256i w[S];                                                                                           \
-            UNROLL for (int s = 0; s < S; s++)                                                                      \
-              w[s] = _mm256_loadu_si256((const __m256i *)(st[s].q + ((b * planes + p) * STRIP8 + j) * 32));         \
-            UNROLL for (int r = 0; r < R; r++) {                                                                    \
-              __m256i x = four8(a, m0 + r, K, b * BLOCK + 4 * j);                                                   \
-              UNROLL for (int s = 0; s < S; s++)                                                                    \
-                pairs[r][s] = _mm256_add_epi16(pairs[r][s], _mm256_maddubs_epi16(w[s], x));                         \
-            }                                                                                                       \
-          }                                                                                                         \
-          UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++)                                     \
-            total[r][s] = _mm256_add_epi32(total[r][s], widen(pairs[r][s]));                                        \
-        }                                                                                                           \
-        UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++)                                       \
-          dot[r][s] = p == 0 ? total[r][s] : _mm256_add_epi32(dot[r][s], _mm256_slli_epi32(total[r][s], 4));       \
-      }                                                                                                             \
-      UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++)                                         \
-        block_step8(&u[r][s], &acc[r][s], dot[r][s], a, m0 + r, b, blocks, g, groups, opens, closes, st[s].s);      \
-    }                                                                                                               \
-    UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++) {                                         \
-      float got[STRIP8];                                                                                            \
-      _mm256_storeu_ps(got, acc[r][s]);                                                                             \
-      memcpy(out + (m0 + r) * N + s * STRIP8, got, columns[s] * sizeof *got);                                       \
-    }                                                                                                               \
+/* Rows m0 .. m0 + R of S kept strips' outputs (kept_dots, then block_step8
+ * for each); per_group constant 1 where a group is one block, so that
+ * nothing is carried from block to block but the sums. */
+INLINE8 void kept_tile(const strip8 *st, const int bits, const activations *a, long m0, long K, const long per_group,
+                       float *out, long N, const int *columns, const int R, const int S) {
+  long blocks = K / BLOCK, groups = blocks / per_group;
+  __m256 acc[ROWS8][2], u[ROWS8][2];
+  UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++) acc[r][s] = u[r][s] = _mm256_setzero_ps();
+  for (long b = 0; b < blocks; b++) {
+    long g = b / per_group;
+    int opens = b % per_group == 0, closes = (b + 1) % per_group == 0;
+    __m256i dot[ROWS8][2];
+    kept_dots(dot, st, bits, a, m0, K, b, R, S);
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++)
+      block_step8(&u[r][s], &acc[r][s], dot[r][s], a, m0 + r, b, blocks, g, groups, opens, closes, st[s].s);
   }
+  UNROLL for (int r = 0; r < R; r++) UNROLL for (int s = 0; s < S; s++) {
+    float got[STRIP8];
+    _mm256_storeu_ps(got, acc[r][s]);
+    memcpy(out + (m0 + r) * N + s * STRIP8, got, columns[s] * sizeof *got);
+  }
+}
+
+#define KEPT_ROWS8(name, bits, R, S)                                                                                \
+  static TARGET8 void name(const strip8 *st, const activations *a, long m0, long K, int group, float *out, long N,  \
+                           const int *columns) {                                                                    \
+    BY_GROUP(KEPT_CALL, bits, R, S);                                                                                \
+  }
+#define KEPT_CALL(per_group, bits, R, S) kept_tile(st, bits, a, m0, K, per_group, out, N, columns, R, S)
 
 typedef void (*one8_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,
                         const activations *a, float *out, fetch ahead[3]);
 typedef void (*few8_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,
                         const activations *a, float *out, long N, fetch ahead[3]);
 typedef void (*keep8_fn)(const uint8_t *w, long row_bytes, long K, int columns, uint8_t *q, fetch ahead[3]);
-typedef void (*kept8_fn)(const strip8 *st, int bits, const activations *a, long m0, long K, int group, float *out,
-                         long N, const int *columns);
+typedef void (*kept8_fn)(const strip8 *st, const activations *a, long m0, long K, int group, float *out, long N,
+                         const int *columns);
 
 ONE_ROW8(one8_4, 4)
 ONE_ROW8(one8_5, 5)
@@ -313,15 +349,21 @@ static const few8_fn few8_rows[2][FEW8 + 1] = {{0, 0, few8_4x2, few8_4x3, few8_4
 KEEP_STRIP8(keep8_4, 4)
 KEEP_STRIP8(keep8_5, 5)
 KEEP_STRIP8(keep8_8, 8)
-KEPT_ROWS8(kept8_1x1, 1, 1)
-KEPT_ROWS8(kept8_2x1, 2, 1)
-KEPT_ROWS8(kept8_3x1, 3, 1)
-KEPT_ROWS8(kept8_1x2, 1, 2)
-KEPT_ROWS8(kept8_2x2, 2, 2)
-KEPT_ROWS8(kept8_3x2, 3, 2)
-/* by rows, then strips (1 or 2) */
-static const kept8_fn kept8_rows[ROWS8 + 1][3] = {
-    {0}, {0, kept8_1x1, kept8_1x2}, {0, kept8_2x1, kept8_2x2}, {0, kept8_3x1, kept8_3x2}};
+#define KEPT_SHAPES8(bits)                                                                                          \
+  KEPT_ROWS8(kept8_##bits##_1x1, bits, 1, 1)                                                                        \
+  KEPT_ROWS8(kept8_##bits##_2x1, bits, 2, 1)                                                                        \
+  KEPT_ROWS8(kept8_##bits##_3x1, bits, 3, 1)                                                                        \
+  KEPT_ROWS8(kept8_##bits##_1x2, bits, 1, 2)                                                                        \
+  KEPT_ROWS8(kept8_##bits##_2x2, bits, 2, 2)                                                                        \
+  KEPT_ROWS8(kept8_##bits##_3x2, bits, 3, 2)
+KEPT_SHAPES8(4)
+KEPT_SHAPES8(5)
+KEPT_SHAPES8(8)
+/* by bits (4, 5, 8), rows, then strips (1 or 2) */
+#define KEPT_TABLE8(bits)                                                                                           \
+  {{0}, {0, kept8_##bits##_1x1, kept8_##bits##_1x2}, {0, kept8_##bits##_2x1, kept8_##bits##_2x2},                   \
+   {0, kept8_##bits##_3x1, kept8_##bits##_3x2}}
+static const kept8_fn kept8_rows[3][ROWS8 + 1][3] = {KEPT_TABLE8(4), KEPT_TABLE8(5), KEPT_TABLE8(8)};
 
 static __thread void *strips8_kept; /* this thread's strips (threads.h) */
 static __thread size_t strips8_capacity;
@@ -394,7 +436,7 @@ static void rows_of8(void *arg, int part, int parts) {
       for (long i = 0; i < count; i += 2) {
         int S = count - i >= 2 ? 2 : 1, columns[2];
         for (int s = 0; s < S; s++) columns[s] = strip_width(n0 + (i + s) * STRIP8, last, STRIP8);
-        kept8_rows[R][S](st + i, j->bits, j->a, m0, j->K, j->group, j->out + n0 + i * STRIP8, j->N, columns);
+        kept8_rows[which][R][S](st + i, j->a, m0, j->K, j->group, j->out + n0 + i * STRIP8, j->N, columns);
       }
     }
   }
