@@ -138,7 +138,7 @@ INLINE8 __m256i column_sums(const __m256i d[8]) {
 }
 
 /* One activation row against a strip's 8 columns as they lie in memory. */
-INLINE8 void one_row(const uint8_t *w, long row_bytes, long K, const long per_group, int columns, lane_scales ls,
+INLINE8 void one_row(const long per_group, const uint8_t *w, long row_bytes, long K, int columns, lane_scales ls,
                      const activations *a, float *out, fetch ahead[3], const int bits) {
   long blocks = K / BLOCK, groups = blocks / per_group;
   __m256 acc = _mm256_setzero_ps(), u = _mm256_setzero_ps();
@@ -158,23 +158,11 @@ INLINE8 void one_row(const uint8_t *w, long row_bytes, long K, const long per_gr
   memcpy(out, got, columns * sizeof *got);
 }
 
-/* A product's kernel for `bits` (and rows, strips), with a group of one
- * block (every GGUF format's) compiled apart: per_group a constant 1 leaves
- * no division a block and nothing carried from block to block but the sums. */
-#define BY_GROUP(kernel, ...)                                                                                       \
-  do {                                                                                                              \
-    if (group == BLOCK)                                                                                             \
-      kernel(1, __VA_ARGS__);                                                                                       \
-    else                                                                                                            \
-      kernel(group / BLOCK, __VA_ARGS__);                                                                           \
-  } while (0)
-
 #define ONE_ROW8(name, bits)                                                                                        \
   static TARGET8 void name(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,       \
                            const activations *a, float *out, fetch ahead[3]) {                                    \
-    BY_GROUP(ONE_ROW_CALL, bits);                                                                                   \
+    BY_GROUP(one_row, w, row_bytes, K, columns, ls, a, out, ahead, bits);                                           \
   }
-#define ONE_ROW_CALL(per_group, bits) one_row(w, row_bytes, K, per_group, columns, ls, a, out, ahead, bits)
 
 /* ---- a few rows, 4- and 5-bit weights ----------------------------------- */
 
@@ -185,7 +173,7 @@ INLINE8 void one_row(const uint8_t *w, long row_bytes, long K, const long per_gr
  * it back. 8-bit weights' two planes of 8 vectors do not fit beside the rows:
  * their few rows are taken as rows alone (rows_alone). */
 #define FEW8 4
-INLINE8 void few_rows(const uint8_t *w, long row_bytes, long K, const long per_group, int columns, lane_scales ls,
+INLINE8 void few_rows(const long per_group, const uint8_t *w, long row_bytes, long K, int columns, lane_scales ls,
                       const activations *a, float *out, long N, fetch ahead[3], const int bits, const int R) {
   const int run = bits == 5 ? 4 : 8;
   long blocks = K / BLOCK, groups = blocks / per_group;
@@ -221,9 +209,8 @@ INLINE8 void few_rows(const uint8_t *w, long row_bytes, long K, const long per_g
 #define FEW_ROWS8(name, bits, R)                                                                                    \
   static TARGET8 void name(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,       \
                            const activations *a, float *out, long N, fetch ahead[3]) {                            \
-    BY_GROUP(FEW_ROWS_CALL, bits, R);                                                                               \
+    BY_GROUP(few_rows, w, row_bytes, K, columns, ls, a, out, N, ahead, bits, R);                                    \
   }
-#define FEW_ROWS_CALL(per_group, bits, R) few_rows(w, row_bytes, K, per_group, columns, ls, a, out, N, ahead, bits, R)
 
 /* ---- kept strips, for two rows and more ---------------------------------- */
 
@@ -299,7 +286,7 @@ INLINE8 void kept_dots(__m256i dot[ROWS8][2], const strip8 *st, const int bits, 
 /* Rows m0 .. m0 + R of S kept strips' outputs (kept_dots, then block_step8
  * for each); per_group constant 1 where a group is one block, so that
  * nothing is carried from block to block but the sums. */
-INLINE8 void kept_tile(const strip8 *st, const int bits, const activations *a, long m0, long K, const long per_group,
+INLINE8 void kept_tile(const long per_group, const strip8 *st, const int bits, const activations *a, long m0, long K,
                        float *out, long N, const int *columns, const int R, const int S) {
   long blocks = K / BLOCK, groups = blocks / per_group;
   __m256 acc[ROWS8][2], u[ROWS8][2];
@@ -322,9 +309,8 @@ INLINE8 void kept_tile(const strip8 *st, const int bits, const activations *a, l
 #define KEPT_ROWS8(name, bits, R, S)                                                                                \
   static TARGET8 void name(const strip8 *st, const activations *a, long m0, long K, int group, float *out, long N,  \
                            const int *columns) {                                                                    \
-    BY_GROUP(KEPT_CALL, bits, R, S);                                                                                \
+    BY_GROUP(kept_tile, st, bits, a, m0, K, out, N, columns, R, S);                                                 \
   }
-#define KEPT_CALL(per_group, bits, R, S) kept_tile(st, bits, a, m0, K, per_group, out, N, columns, R, S)
 
 typedef void (*one8_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,
                         const activations *a, float *out, fetch ahead[3]);

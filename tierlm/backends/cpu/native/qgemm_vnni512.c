@@ -191,11 +191,11 @@ static inline __attribute__((always_inline, target(ISA_VNNI512))) __m512i block_
 /* Up to FEW activation rows: out[m][0 .. columns) for m < R, the strip's block
  * pairs unpacked and transposed in registers and taken by every row. */
 #define FEW_ROWS(name, isa, UNPACK, bits_, R)                                                                       \
-  static __attribute__((target(isa))) void name(const uint8_t *w, long row_bytes, long K, int group, int columns,   \
-                                                lane_scales ls, const activations *a, float *out, long N,           \
-                                                fetch ahead[3]) {                                                   \
+  static inline __attribute__((always_inline, target(isa))) void name##_tile(                                       \
+      const long per_group, const uint8_t *w, long row_bytes, long K, int columns, lane_scales ls,                  \
+      const activations *a, float *out, long N, fetch ahead[3]) {                                                   \
     const int bits = bits_;                                                                                         \
-    long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
+    long blocks = K / BLOCK, groups = blocks / per_group;                                                           \
     __m512 acc[R], u[R];                                                                                            \
     UNROLL for (int r = 0; r < R; r++) acc[r] = u[r] = _mm512_setzero_ps();                                         \
     for (long b = 0; b < blocks; b += 2) {                                                                          \
@@ -211,6 +211,11 @@ static inline __attribute__((always_inline, target(ISA_VNNI512))) __m512i block_
       }                                                                                                             \
     }                                                                                                               \
     UNROLL for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * N, first_lanes(columns), acc[r]);           \
+  }                                                                                                                 \
+  static __attribute__((target(isa))) void name(const uint8_t *w, long row_bytes, long K, int group, int columns,   \
+                                                lane_scales ls, const activations *a, float *out, long N,           \
+                                                fetch ahead[3]) {                                                   \
+    BY_GROUP(name##_tile, w, row_bytes, K, columns, ls, a, out, N, ahead);                                          \
   }
 
 /* The sums of the two 8-lane halves of each of d[0..15] (one column's
@@ -238,11 +243,11 @@ static inline __attribute__((always_inline, target(ISA_VNNI512))) void half_sums
  * lanes by half_sums, fewer instructions than transposing the weights for one
  * row. The same order of float operations as the other tiles. */
 #define ONE_ROW(name, isa, UNPACK, bits_)                                                                           \
-  static __attribute__((target(isa))) void name(const uint8_t *w, long row_bytes, long K, int group, int columns,   \
-                                                lane_scales ls, const activations *a, float *out, long N,           \
-                                                fetch ahead[3]) {                                                   \
+  static inline __attribute__((always_inline, target(isa))) void name##_tile(                                       \
+      const long per_group, const uint8_t *w, long row_bytes, long K, int columns, lane_scales ls,                  \
+      const activations *a, float *out, fetch ahead[3]) {                                                           \
     const int bits = bits_;                                                                                         \
-    long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
+    long blocks = K / BLOCK, groups = blocks / per_group;                                                           \
     __m512 acc = _mm512_setzero_ps(), u = _mm512_setzero_ps();                                                      \
     for (long b = 0; b < blocks; b += 2) {                                                                          \
       fetch_shares(ahead, blocks / 2);                                                                              \
@@ -259,6 +264,12 @@ static inline __attribute__((always_inline, target(ISA_VNNI512))) void half_sums
       }                                                                                                             \
     }                                                                                                               \
     _mm512_mask_storeu_ps(out, first_lanes(columns), acc);                                                          \
+  }                                                                                                                 \
+  static __attribute__((target(isa))) void name(const uint8_t *w, long row_bytes, long K, int group, int columns,   \
+                                                lane_scales ls, const activations *a, float *out, long N,           \
+                                                fetch ahead[3]) {                                                   \
+    (void)N;                                                                                                        \
+    BY_GROUP(name##_tile, w, row_bytes, K, columns, ls, a, out, ahead);                                             \
   }
 
 /* A kept strip: the weights as PAIR_OF_STRIP leaves them (v[j] of pair b at
@@ -285,9 +296,9 @@ static size_t strip_bytes(long K, int group) { return (size_t)K * STRIP + laid_s
 
 /* Rows m0 .. m0 + R of a kept strip's outputs. */
 #define KEPT_ROWS(name, R)                                                                                          \
-  static __attribute__((target(ISA_VNNI512))) void name(strip st, const activations *a, long m0, long K, int group, \
-                                                        float *out, long N, int columns) {                          \
-    long blocks = K / BLOCK, per_group = group / BLOCK, groups = K / group;                                        \
+  static inline __attribute__((always_inline, target(ISA_VNNI512))) void name##_tile(                               \
+      const long per_group, strip st, const activations *a, long m0, long K, float *out, long N, int columns) {     \
+    long blocks = K / BLOCK, groups = blocks / per_group;                                                           \
     __m512 acc[R], u[R];                                                                                            \
     UNROLL for (int r = 0; r < R; r++) acc[r] = u[r] = _mm512_setzero_ps();                                         \
     for (long b = 0; b < blocks; b++) {                                                                             \
@@ -300,6 +311,10 @@ static size_t strip_bytes(long K, int group) { return (size_t)K * STRIP + laid_s
                    st.s);                                                                                           \
     }                                                                                                               \
     UNROLL for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + (m0 + r) * N, first_lanes(columns), acc[r]);    \
+  }                                                                                                                 \
+  static __attribute__((target(ISA_VNNI512))) void name(strip st, const activations *a, long m0, long K, int group, \
+                                                        float *out, long N, int columns) {                          \
+    BY_GROUP(name##_tile, st, a, m0, K, out, N, columns);                                                           \
   }
 
 typedef void (*few_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,
