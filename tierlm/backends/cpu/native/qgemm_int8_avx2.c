@@ -97,6 +97,11 @@ INLINE8 void block_step8(__m256 *u, __m256 *acc, __m256i dot, const activations 
   }
 }
 
+/* Keeps v in a register as it is here: GCC otherwise re-associates a chain of
+ * 16-bit adds into a tree of all a run's products at once, which spills the
+ * tiles' registers to the stack (kept_dots: 0.81-0.95x the time at 8-16 rows). */
+#define IN_ORDER(v) __asm__("" : "+x"(v))
+
 /* 16-bit pairs summed into 32-bit lanes */
 INLINE8 __m256i widen(__m256i pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
 
@@ -272,6 +277,7 @@ INLINE8 void kept_dots(__m256i dot[ROWS8][2], const strip8 *st, const int bits, 
           __m256i x = four8(a, m0 + r, K, b * BLOCK + 4 * j);
           UNROLL for (int s = 0; s < S; s++)
             pairs[r][s] = _mm256_add_epi16(pairs[r][s], _mm256_maddubs_epi16(w[s], x));
+          UNROLL for (int s = 0; s < S; s++) IN_ORDER(pairs[r][s]);
         }
       }
       __m256i times = _mm256_set1_epi16(p ? 16 : 1);
