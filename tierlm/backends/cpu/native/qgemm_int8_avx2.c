@@ -198,7 +198,8 @@ INLINE8 void few_rows(const long per_group, const uint8_t *w, long row_bytes, lo
       UNROLL for (int j0 = 0; j0 < 8; j0 += run) {
         __m256i pairs = _mm256_setzero_si256();
         UNROLL for (int j = j0; j < j0 + run; j++)
-          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_castps_si256(v[j]), four8(a, r, K, b * BLOCK + 4 * j)));
+          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_castps_si256(v[j]),
+                                                               four8(a, r, K, b * BLOCK + 4 * j)));
         total = _mm256_add_epi32(total, widen(pairs));
       }
       block_step8(&u[r], &acc[r], total, a, r, b, blocks, g, groups, opens, closes, ls);
