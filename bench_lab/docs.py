@@ -69,8 +69,9 @@ Tools (each writes result files; `python -m bench_lab.docs` renders them here):
   time is limited, then `--merge A.json B.json ... --json OUT.json` joins the
   files into one result.
 - `python -m bench_lab.streaming`: how tokens reach a client, per concurrency
-  (ITL p50 against TPOT p50; `--base-tree` serves another checkout first, for a
-  before/after in one run), and cold starts (`--cold`: the same requests twice
+  (ITL p50 against TPOT p50; `--base-tree` serves another checkout too, for a
+  before/after in one run, and `--rounds N` serves each tree N times in turned
+  order, with medians), and cold starts (`--cold`: the same requests twice
   right after a start, with an empty or the kept kernel folder, each repeated
   `--cold-repeats` times, 3 by default, and their median shown).
 - `tierlm bench cache`: the prefix cache's tiers, in process: time to first

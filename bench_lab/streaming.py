@@ -5,7 +5,11 @@
   one run), one `tierlm serve` and the workload at each concurrency: the median
   gap between two streamed chunks (ITL p50) against the time per output token
   (TPOT p50). A server that streams every token has ITL ≈ TPOT; one that hands
-  out a burst of tokens at a time has ITL ≈ burst.
+  out a burst of tokens at a time has ITL ≈ burst. With `--base-tree`,
+  `--rounds N` serves each tree N times, the order turned each round (base
+  first, then this tree first, ...): on some machines the second of two servers
+  started one after the other reads 10-25% lower whichever tree it is. The
+  table gives each figure's median over the rounds, and each round's ratio.
 - *Cold start*: at each `--cold` concurrency, a fresh `tierlm serve` and two runs
   of the workload, the first as soon as it is ready: first ÷ second output tok/s.
   Every run of the benchmark draws its own prompts (the same lengths, another
@@ -102,6 +106,14 @@ def smoothness(args, tree: Path | None, concurrencies: list[int], tokenizer: str
     return rows
 
 
+def median_rows(rounds: list[list[dict]]) -> list[dict]:
+    """Each concurrency's figures, the median over the rounds' rows (failed requests: their sum)."""
+    def merged(key, rows):
+        values = [r[key] for r in rows]
+        return values[0] if key == "concurrency" else sum(values) if key == "failed" else statistics.median(values)
+    return [{key: merged(key, rows) for key in rows[0]} for rows in zip(*rounds)]
+
+
 def new_prompts(args, seeds: itertools.count):
     """`args` with a seed no run has used yet: prompts of the same lengths that no
     earlier run left in the prefix cache (hot, or on disk from an earlier start)."""
@@ -145,8 +157,14 @@ def run_streaming(args, save=lambda result: None) -> dict:
     result = {"model": args.model, "base_tree": args.base_tree, "tierlm_args": args.tierlm_args,
               "shape": {"input_len": args.input_len, "output_len": args.output_len},
               "smoothness": {}, "cold_start": [], "complete": False}
-    for tree in trees if concurrencies else []:
-        result["smoothness"]["base" if tree else "this"] = smoothness(args, tree, concurrencies, tokenizer)
+    rounds = max(1, args.rounds) if args.base_tree else 1
+    for n in range(rounds if concurrencies else 0):
+        served = {}
+        for tree in trees if n % 2 == 0 else trees[::-1]:
+            served["base" if tree else "this"] = smoothness(args, tree, concurrencies, tokenizer)
+        result.setdefault("smoothness_rounds", []).append(served)
+        result["smoothness"] = {name: median_rows([r[name] for r in result["smoothness_rounds"]])
+                                for name in ("base", "this") if name in served}
         save(result)
     cold = runs.concurrencies(args.cold)
     seeds = itertools.count(1)  # the smoothness runs above took the seed itself
@@ -159,6 +177,16 @@ def run_streaming(args, save=lambda result: None) -> dict:
                 save(result)
     result["complete"] = True
     return result
+
+
+def _round_ratios(rounds: list[dict]) -> list[str]:
+    """With several rounds: each round's tok/s this ÷ base, and which tree it served first."""
+    if len(rounds) < 2:
+        return []
+    cells = [f"round {n + 1} ({next(iter(r))} first): "
+             + " / ".join(num(ratio(t["output_tok_s"], b["output_tok_s"]), 2) for t, b in zip(r["this"], r["base"]))
+             for n, r in enumerate(rounds)]
+    return ["Tok/s this ÷ base at each concurrency, by round: " + "; ".join(cells) + ".", ""]
 
 
 def _cold_medians(cold: list[dict]) -> str:
@@ -208,6 +236,7 @@ def markdown(doc: dict) -> str:
                 row.append(num(ratio(smooth["this"][i]["output_tok_s"], smooth["base"][i]["output_tok_s"]), 2))
             rows.append(row)
         out += [SMOOTH_TARGET, markdown_table(header, rows), ""]
+        out += _round_ratios(doc.get("smoothness_rounds", []))
     cold = doc.get("cold_start", [])
     if cold:
         header = ["streams", "kernel folder", "first run tok/s", "second run tok/s", "first ÷ second",

@@ -21,3 +21,21 @@ def test_each_run_draws_new_prompts_of_the_same_lengths(model_path):
     assert lengths[0] == lengths[1] == lengths[2]
     firsts = [{p[:200] for p in ps} for ps in prompts]  # even their first block differs
     assert not (firsts[0] & firsts[1]) and not (firsts[1] & firsts[2]) and not (firsts[0] & firsts[2])
+
+
+def _rows(tok_s: list[float], failed: int = 0) -> list[dict]:
+    return [{"concurrency": c, "output_tok_s": v, "ttft_p50": 0.5, "tpot_p50": 0.05, "itl_p50": 0.05,
+             "itl_p99": 0.1, "failed": failed} for c, v in zip((1, 4), tok_s)]
+
+
+def test_rounds_of_two_trees_give_medians_and_each_rounds_ratio():
+    rounds = [{"base": _rows([10, 30]), "this": _rows([12, 33], failed=1)},  # base served first
+              {"this": _rows([9, 30]), "base": _rows([11, 33])},  # this tree first
+              {"base": _rows([10, 31]), "this": _rows([11, 34])}]
+    this = streaming.median_rows([r["this"] for r in rounds])
+    assert [r["output_tok_s"] for r in this] == [11, 33] and this[0]["failed"] == 1
+    doc = {"smoothness": {"base": streaming.median_rows([r["base"] for r in rounds]), "this": this},
+           "smoothness_rounds": rounds}
+    text = streaming.markdown(doc)
+    assert "round 1 (base first): 1.20 / 1.10; round 2 (this first): 0.82 / 0.91" in text
+    assert "| 1 | 50.0 | 50.0 | 1.00 | 10.0 | 50.0 | 50.0 | 1.00 | 11.0 | 1.10 |" in text
