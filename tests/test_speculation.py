@@ -32,12 +32,12 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from tierlm import backends
 from tierlm.engine.draft_model import check_draft_model
 from tierlm.engine.drafts import Acceptance, PromptLookup
-from tierlm.engine.ragged_kv import RaggedWindowKVCache
+from tierlm.engine.ragged_kv import RaggedBatchKVCache, RaggedWindowKVCache
 from tierlm.engine.request import Request, SamplingParams
 from tierlm.engine.sampling import RandomSampler
 from tierlm.engine.speculation_switch import SpeculationSwitch
 from tierlm.engine import warmup
-from tierlm.engine.speculative_batch import (SpeculativeGenerator, StepCosts, padded_width,
+from tierlm.engine.speculative_batch import (SpeculativeGenerator, StepCosts, WidestSteps, padded_width,
                                              rollback_supported)
 from tierlm.models.random_model import make_random_model, tiny_model
 from tierlm.structured.grammar import ModelGrammars, json_schema_grammar
@@ -274,6 +274,40 @@ def test_greedy_tokens_equal_plain_batching_on_random_weights_where_products_are
     speculative = SpeculativeGenerator(model, lookup=warmup.RepeatDrafts)
     assert tokens(speculative) == tokens(BatchGenerator(model))
     assert speculative.speculation.counters.speculative_steps > 0
+
+
+class _EveryOtherStepPlain(SpeculationSwitch):
+    """Drafting and plain steps in turn: plain steps come right after
+    verifications, with the rows ending at different places."""
+
+    def step(self, now, rows):
+        self._steps += 1
+        return self._steps % 2 == 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_plain_steps_that_align_the_rows_first_leave_the_tokens_and_the_kv_as_plain_batching(monkeypatch, arch):
+    """A GPU's plain steps move ragged rows to one end first (ragged_kv.align):
+    the tokens are BatchGenerator's, and each row's KV a fresh prefill's."""
+    model = _quantized_tiny(arch)
+    if not backends.prepare(model, memory_bytes=2**30).batch_invariant:
+        pytest.skip("this backend's products are not batch-invariant (rounding moves with the batch)")
+    monkeypatch.setattr("tierlm.engine.speculative_batch.PromptLookup", _Spoiled)
+    ragged = []
+    align = RaggedBatchKVCache.align
+    monkeypatch.setattr(RaggedBatchKVCache, "align", lambda c: ragged.append(len(set(c.ends)) > 1) or align(c))
+    prompts = [list(range(10, 40)) * 3, [7, 8, 9, 11] * 10, list(range(60, 90)) * 3]
+
+    gen = SpeculativeGenerator(model)
+    gen.speculation.align_plain = True
+    gen.speculation.costs = WidestSteps()
+    gen.speculation.switch = _EveryOtherStepPlain()
+    ended = _run_drafting(gen, prompts, [60, 60, 60])
+    plain = _drafting_tokens(BatchGenerator(model), prompts, limit=60)
+    assert [r.all_tokens[len(p) :] for r, p in zip(ended, prompts)] == plain
+    assert sum(ragged) > 5 and gen.speculation.counters.speculative_steps > 5
+    for r in ended:
+        _assert_fresh(model, r)
 
 
 def test_a_padded_width_is_a_power_of_two_or_the_widest():

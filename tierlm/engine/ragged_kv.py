@@ -36,7 +36,7 @@ from __future__ import annotations
 import threading
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache, dynamic_roll
 
 from tierlm.engine.request import MAX_DRAFT_TOKENS
 
@@ -120,6 +120,19 @@ class RaggedBatchKVCache(BatchKVCache):
     def trim(self, n: int) -> int:
         self.drop([n] * len(self.ends))
         return n
+
+    def align(self) -> None:
+        """Every row moved to end at the furthest end, its padding grown by as
+        much (one gather a buffer): a step then writes as BatchKVCache does."""
+        shifts = [self._idx - e for e in self.ends]
+        if not any(shifts):
+            return
+        by = mx.array(shifts)
+        if self.keys is not None:
+            self.keys = dynamic_roll(self.keys, by[:, None], axis=2)
+            self.values = dynamic_roll(self.values, by[:, None], axis=2)
+        self.left_padding = self.left_padding + by
+        self._set_ends([self._idx] * len(self.ends))
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs):
         """Query q of row i (at its end + q) sees its row's keys from its start
