@@ -140,7 +140,7 @@ class SpeculativeBatch(GenerationBatch):
         self.switch = SpeculationSwitch()  # whether drafting pays at all, window by window
         self.enabled = True
         self.pad_widths = False  # verify at widths of 2, 4, 8...: the few shapes a GPU compiled
-        self.align_plain = False  # a plain step first moves ragged rows to one end (ragged_kv.align): bench_lab.speculation_steps
+        self.align_plain = False  # plain steps first move ragged rows to one end (ragged_kv.align)
         self._plain: tuple[int, float] | None = None  # (rows, seconds) of a plain step not yet recorded
         self._waited = 0.0
         self._dry_run = self._dry_steps = 0  # steps not to look for drafts after finding none
