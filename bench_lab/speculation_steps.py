@@ -126,7 +126,8 @@ def main() -> None:
         print(f"batch {len(prompts)}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["ms_a_step"].items())
               + " ms a step", flush=True)
     uploads = uploads_ms(60)
-    print(f"60 uploads added: {uploads['uploaded']:.2f} ms, 60 device arrays added: {uploads['on_device']:.2f} ms")
+    print(f"60 uploads added: {uploads['uploaded']:.2f} ms, "
+          f"60 device arrays added: {uploads['on_device']:.2f} ms")
     if args.json:
         doc = {"kind": "speculation-steps", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                "command": " ".join(["python -m bench_lab.speculation_steps", *sys.argv[1:]]),

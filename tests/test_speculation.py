@@ -286,7 +286,7 @@ class _EveryOtherStepPlain(SpeculationSwitch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_plain_steps_that_align_the_rows_first_leave_the_tokens_and_the_kv_as_plain_batching(monkeypatch, arch):
+def test_plain_steps_that_align_the_rows_first_give_plain_batchings_tokens_and_kv(monkeypatch, arch):
     """A GPU's plain steps move ragged rows to one end first (ragged_kv.align):
     the tokens are BatchGenerator's, and each row's KV a fresh prefill's."""
     model = _quantized_tiny(arch)
@@ -295,7 +295,8 @@ def test_plain_steps_that_align_the_rows_first_leave_the_tokens_and_the_kv_as_pl
     monkeypatch.setattr("tierlm.engine.speculative_batch.PromptLookup", _Spoiled)
     ragged = []
     align = RaggedBatchKVCache.align
-    monkeypatch.setattr(RaggedBatchKVCache, "align", lambda c: ragged.append(len(set(c.ends)) > 1) or align(c))
+    monkeypatch.setattr(RaggedBatchKVCache, "align",
+                        lambda c: ragged.append(len(set(c.ends)) > 1) or align(c))
     prompts = [list(range(10, 40)) * 3, [7, 8, 9, 11] * 10, list(range(60, 90)) * 3]
 
     gen = SpeculativeGenerator(model)
