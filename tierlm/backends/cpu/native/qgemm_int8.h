@@ -119,15 +119,16 @@ static inline int strip_sources(const int8_job *j, long n, int lanes, const uint
   return 0;
 }
 
-/* kernel(per_group, ...) with a group of one block (every GGUF format's)
- * compiled apart: per_group a constant 1 (kernel inlined) leaves no division
- * a block and nothing carried from block to block but the sums. */
-#define BY_GROUP(kernel, ...)                                                                                       \
+/* kernel(per_group, ...) for a product of `group`-value groups, with a group
+ * of one block (every GGUF format's) compiled apart: per_group a constant 1
+ * (kernel inlined) leaves no division a block and nothing carried from block
+ * to block but the sums. */
+#define BY_GROUP(group, kernel, ...)                                                                                \
   do {                                                                                                              \
-    if (group == BLOCK)                                                                                             \
+    if ((group) == BLOCK)                                                                                           \
       kernel(1, __VA_ARGS__);                                                                                       \
     else                                                                                                            \
-      kernel(group / BLOCK, __VA_ARGS__);                                                                           \
+      kernel((group) / BLOCK, __VA_ARGS__);                                                                         \
   } while (0)
 
 /* 1 when the CPU has what `path` needs (under TIERLM_MAX_CPU_ISA). */

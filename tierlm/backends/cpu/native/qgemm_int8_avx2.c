@@ -102,6 +102,11 @@ INLINE8 void block_step8(__m256 *u, __m256 *acc, __m256i dot, const activations 
  * tiles' registers to the stack (kept_dots: 0.81-0.95x the time at 8-16 rows). */
 #define IN_ORDER(v) __asm__("" : "+x"(v))
 
+/* Words of 4 values whose vpmaddubsw sums a 16-bit lane holds before they are
+ * widened: 4 for 5-bit weights, 8 for 4-bit ones and 8-bit ones' nibble
+ * planes (8 x 2 x 15 x 127 < 2^15). */
+static inline int run_of(int bits) { return bits == 5 ? 4 : 8; }
+
 /* 16-bit pairs summed into 32-bit lanes */
 INLINE8 __m256i widen(__m256i pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
 
@@ -166,7 +171,7 @@ INLINE8 void one_row(const long per_group, const uint8_t *w, long row_bytes, lon
 #define ONE_ROW8(name, bits)                                                                                        \
   static TARGET8 void name(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,       \
                            const activations *a, float *out, fetch ahead[3]) {                                    \
-    BY_GROUP(one_row, w, row_bytes, K, columns, ls, a, out, ahead, bits);                                           \
+    BY_GROUP(group, one_row, w, row_bytes, K, columns, ls, a, out, ahead, bits);                                    \
   }
 
 /* ---- a few rows, 4- and 5-bit weights ----------------------------------- */
@@ -180,7 +185,7 @@ INLINE8 void one_row(const long per_group, const uint8_t *w, long row_bytes, lon
 #define FEW8 4
 INLINE8 void few_rows(const long per_group, const uint8_t *w, long row_bytes, long K, int columns, lane_scales ls,
                       const activations *a, float *out, long N, fetch ahead[3], const int bits, const int R) {
-  const int run = bits == 5 ? 4 : 8;
+  const int run = run_of(bits);
   long blocks = K / BLOCK, groups = blocks / per_group;
   __m256 acc[FEW8], u[FEW8];
   UNROLL for (int r = 0; r < R; r++) acc[r] = u[r] = _mm256_setzero_ps();
@@ -215,7 +220,7 @@ INLINE8 void few_rows(const long per_group, const uint8_t *w, long row_bytes, lo
 #define FEW_ROWS8(name, bits, R)                                                                                    \
   static TARGET8 void name(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,       \
                            const activations *a, float *out, long N, fetch ahead[3]) {                            \
-    BY_GROUP(few_rows, w, row_bytes, K, columns, ls, a, out, N, ahead, bits, R);                                    \
+    BY_GROUP(group, few_rows, w, row_bytes, K, columns, ls, a, out, N, ahead, bits, R);                             \
   }
 
 /* ---- kept strips, for two rows and more ---------------------------------- */
@@ -265,7 +270,7 @@ static size_t strip8_bytes(long K, int group, int bits) {
  * with bits, R and S constant, every loop unrolls into registers. */
 INLINE8 void kept_dots(__m256i dot[ROWS8][2], const strip8 *st, const int bits, const activations *a, long m0,
                        long K, long b, const int R, const int S) {
-  const int planes = planes_of(bits), run = bits == 5 ? 4 : 8;
+  const int planes = planes_of(bits), run = run_of(bits);
   UNROLL for (int p = 0; p < planes; p++) {
     UNROLL for (int j0 = 0; j0 < 8; j0 += run) {
       __m256i pairs[ROWS8][2];
@@ -316,7 +321,7 @@ INLINE8 void kept_tile(const long per_group, const strip8 *st, const int bits, c
 #define KEPT_ROWS8(name, bits, R, S)                                                                                \
   static TARGET8 void name(const strip8 *st, const activations *a, long m0, long K, int group, float *out, long N,  \
                            const int *columns) {                                                                    \
-    BY_GROUP(kept_tile, st, bits, a, m0, K, out, N, columns, R, S);                                                 \
+    BY_GROUP(group, kept_tile, st, bits, a, m0, K, out, N, columns, R, S);                                          \
   }
 
 typedef void (*one8_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,

@@ -215,7 +215,7 @@ static inline __attribute__((always_inline, target(ISA_VNNI512))) __m512i block_
   static __attribute__((target(isa))) void name(const uint8_t *w, long row_bytes, long K, int group, int columns,   \
                                                 lane_scales ls, const activations *a, float *out, long N,           \
                                                 fetch ahead[3]) {                                                   \
-    BY_GROUP(name##_tile, w, row_bytes, K, columns, ls, a, out, N, ahead);                                          \
+    BY_GROUP(group, name##_tile, w, row_bytes, K, columns, ls, a, out, N, ahead);                                   \
   }
 
 /* The sums of the two 8-lane halves of each of d[0..15] (one column's
@@ -269,7 +269,7 @@ static inline __attribute__((always_inline, target(ISA_VNNI512))) void half_sums
                                                 lane_scales ls, const activations *a, float *out, long N,           \
                                                 fetch ahead[3]) {                                                   \
     (void)N;                                                                                                        \
-    BY_GROUP(name##_tile, w, row_bytes, K, columns, ls, a, out, ahead);                                             \
+    BY_GROUP(group, name##_tile, w, row_bytes, K, columns, ls, a, out, ahead);                                      \
   }
 
 /* A kept strip: the weights as PAIR_OF_STRIP leaves them (v[j] of pair b at
@@ -314,7 +314,7 @@ static size_t strip_bytes(long K, int group) { return (size_t)K * STRIP + laid_s
   }                                                                                                                 \
   static __attribute__((target(ISA_VNNI512))) void name(strip st, const activations *a, long m0, long K, int group, \
                                                         float *out, long N, int columns) {                          \
-    BY_GROUP(name##_tile, st, a, m0, K, out, N, columns);                                                           \
+    BY_GROUP(group, name##_tile, st, a, m0, K, out, N, columns);                                                    \
   }
 
 typedef void (*few_fn)(const uint8_t *w, long row_bytes, long K, int group, int columns, lane_scales ls,
