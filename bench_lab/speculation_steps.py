@@ -18,16 +18,14 @@ part of the step it is. The tokens written do not matter here.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from bench_lab import lab_parser, write_result
 from tierlm.engine import warmup
 from tierlm.engine.speculative_batch import SpeculativeGenerator
 from tierlm.loadgen.edits import WORKLOADS
@@ -53,13 +51,13 @@ def generator(model, kind: str, prompts: list[list[int]], drafts: int):
     for _ in range(3):
         gen.next()
     if kind in ("ragged", "realigned"):
-        batch_ = gen.speculation
-        for c in batch_.prompt_cache:
+        spec = gen.speculation
+        for c in spec.prompt_cache:
             c.drop([i % 4 for i in range(batch)])
         if kind == "realigned":
-            if not hasattr(batch_, "align_plain"):
+            if not hasattr(spec, "align_plain"):  # a tree before it
                 return None
-            batch_.align_plain = True
+            spec.align_plain = True
     return gen
 
 
@@ -94,7 +92,7 @@ def uploads_ms(count: int, repeats: int = 50) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = lab_parser("bench_lab.speculation_steps", __doc__)
     p.add_argument("--model", required=True)
     p.add_argument("--batch", default="8")
     p.add_argument("--workload", default="prose")
@@ -128,11 +126,8 @@ def main() -> None:
     uploads = uploads_ms(60)
     print(f"60 uploads added: {uploads['uploaded']:.2f} ms, "
           f"60 device arrays added: {uploads['on_device']:.2f} ms")
-    if args.json:
-        doc = {"kind": "speculation-steps", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-               "command": " ".join(["python -m bench_lab.speculation_steps", *sys.argv[1:]]),
-               "device": str(mx.default_device()), "model": args.model, "rows": rows, "uploads_ms": uploads}
-        Path(args.json).write_text(json.dumps(doc, indent=1))
+    write_result(args, p, "speculation-steps",
+                 {"device": str(mx.default_device()), "model": args.model, "rows": rows, "uploads_ms": uploads})
 
 
 if __name__ == "__main__":
