@@ -121,6 +121,19 @@ class AlwaysDrafting(SpeculationSwitch):
         return True
 
 
+class AlternateDrafting(SpeculationSwitch):
+    """Steps that verify drafts and plain steps in turn: a warm-up's, so that a
+    GPU compiles what a plain step after a verification runs (and the other
+    way round) before requests need it."""
+
+    _drafted_last = False
+
+    def step(self, now: float, rows: int) -> bool:
+        super().step(now, rows)
+        self.drafting = self._drafted_last = not self._drafted_last
+        return self.drafting
+
+
 class SpeculativeBatch(GenerationBatch):
     """A GenerationBatch whose steps verify prompt-lookup drafts. Sequences draft
     only when `limits[uid]` (their request's draft length) is set, greedy or
@@ -146,6 +159,10 @@ class SpeculativeBatch(GenerationBatch):
         self._dry_run = self._dry_steps = 0  # steps not to look for drafts after finding none
         self.draft_source: DraftModelSource | None = None  # a draft model, where one is set
         self._draft_seconds = 0.0  # what the draft model took this step
+
+    def draft_alternately(self) -> None:
+        """Every other step verifies its drafts at their full width (warm-up jobs)."""
+        self.costs, self.switch = WidestSteps(), AlternateDrafting()
 
     def draft_always(self) -> None:
         """Every step verifies its drafts at their full width, whatever steps
@@ -348,10 +365,15 @@ class SpeculativeBatch(GenerationBatch):
         for i, row in drawn.items():  # a random row: the tokens its own keys draw there
             rest[i][: len(row)] = [t.item() for t in row]
         chosen = [[f, *g] for f, g in zip(first.tolist(), rest)]
-        dists = [[first_logprobs[i], *(lp[i] for lp in logprobs)] for i in range(len(last))]
+        # rows split apart as mlx-lm's plain step splits them: indexing one out
+        # (lp[i]) is a gather, a kernel a GPU compiled for 3.7 s at the first
+        # plain step after a verification (which evaluates these)
+        rows = [list(first_logprobs), *(list(lp) for lp in logprobs)]
+        dists = [[r[i] for r in rows] for i in range(len(last))]
         for i, draft in enumerate(drafts):
             if draft and self.logits_processors[i]:
-                chosen[i], dists[i] = self._choose_processed(i, logits[i], draft, chosen[i][0], first_logprobs[i])
+                chosen[i], dists[i] = self._choose_processed(i, logits[i : i + 1].squeeze(0), draft, chosen[i][0],
+                                                             rows[0][i])
         return chosen, dists
 
     def _choose_processed(self, i: int, logits: mx.array, draft: list[int], first: int,
@@ -371,7 +393,7 @@ class SpeculativeBatch(GenerationBatch):
             sampler = self.samplers[i]
             drawn = sampler.ahead(logprobs, j - 1) if isinstance(sampler, RandomSampler) else None
             chosen.append((mx.argmax(logprobs, axis=-1) if drawn is None else drawn).item())
-            dists.append(logprobs[0])
+            dists.append(logprobs.squeeze(0))
         return chosen, dists
 
     def _sample_first(self, logits: mx.array, last: list[int]) -> tuple[mx.array, mx.array]:

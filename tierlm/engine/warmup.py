@@ -9,9 +9,10 @@ few decode steps, greedy and sampled, of prompts of two lengths (a padded batch)
 half of them joining the others' running batch; nothing of it reaches the prefix
 cache.
 Where the engine speculates, on a GPU the decode steps are run again verifying
-drafts at each width a step may take (padded to powers of two): the first
-verification of a process compiled for ~33 s on the H200, and each new width a
-second or more after that. On a CPU (nothing to compile) they verify at full
+drafts at each width a step may take (padded to powers of two), every other
+step: the first verification of a process compiled for ~33 s on the H200, each
+new width a second or more after that, and a plain step after a verification
+runs kernels of its own. On a CPU (nothing to compile) they verify at full
 width only.
 """
 
@@ -136,7 +137,7 @@ def _decode_a_few(model, stream, batch: int, prompt_len: int, prefill_step: int,
             [quantized_slots(make_prompt_cache(model), kv_bits, key_scales) for _ in prompts]
         samplers = [sampled if i % 2 else greedy for i in range(batch)]
         if drafts:
-            gen.speculation.draft_always()
+            gen.speculation.draft_alternately()
         # half the rows, then the rest joining the running batch, as requests come
         first = batch - batch // 2
         pending = 0
