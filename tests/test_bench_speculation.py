@@ -23,3 +23,34 @@ def test_the_speculation_benchmark_runs_and_counts_drafts(model_path, tmp_path):
     assert row["on"]["summary"]["failed"] == row["off"]["summary"]["failed"] == 0
     assert set(row["drafts"]) >= {"proposed_tokens", "accepted_tokens", "steps"}
     assert all(isinstance(v, int) and v >= 0 for v in row["drafts"].values())
+
+
+def test_the_step_trace_times_every_step_and_lists_what_was_compiled(tmp_path):
+    """bench_lab.speculation_trace on a tiny model: every token of every
+    sequence is in some step, verifying steps are marked, and the kernels that
+    appear in the folder while a step runs are listed beside it."""
+    from mlx_lm.generate import BatchGenerator
+
+    from bench_lab.speculation_trace import trace
+    from tierlm.engine.speculative_batch import SpeculativeGenerator
+    from tierlm.models.random_model import tiny_model
+
+    model = tiny_model("llama")
+    prompts = [list(range(10, 30)) * 3, [7, 8, 9] * 12]
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    plain = trace(BatchGenerator(model), prompts, 12, 4, str(folder))
+    gen = SpeculativeGenerator(model)
+    step = gen.next
+    kernel = folder / "compiled.ptx"
+
+    def compiling_first():  # its first step compiles a kernel, as a GPU's may
+        if not kernel.exists():
+            kernel.write_text("")
+        return step()
+
+    gen.next = compiling_first
+    drafting = trace(gen, prompts, 12, 4, str(folder))
+    assert sum(s["tokens"] for s in plain) == sum(s["tokens"] for s in drafting) == 2 * 12
+    assert not any(s["verified"] for s in plain) and any(s["verified"] for s in drafting)
+    assert drafting[0]["compiled"] == ["compiled.ptx"] and "compiled" not in drafting[1]
