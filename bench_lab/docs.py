@@ -479,7 +479,8 @@ def render_models(doc: dict, path: Path) -> str:
 
 def speculation_title(doc: dict) -> str:
     where = "over HTTP" if doc["kind"] == "speculation" else "in the batch, in process"
-    return f"Speculative decoding on / off, {Path(doc['model']).name}, {where}"
+    variant = f", {doc['variant']}" if doc.get("variant") else ""  # a tree changed for the run: a table of its own
+    return f"Speculative decoding on / off, {Path(doc['model']).name}, {where}{variant}"
 
 
 def render_speculation(doc: dict, path: Path) -> str:
