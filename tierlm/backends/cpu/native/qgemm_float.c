@@ -80,7 +80,8 @@ INLINE float lanes_sum(vf v) { return vf_reduce_add(v); }
 INLINE void widen_halves(const uint16_t *from, long n, float *to) {
   long i = 0;
 #if VL == 16
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(to + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(from + i))));
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(to + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(from + i))));
 #else
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(to + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(from + i))));
 #endif

@@ -82,7 +82,8 @@ static TARGET8 void strip8_scales(const void *s, int half, long groups, int colu
 
 /* Group g's values of a strip's 8 columns (lane_scales), as float32. */
 INLINE8 __m256 group_lanes8(const void *p, int half, long g) {
-  return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p + g)) : _mm256_loadu_ps((const float *)p + g * STRIP8);
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p + g))
+              : _mm256_loadu_ps((const float *)p + g * STRIP8);
 }
 
 /* qgemm_vnni512.c's block_step, 8 outputs at once: the same order of float

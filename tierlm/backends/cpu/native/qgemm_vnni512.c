@@ -134,7 +134,8 @@ static __attribute__((target(ISA_VNNI512))) void strip_halves(const uint16_t *s,
 
 /* Group g's values of a strip's 16 columns (lane_scales), as float32. */
 static inline __attribute__((always_inline, target(ISA_VNNI512))) __m512 group_lanes(const void *p, int half, long g) {
-  return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p + g)) : _mm512_loadu_ps((const float *)p + g * STRIP);
+  return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p + g))
+              : _mm512_loadu_ps((const float *)p + g * STRIP);
 }
 
 /* One block of one activation row m for a strip's 16 outputs, the integer
