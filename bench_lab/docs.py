@@ -83,6 +83,10 @@ Tools (each writes result files; `python -m bench_lab.docs` renders them here):
   scheduler step in each part of the engine's worker against a bare loop's
   step (`--steps-only`, `--no-prefix-cache`, `--both`, `--json OUT`); a
   diagnostic (it wraps private methods), printed, not rendered here.
+- `python -m bench_lab.speculation_trace --model FOLDER --batch 4`: every step
+  of BatchGenerator and of the speculative batch on one workload, timed, with
+  the kernels a GPU compiled during each slow step (what MLX's CUDA backend
+  writes to `MLX_PTX_CACHE_DIR`); a diagnostic, printed, not rendered here.
 
 Targets:
 engine decode throughput ≥ 0.97 × a bare mlx-lm `BatchGenerator` at batch 1, 8, 32;
