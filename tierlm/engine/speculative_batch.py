@@ -166,8 +166,8 @@ class SpeculativeBatch(GenerationBatch):
 
     def draft_always(self) -> None:
         """Every step verifies its drafts at their full width, whatever steps
-        cost: warm-up jobs (the widths a GPU compiles), and tests whose drafts
-        must not depend on how fast this machine is."""
+        cost: tests and instruments whose drafts must not depend on how fast
+        this machine is."""
         self.costs, self.switch = WidestSteps(), AlwaysDrafting()
 
     def next(self) -> list:
