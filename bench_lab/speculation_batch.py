@@ -10,15 +10,13 @@ nor a network), and shows the batch alone.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from bench_lab import lab_parser, write_result
 from tierlm.engine import warmup
 from tierlm.engine.speculative_batch import SpeculativeGenerator
 from tierlm.loadgen.edits import WORKLOADS
@@ -51,7 +49,7 @@ def decode(generator, prompts: list[list[int]], max_tokens: int, eos: list[int],
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = lab_parser("bench_lab.speculation_batch", __doc__)
     p.add_argument("--model", required=True, help="a model folder")
     p.add_argument("--workloads", default="code-edit,prose")
     p.add_argument("--batch", default="1,4,8")
@@ -95,13 +93,10 @@ def main() -> None:
                 print(f"{name} batch {batch}: plain {row['plain']['decode_tok_s']:.1f}, speculative "
                       f"{row['speculative']['decode_tok_s']:.1f} tok/s ({row['ratio']:.2f}x), same tokens "
                       f"{row['same_tokens']}, {row['counters']}, switch {row['switch']['rates']}", flush=True)
-    if args.json:
-        for row in rows:  # the tokens were for the comparison
-            row["plain"].pop("tokens"), row["speculative"].pop("tokens")
-        doc = {"kind": "speculation-batch", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-               "command": " ".join(["python -m bench_lab.speculation_batch", *sys.argv[1:]]),
-               "device": str(mx.default_device()), "model": args.model, "rows": rows}
-        Path(args.json).write_text(json.dumps(doc, indent=1))
+    for row in rows:  # the tokens were for the comparison
+        row["plain"].pop("tokens"), row["speculative"].pop("tokens")
+    write_result(args, p, "speculation-batch", {"device": str(mx.default_device()), "model": args.model,
+                                                "rows": rows})
 
 
 if __name__ == "__main__":

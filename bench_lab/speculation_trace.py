@@ -69,7 +69,7 @@ def summary(steps: list[dict]) -> str:
 def main() -> None:
     from bench_lab import lab_parser, write_result
 
-    parser = lab_parser(__name__, __doc__)
+    parser = lab_parser("bench_lab.speculation_trace", __doc__)
     parser.add_argument("--model", required=True, help="a model folder")
     parser.add_argument("--workload", default="prose", help="code-edit, agent-edit or prose")
     parser.add_argument("--batch", type=int, default=4, help="sequences at once (the workload's prompts)")
