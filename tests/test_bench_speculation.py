@@ -10,16 +10,21 @@ import sys
 
 import pytest
 
+from tierlm.bench import speculation_bench
+
 
 @pytest.mark.slow  # a server and a code edit asked twice
 def test_the_speculation_benchmark_runs_and_counts_drafts(model_path, tmp_path):
     out = tmp_path / "speculation.json"
     done = subprocess.run([sys.executable, "-m", "tierlm.cli", "bench", "speculation", "--model", str(model_path),
-                           "--workloads", "code-edit", "--concurrency", "1", "--rounds", "1", "--max-tokens", "24",
-                           "--threads", "2", "--json", str(out)], capture_output=True, text=True, timeout=600)
+                           "--workloads", "code-edit", "--concurrency", "1", "--prompts", "2", "--rounds", "1",
+                           "--max-tokens", "24", "--threads", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (row,) = json.loads(out.read_text())["results"]
-    assert row["workload"] == "code-edit" and row["same_text"]
+    assert row["workload"] == "code-edit" and row["same_text"] and row["prompts"] == 2
+    assert len(row["on"]["texts"]) == len(row["off"]["texts"]) == 2  # two requests over one stream
+    assert speculation_bench.table([row])[1][0][1] == "1 (2 requests)"
     assert row["on"]["summary"]["failed"] == row["off"]["summary"]["failed"] == 0
     assert set(row["drafts"]) >= {"proposed_tokens", "accepted_tokens", "steps"}
     assert all(isinstance(v, int) and v >= 0 for v in row["drafts"].values())

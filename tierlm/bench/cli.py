@@ -99,6 +99,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--workloads", default="code-edit,agent-edit,prose", help="comma list of code-edit, "
                                                                           "agent-edit, prose")
     p.add_argument("--concurrency", default="1,4", help="comma list of streams")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="requests a run sends (up to 8), a stream's next sent as its last ends; default: one a "
+                        "stream, all at once")
     p.add_argument("--rounds", type=int, default=1, help="runs of each; on/off order alternates each round")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=None, help="tierlm's CPU compute threads")
@@ -199,7 +202,7 @@ def cmd_speculation(args) -> int:
             return next(e for e in engines if e["model"] == model)["speculation"]
 
         results = speculation_bench.run(server.base_url, model, args.workloads.split(","), concurrency,
-                                        args.rounds, args.max_tokens, drafts)
+                                        args.rounds, args.max_tokens, drafts, args.prompts)
     header, rows = speculation_bench.table(results)
     print_table(f"speculation on / off, {args.model}, greedy, medians of {args.rounds} round(s)", header, rows)
     if args.json:

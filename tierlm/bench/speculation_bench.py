@@ -44,9 +44,10 @@ def with_drafts(workload: Workload, on: bool) -> Workload:
     return Workload(workload.name, sessions, workload.params)
 
 
-def run_pair(base_url: str, model: str, workload: Workload, first_on: bool) -> dict:
-    """The workload with drafts on and off (in that order or the other), all at once."""
-    cfg = LoadConfig(base_url, model=model, temperature=0.0, ignore_eos=False, timeout_s=1800)
+def run_pair(base_url: str, model: str, workload: Workload, first_on: bool, streams: int | None = None) -> dict:
+    """The workload with drafts on and off (in that order or the other): all
+    at once, or `streams` requests in flight at most, the next sent as one ends."""
+    cfg = LoadConfig(base_url, model=model, temperature=0.0, ignore_eos=False, timeout_s=1800, concurrency=streams)
     out = {}
     for on in (first_on, not first_on):
         records, duration = asyncio.run(run_load(with_drafts(workload, on), cfg))
@@ -57,17 +58,22 @@ def run_pair(base_url: str, model: str, workload: Workload, first_on: bool) -> d
 
 
 def run(base_url: str, model: str, workloads: list[str], concurrencies: list[int], rounds: int,
-        max_tokens: int, stats=None) -> list[dict]:
+        max_tokens: int, stats=None, prompts: int | None = None) -> list[dict]:
     """Every workload at every concurrency, `rounds` times, sent to `model`;
-    `stats()` reads the model's draft counters after each run (or None)."""
+    `stats()` reads the model's draft counters after each run (or None).
+    `prompts`: requests a run sends (the workload's first ones), at most a
+    concurrency's worth in flight, as a server's clients send their next
+    request when one ends; None: one a stream, all at once (the run then ends
+    with the sequence that gained least from its drafts)."""
     results = []
     for name in workloads:
         for c in concurrencies:
+            n = max(c, prompts or c)
             for rnd in range(rounds):
                 before = stats() if stats else None
-                pair = run_pair(base_url, model, WORKLOADS[name](c, max_tokens), first_on=rnd % 2 == 0)
+                pair = run_pair(base_url, model, WORKLOADS[name](n, max_tokens), first_on=rnd % 2 == 0, streams=c)
                 after = stats() if stats else None
-                row = {"workload": name, "concurrency": c, "round": rnd, **pair,
+                row = {"workload": name, "concurrency": c, "prompts": n, "round": rnd, **pair,
                        "same_text": pair["on"]["texts"] == pair["off"]["texts"]}
                 if before and after:
                     row["drafts"] = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
@@ -96,7 +102,9 @@ def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
         drafts = [r["drafts"] for r in runs if "drafts" in r]
         drafted = sum(d["proposed_tokens"] for d in drafts)
         accepted = sum(d["accepted_tokens"] for d in drafts)
-        rows.append([name, str(c), f"{med('on', 'decode_tok_s'):.1f}", f"{med('off', 'decode_tok_s'):.1f}",
+        sent = runs[0].get("prompts", c)  # requests a run sent, a stream's next as its last ended
+        streams = str(c) if sent == c else f"{c} ({sent} requests)"
+        rows.append([name, streams, f"{med('on', 'decode_tok_s'):.1f}", f"{med('off', 'decode_tok_s'):.1f}",
                      f"{med('on', 'decode_tok_s') / med('off', 'decode_tok_s'):.2f}x",
                      f"{med('on', 'output_tok_s'):.1f}", f"{med('off', 'output_tok_s'):.1f}",
                      f"{med('on', 'output_tok_s') / med('off', 'output_tok_s'):.2f}x",
