@@ -30,14 +30,32 @@ def load(folder: Path):
     return load_model(folder)
 
 
-def decode(generator, prompts: list[list[int]], max_tokens: int, eos: list[int], drafts: int) -> tuple:
-    """Tokens of each sequence, and decode tokens a second while all decode."""
+def workload_prompts(tokenizer, workload) -> list[list[int]]:
+    """Each session's first request as the chat template renders it, tools included."""
+    return [tokenizer.apply_chat_template(s[0].messages, tools=s[0].extra.get("tools"), add_generation_prompt=True)
+            for s in workload.sessions]
+
+
+def insert(generator, prompts: list[list[int]], max_tokens: int, drafts: int) -> list[int]:
+    """The prompts into `generator`, each drafting up to `drafts` tokens a step
+    where it is a SpeculativeGenerator; their uids."""
     uids = generator.insert(prompts, max_tokens=[max_tokens] * len(prompts))
     if isinstance(generator, SpeculativeGenerator):
         for uid in uids:
             generator.speculation.limits[uid] = drafts
+    return uids
+
+
+def running(generator) -> bool:
+    """A sequence is still waiting, prefilling or decoding."""
+    return bool(generator._unprocessed_sequences or len(generator._prompt_batch) or len(generator._generation_batch))
+
+
+def decode(generator, prompts: list[list[int]], max_tokens: int, eos: list[int], drafts: int) -> tuple:
+    """Tokens of each sequence, and decode tokens a second while all decode."""
+    uids = insert(generator, prompts, max_tokens, drafts)
     out, counted, start = {uid: [] for uid in uids}, 0, None
-    while generator._unprocessed_sequences or len(generator._prompt_batch) or len(generator._generation_batch):
+    while running(generator):
         responses = generator.next()[1]
         if start is None and len(generator._generation_batch) == len(prompts):
             start, counted = time.perf_counter(), 0
@@ -71,8 +89,7 @@ def main() -> None:
     for name in args.workloads.split(","):
         for batch in map(int, args.batch.split(",")):
             workload = WORKLOADS[name](batch, args.max_tokens)
-            prompts = [tokenizer.apply_chat_template(s[0].messages, tools=s[0].extra.get("tools"),
-                                                     add_generation_prompt=True) for s in workload.sessions]
+            prompts = workload_prompts(tokenizer, workload)
             for rnd in range(args.rounds):
                 row = {"workload": name, "batch": batch, "round": rnd}
                 for kind in (("plain", "speculative") if rnd % 2 == 0 else ("speculative", "plain")):

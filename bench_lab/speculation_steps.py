@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from bench_lab import lab_parser, write_result
+from bench_lab.speculation_batch import insert, workload_prompts
 from tierlm.engine import warmup
 from tierlm.engine.speculative_batch import SpeculativeGenerator
 from tierlm.loadgen.edits import WORKLOADS
@@ -41,11 +42,9 @@ def generator(model, kind: str, prompts: list[list[int]], drafts: int):
         gen = BatchGenerator(model, **options)
     else:
         gen = SpeculativeGenerator(model, lookup=warmup.RepeatDrafts, **options)
-    uids = gen.insert(prompts, max_tokens=[100_000] * batch)
+    insert(gen, prompts, 100_000, drafts if kind == "verify" else 0)
     if kind == "verify":
         gen.speculation.draft_always()
-        for uid in uids:
-            gen.speculation.limits[uid] = drafts
     while len(gen._generation_batch) < batch:
         gen.next()
     for _ in range(3):
@@ -109,8 +108,7 @@ def main() -> None:
     rows = []
     for batch in map(int, args.batch.split(",")):
         warmup.run_shape(model, mx.default_stream(mx.default_device()), batch, 16, 2048, args.drafts)
-        sessions = WORKLOADS[args.workload](batch, 1).sessions
-        prompts = [tokenizer.apply_chat_template(s[0].messages, add_generation_prompt=True) for s in sessions]
+        prompts = workload_prompts(tokenizer, WORKLOADS[args.workload](batch, 1))
         times = {k: [] for k in kinds}
         for _ in range(args.repeats):
             for kind in kinds:

@@ -30,14 +30,13 @@ def kernel_files(folder: str) -> set[str]:
 def trace(gen, prompts: list[list[int]], max_tokens: int, drafts: int, folder: str) -> list[dict]:
     """Each step's rows, tokens, milliseconds, whether it verified drafts, and
     the kernel files that appeared while it ran (where looked)."""
+    from bench_lab.speculation_batch import insert, running
     from tierlm.engine.speculative_batch import SpeculativeGenerator
 
     speculative = isinstance(gen, SpeculativeGenerator)
-    for uid in gen.insert(prompts, max_tokens=[max_tokens] * len(prompts)):
-        if speculative:
-            gen.speculation.limits[uid] = drafts
+    insert(gen, prompts, max_tokens, drafts)
     steps, seen = [], kernel_files(folder)
-    while gen._unprocessed_sequences or len(gen._prompt_batch) or len(gen._generation_batch):
+    while running(gen):
         rows = len(gen._generation_batch)
         verified = gen.speculation.counters.speculative_steps if speculative else 0
         tic = time.perf_counter()
@@ -68,6 +67,7 @@ def summary(steps: list[dict]) -> str:
 
 def main() -> None:
     from bench_lab import lab_parser, write_result
+    from bench_lab.speculation_batch import workload_prompts
 
     parser = lab_parser("bench_lab.speculation_trace", __doc__)
     parser.add_argument("--model", required=True, help="a model folder")
@@ -96,9 +96,7 @@ def main() -> None:
         warmup.run_shape(model, mx.default_stream(mx.default_device()), size, warmup.SHORT_PROMPT, 2048,
                          args.drafts)
     print(f"warm-up {time.perf_counter() - tic:.1f} s; kernels in {folder}", flush=True)
-    workload = WORKLOADS[args.workload](args.batch, args.max_tokens)
-    prompts = [tokenizer.apply_chat_template(s[0].messages, tools=s[0].extra.get("tools"),
-                                             add_generation_prompt=True) for s in workload.sessions]
+    prompts = workload_prompts(tokenizer, WORKLOADS[args.workload](args.batch, args.max_tokens))
     runs = []
     for rnd in range(args.rounds):
         for kind in (("plain", "speculative") if rnd % 2 == 0 else ("speculative", "plain")):

@@ -68,12 +68,12 @@ def run(base_url: str, model: str, workloads: list[str], concurrencies: list[int
     results = []
     for name in workloads:
         for c in concurrencies:
-            n = max(c, prompts or c)
+            workload = WORKLOADS[name](max(c, prompts or c), max_tokens)  # a workload has 8 prompts at most
             for rnd in range(rounds):
                 before = stats() if stats else None
-                pair = run_pair(base_url, model, WORKLOADS[name](n, max_tokens), first_on=rnd % 2 == 0, streams=c)
+                pair = run_pair(base_url, model, workload, first_on=rnd % 2 == 0, streams=c)
                 after = stats() if stats else None
-                row = {"workload": name, "concurrency": c, "prompts": n, "round": rnd, **pair,
+                row = {"workload": name, "concurrency": c, "prompts": workload.num_requests, "round": rnd, **pair,
                        "same_text": pair["on"]["texts"] == pair["off"]["texts"]}
                 if before and after:
                     row["drafts"] = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
