@@ -140,7 +140,9 @@ def test_a_small_context_limit_cuts_max_tokens_and_the_context_manager_closes(mo
         assert len(outputs) == 2 and all(o.token_ids for o in outputs)
         engine = llm.engine
     assert not engine.is_alive and engine.model is None
-    assert ours() - before == set()  # the engine's worker and the loop's thread ended
+    # the loop's thread ended; the engine's worker, if this LLM made one, is parked
+    # for the next engine (engine/workers.py), not running for this one
+    assert {t.name for t in ours() - before} <= {"mlx-idle"}
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate(PROMPTS[0], GREEDY)
     llm.close()  # twice is fine
