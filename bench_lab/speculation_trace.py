@@ -65,6 +65,17 @@ def summary(steps: list[dict]) -> str:
     return "; ".join(parts) + ("\n  slow: " + "; ".join(slow) if slow else "")
 
 
+def warm_jobs(warm: str) -> list[tuple[int, int]]:
+    """(batch, prompt length) of each warm job: short prompts at each size given, or
+    `server:N` the jobs a server at --max-concurrent-requests N runs (its long
+    prompts too, without the long-context one)."""
+    from tierlm.engine import warmup
+
+    if warm.startswith("server:"):
+        return warmup.warm_shapes(int(warm.split(":")[1]), compiles=True)
+    return [(int(size), warmup.SHORT_PROMPT) for size in warm.split(",")]
+
+
 def main() -> None:
     from bench_lab import lab_parser, write_result
     from bench_lab.speculation_batch import workload_prompts
@@ -76,7 +87,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--drafts", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warm", default=None, help="comma list of batch sizes to warm first (default: --batch)")
+    parser.add_argument("--warm", default=None, help="comma list of batch sizes to warm first (default: --batch), "
+                                                     "or server:N, a server's warm-up at N requests at most")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     folder = os.environ.setdefault("MLX_PTX_CACHE_DIR", tempfile.mkdtemp(prefix="kernels-"))  # before MLX compiles
@@ -92,9 +104,8 @@ def main() -> None:
     model, tokenizer = load_model(Path(args.model))
     eos = sorted(tokenizer.eos_token_ids)
     tic = time.perf_counter()
-    for size in map(int, (args.warm or str(args.batch)).split(",")):
-        warmup.run_shape(model, mx.default_stream(mx.default_device()), size, warmup.SHORT_PROMPT, 2048,
-                         args.drafts)
+    for size, prompt_len in warm_jobs(args.warm or str(args.batch)):
+        warmup.run_shape(model, mx.default_stream(mx.default_device()), size, prompt_len, 2048, args.drafts)
     print(f"warm-up {time.perf_counter() - tic:.1f} s; kernels in {folder}", flush=True)
     prompts = workload_prompts(tokenizer, WORKLOADS[args.workload](args.batch, args.max_tokens))
     runs = []

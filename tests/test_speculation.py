@@ -316,6 +316,29 @@ def test_a_warm_job_runs_a_plain_step_after_a_verification(monkeypatch):
     assert ("verify", "plain") in set(zip(kinds, kinds[1:])), kinds
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_a_warm_job_writes_rows_that_end_apart(monkeypatch, arch):
+    """On a GPU the scatter that writes keys of rows ending at different places
+    (ragged_kv) is compiled at warm-up: an H100 compiled it for ~3.5 s in the
+    first requests at four streams. The drafting jobs' rows may all take their
+    drafts alike, so warm-up makes rows end apart itself, in every kind of
+    layer (gemma3_text: sliding windows too)."""
+    from tierlm.engine import ragged_kv, speculative_batch
+
+    monkeypatch.setattr(speculative_batch, "pads_widths", lambda: True)  # as on a GPU
+    monkeypatch.setattr(warmup, "pads_widths", lambda: True)
+    written = []
+    write = ragged_kv.RaggedBatchKVCache.update_and_fetch
+    monkeypatch.setattr(ragged_kv.RaggedBatchKVCache, "update_and_fetch",
+                        lambda self, k, v: written.append((type(self).__name__, len(set(self.ends)))) or write(self, k, v))
+    model = tiny_model(arch, vocab_size=512)
+    warmup.run_shape(model, mx.default_stream(mx.default_device()), 1, warmup.SHORT_PROMPT, 2048, 3)
+    apart = {kind for kind, ends in written if ends > 1}
+    layers = {type(c).__name__ for c in make_prompt_cache(model)}
+    assert apart == ({"RaggedBatchKVCache", "RaggedWindowKVCache"} if "RotatingKVCache" in layers
+                     else {"RaggedBatchKVCache"}), (written, layers)
+
+
 def test_a_padded_width_is_a_power_of_two_or_the_widest():
     assert [padded_width(w, 8) for w in range(2, 9)] == [2, 4, 4, 8, 8, 8, 8]
     assert [padded_width(w, 6) for w in range(2, 7)] == [2, 4, 4, 6, 6]

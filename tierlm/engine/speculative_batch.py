@@ -437,7 +437,7 @@ class SpeculativeBatch(GenerationBatch):
         each can give back its rejected tokens alone."""
         super().extend(batch)
         if self.enabled:
-            self.prompt_cache = [_ragged(c) for c in self.prompt_cache]
+            self.prompt_cache = [ragged(c) for c in self.prompt_cache]
 
     def filter(self, keep: list[int]) -> None:
         super().filter(keep)
@@ -458,8 +458,9 @@ def padded_width(width: int, most: int) -> int:
     return min(1 << (width - 1).bit_length(), max(most, width))
 
 
-def _ragged(cache):
-    """A layer's batch cache as ragged rows (the same if it is already)."""
+def ragged(cache):
+    """A layer's batch cache as ragged rows (the same if it is already, or if its
+    rows cannot be: quantized KV)."""
     if type(cache) is BatchKVCache:
         return RaggedBatchKVCache.of(cache)
     if type(cache) is BatchRotatingKVCache:

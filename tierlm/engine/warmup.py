@@ -29,7 +29,7 @@ from tierlm.engine.drafts import PromptLookup
 from tierlm.engine.quantized_kv import quantized_slots
 from tierlm.engine.request import SamplingParams
 from tierlm.engine.sampling import make_request_sampler
-from tierlm.engine.speculative_batch import SpeculativeGenerator, padded_width, pads_widths
+from tierlm.engine.speculative_batch import SpeculativeGenerator, padded_width, pads_widths, ragged
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,27 @@ def run_shape(model, stream, batch: int, prompt_len: int, prefill_step: int, dra
         widths = widths[:1]
     for width in widths:
         _decode_a_few(model, stream, batch, prompt_len, prefill_step, width - 1, kv_bits, key_scales)
+    if drafts and kv_bits == 16 and pads_widths():
+        _rows_ending_apart(model, stream)
     return time.perf_counter() - tic
+
+
+def _rows_ending_apart(model, stream) -> None:
+    """A decode step of two rows that end at different places, as after a
+    verification that kept more of one row's drafts than of the other's. MLX's
+    CUDA backend compiles the scatter that writes such rows' keys
+    (ragged_kv: put_along_axis) the first time, per dtype: on an H100 the first
+    requests at four streams paid ~3.5 s for it, as the drafting jobs' rows
+    had taken their drafts alike and never ended apart."""
+    rows = [make_prompt_cache(model) for _ in range(2)]
+    with mx.stream(stream):
+        for length, cache in zip((3, 2), rows):
+            model(mx.array([[1] * length]), cache=cache)
+        batch = [ragged(type(layer[0]).merge(list(layer))) for layer in zip(*rows)]
+        for cache in batch:
+            if hasattr(cache, "drop"):
+                cache.drop([1, 0])  # the first row gives back a token: the rows end apart
+        mx.eval(model(mx.array([[1], [1]]), cache=batch))
 
 
 def draft_widths(drafts: int) -> list[int]:
