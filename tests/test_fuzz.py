@@ -1269,8 +1269,11 @@ def fuzz_server(model_path, tmp_path_factory):
     from conftest import start_server, stop_server
 
     folder = tmp_path_factory.mktemp("fuzz")
+    # Blocks of 16 tokens: the bodies' shared template start is a cache hit (more of the
+    # cache under bad input, and half the prefill); a body without max_tokens writes 16.
     srv = start_server(
-        model_path, folder / "server.log", "--no-ssd-cache", "--max-body-bytes", str(BODY_LIMIT)
+        model_path, folder / "server.log", "--no-ssd-cache", "--max-body-bytes", str(BODY_LIMIT),
+        "--cache-block-size", "16", "--default-max-tokens", "16",
     )
     srv.before = greedy_answers(srv.base_url)
     yield srv
