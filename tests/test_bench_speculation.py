@@ -59,3 +59,12 @@ def test_the_step_trace_times_every_step_and_lists_what_was_compiled(tmp_path):
     assert sum(s["tokens"] for s in plain) == sum(s["tokens"] for s in drafting) == 2 * 12
     assert not any(s["verified"] for s in plain) and any(s["verified"] for s in drafting)
     assert drafting[0]["compiled"] == ["compiled.ptx"] and "compiled" not in drafting[1]
+
+
+def test_the_step_trace_warms_as_asked_or_as_a_server_does():
+    from bench_lab.speculation_trace import warm_jobs
+    from tierlm.engine import warmup
+
+    assert warm_jobs("1,4") == [(1, warmup.SHORT_PROMPT), (4, warmup.SHORT_PROMPT)]
+    server = warm_jobs("server:8")
+    assert server == warmup.warm_shapes(8, compiles=True) and (8, warmup.LONG_PROMPT) in server
