@@ -473,8 +473,8 @@ def test_answers_of_the_default_model_equal_with_and_without_speculation(loaded,
 
     def batches():  # a grammar's state is a request's own: fresh ones for each engine
         # the edits share one ~770-token source with the listing (prefix-cache hits)
-        return [[(SHORT_EDIT, {"max_tokens": 72})], [(PROSE, {"max_tokens": 48})],
-                [(listing, {"max_tokens": 60, "constraint": grammars.constraint(json_schema_grammar(schema))})],
+        return [[(SHORT_EDIT, {"max_tokens": 48})], [(PROSE, {"max_tokens": 24})],
+                [(listing, {"max_tokens": 40, "constraint": grammars.constraint(json_schema_grammar(schema))})],
                 [(SHORT_EDIT, {"max_tokens": 40, "stop": ["0.30*r"]}),  # mid-copy, where drafts run long
                  (SHORT_EDIT, {"max_tokens": 40, "logprobs": 2}),
                  (SHORT_EDIT, {"max_tokens": 40, "presence_penalty": 0.5, "repetition_penalty": 1.1}),
@@ -506,9 +506,9 @@ def test_gemma_answers_equal_with_and_without_speculation_past_its_sliding_windo
     assert len(story) > 512 + 256  # past the window by more than a prefill chunk
 
     def batches():
-        return [[(copy, {"max_tokens": 80})],
-                [(copy, {"max_tokens": 64, "temperature": 0.5, "seed": 4}), (story, {"max_tokens": 40}),
-                 (copy, {"max_tokens": 64, "stop": ["RGB: Red"]})]]  # ~35 tokens into the copy
+        return [[(copy, {"max_tokens": 56})],
+                [(copy, {"max_tokens": 48, "temperature": 0.5, "seed": 4}), (story, {"max_tokens": 32}),
+                 (copy, {"max_tokens": 48, "stop": ["RGB: Red"]})]]  # ~35 tokens into the copy
 
     async def answers(**settings):
         engine = await started(gemma, **{"speculation": "prompt-lookup", **settings})
@@ -522,7 +522,7 @@ def test_gemma_answers_equal_with_and_without_speculation_past_its_sliding_windo
 
     on, counters = run(answers())
     off, _ = run(answers(speculation="off"))
-    assert counters.accepted_tokens > 100 and on[-1].finish_reason == "stop", on[-1].text
+    assert counters.accepted_tokens > 75 and on[-1].finish_reason == "stop", on[-1].text  # 123 on the Xeon
     for a, b in zip(on, off):
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
 
