@@ -327,10 +327,14 @@ def test_a_warm_job_writes_rows_that_end_apart(monkeypatch, arch):
 
     monkeypatch.setattr(speculative_batch, "pads_widths", lambda: True)  # as on a GPU
     monkeypatch.setattr(warmup, "pads_widths", lambda: True)
-    written = []
+    written = []  # (the cache's class, how many different ends its rows had) at each write
     write = ragged_kv.RaggedBatchKVCache.update_and_fetch
-    monkeypatch.setattr(ragged_kv.RaggedBatchKVCache, "update_and_fetch",
-                        lambda self, k, v: written.append((type(self).__name__, len(set(self.ends)))) or write(self, k, v))
+
+    def counted(self, keys, values):
+        written.append((type(self).__name__, len(set(self.ends))))
+        return write(self, keys, values)
+
+    monkeypatch.setattr(ragged_kv.RaggedBatchKVCache, "update_and_fetch", counted)
     model = tiny_model(arch, vocab_size=512)
     warmup.run_shape(model, mx.default_stream(mx.default_device()), 1, warmup.SHORT_PROMPT, 2048, 3)
     apart = {kind for kind, ends in written if ends > 1}

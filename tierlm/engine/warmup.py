@@ -12,7 +12,9 @@ Where the engine speculates, on a GPU the decode steps are run again verifying
 drafts at each width a step may take (padded to powers of two), every other
 step: the first verification of a process compiled for ~33 s on the H200, each
 new width a second or more after that, and a plain step after a verification
-runs kernels of its own. On a CPU (nothing to compile) they verify at full
+runs kernels of its own; then one step of rows that end at different places
+(as after a verification that kept more of one row's drafts), whose key write
+is a kernel of its own too. On a CPU (nothing to compile) they verify at full
 width only.
 """
 
