@@ -121,8 +121,7 @@ def _rows_ending_apart(model, stream) -> None:
             model(mx.array([[1] * length]), cache=cache)
         batch = [ragged(type(layer[0]).merge(list(layer))) for layer in zip(*rows)]
         for cache in batch:
-            if hasattr(cache, "drop"):
-                cache.drop([1, 0])  # the first row gives back a token: the rows end apart
+            cache.drop([1, 0])  # the first row gives back a token: the rows end apart
         mx.eval(model(mx.array([[1], [1]]), cache=batch))
 
 
