@@ -68,11 +68,13 @@ def summary(steps: list[dict]) -> str:
 def warm_jobs(warm: str) -> list[tuple[int, int]]:
     """(batch, prompt length) of each warm job: short prompts at each size given, or
     `server:N` the jobs a server at --max-concurrent-requests N runs (its long
-    prompts too, without the long-context one)."""
+    prompts too, without the long-context one and its requests job, which needs
+    an engine)."""
     from tierlm.engine import warmup
 
     if warm.startswith("server:"):
-        return warmup.warm_shapes(int(warm.split(":")[1]), compiles=True)
+        return [(job.batch, job.prompt_len) for job in warmup.warm_shapes(int(warm.split(":")[1]), compiles=True)
+                if not job.requests]
     return [(int(size), warmup.SHORT_PROMPT) for size in warm.split(",")]
 
 

@@ -185,12 +185,14 @@ def test_warm_batch_sizes_cover_each_power_of_two_and_the_size_after():
     assert warmup.batch_sizes(1) == [1]
     assert warmup.batch_sizes(8) == [1, 2, 3, 4, 5, 8]
     assert warmup.batch_sizes(32) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32]
-    assert warmup.warm_shapes(2, compiles=False) == [(1, warmup.LONG_PROMPT), (1, warmup.SHORT_PROMPT),
-                                                     (2, warmup.SHORT_PROMPT)]
-    # where kernels compile per shape (a GPU), a full batch of long prompts, then one long context
-    assert warmup.warm_shapes(2, compiles=True)[-1] == (2, warmup.LONG_PROMPT)
-    assert warmup.warm_shapes(2, compiles=True, long_context=8192)[-2:] == [(2, warmup.LONG_PROMPT), (1, 8192)]
-    assert warmup.warm_shapes(2, compiles=False, long_context=8192)[-1] == (2, warmup.SHORT_PROMPT)
+    requests = warmup.WarmJob(2, warmup.SHORT_REQUEST, requests=True)  # then requests, their cache their own
+    assert warmup.warm_shapes(2, compiles=False) == [(1, warmup.LONG_PROMPT, False), (1, warmup.SHORT_PROMPT, False),
+                                                     (2, warmup.SHORT_PROMPT, False), requests]
+    # where kernels compile per shape (a GPU), a full batch of long prompts, then requests and one long context
+    assert (2, warmup.LONG_PROMPT, False) in warmup.warm_shapes(2, compiles=True)
+    assert warmup.warm_shapes(2, compiles=True, long_context=8192)[-1] == (1, 8192, False)
+    assert warmup.warm_shapes(2, compiles=False, long_context=8192)[-1] == requests
+    assert (warmup.REQUEST_ROWS, warmup.LONG_PROMPT, True) in warmup.warm_shapes(32, compiles=True)
 
 
 def test_the_long_warm_prompt_keeps_within_the_context_and_the_memory_in_whole_chunks():
@@ -218,6 +220,35 @@ def test_warming_runs_while_idle_and_leaves_the_cache_and_answers_alone(loaded):
     jobs, text, blocks = run(answer_and_blocks(warmup=True, warmup_wait_s=0, max_concurrent_requests=4))
     assert cold_jobs == [] and jobs == warmup.warm_shapes(4)
     assert text == expected and blocks == cold_blocks
+
+
+def test_a_requests_warm_job_stores_and_hits_in_a_cache_of_its_own(loaded):
+    """The requests job's second wave finds the first wave's blocks, in a cache
+    that is not the engine's: the engine's stores and finds nothing of it, and
+    the engine serves the same answer after it."""
+
+    async def go():
+        engine = await started(loaded)
+        before = await engine.generate(request(loaded, engine, max_tokens=8))
+        engine_stats = await engine.cache_stats()
+        scratch = []
+
+        def new_scheduler():
+            scratch.append(engine._scratch_scheduler(engine.scheduler))
+            return scratch[-1]
+
+        await engine.on_worker(lambda: warmup.run_requests(new_scheduler, 2, warmup.SHORT_REQUEST))
+        after = await engine.generate(request(loaded, engine, max_tokens=8))
+        stats = (scratch[0].cache.snapshot_stats(), engine_stats, await engine.cache_stats())
+        await engine.close()
+        return before.text, after.text, stats
+
+    before, after, (warm, engine_before, engine_after) = run(go())
+    block = Settings().cache_block_size
+    assert warm["stored_blocks"] >= 2 * (warmup.SHORT_REQUEST // block)  # both rows' prompts and answers
+    assert warm["hit_tokens"] >= 2 * (warmup.SHORT_REQUEST // block) * block  # the next turns found them
+    assert engine_after["stored_blocks"] == engine_before["stored_blocks"]
+    assert engine_after["hit_tokens"] == engine_before["hit_tokens"] and after == before
 
 
 @pytest.mark.slow  # warms batch shapes

@@ -94,7 +94,7 @@ class EngineCore:
         # its end, so a reader never gets a later piece before an earlier one
         self._posted: deque[list[RequestOutput]] = deque()
         self._task: asyncio.Task | None = None
-        self._warm_jobs: list[tuple[int, int]] = []  # (batch, prompt length) still to warm, while idle
+        self._warm_jobs: list[warmup.WarmJob] = []  # still to run, while idle
         self.warm_seconds = 0.0  # spent warming so far
         self._closed = False
         self._last_log = time.monotonic()
@@ -162,13 +162,13 @@ class EngineCore:
             self.profile.kv_bytes_per_token / 2**10,
             limit / 2**20,
         )
-        cache = self._make_prefix_cache()
+        scheduler = Scheduler(self.model, self.tokenizer, sched_config, guard, stream, self._make_prefix_cache(),
+                              self._elsewhere, self._relieve, lockstep=self.lockstep)
         if self._warms(mx.default_device()):
             self._warm_jobs = warmup.warm_shapes(self.config.max_concurrent_requests,
                                                  long_context=self._long_warm_tokens(guard, prefill_step))
-            self._warm_before_ready(prefill_step)
-        return Scheduler(self.model, self.tokenizer, sched_config, guard, stream, cache, self._elsewhere,
-                         self._relieve, lockstep=self.lockstep)
+            self._warm_before_ready(scheduler)
+        return scheduler
 
     def _long_warm_tokens(self, guard: MemoryGuard, prefill_step: int) -> int:
         """The long prompt a GPU warms: within the model's context (and the
@@ -268,27 +268,32 @@ class EngineCore:
         return bool(self._warm_jobs)
 
     @property
-    def shapes_to_warm(self) -> list[tuple[int, int]]:
-        """The (batch, prompt length) shapes still to be warmed, in order."""
+    def shapes_to_warm(self) -> list[warmup.WarmJob]:
+        """The warm jobs still to run, in order."""
         return list(self._warm_jobs)
 
-    def _warm_before_ready(self, prefill_step: int) -> None:
+    def _warm_before_ready(self, scheduler: Scheduler) -> None:
         """Worker thread, at start: warm jobs for up to `warmup_wait_s` (a restart
         whose kernels are on disk warms them all in that time), the rest while idle."""
         wait = self.config.warmup_wait_s
         deadline = time.monotonic() + (wait if wait is not None else self.warm_at_start_s)
         while self._warm_jobs and time.monotonic() < deadline:
-            self._warm_next(prefill_step)
+            self._warm_next(scheduler)
         if self._warm_jobs:
             log.info("engine %s: %d batch shapes left to warm while idle", self.name, len(self._warm_jobs))
 
-    def _warm_next(self, prefill_step: int) -> None:
-        """Worker thread: the next warm job; a failing one ends warming (logged)."""
-        batch, prompt_len = self._warm_jobs.pop(0)
+    def _warm_next(self, scheduler: Scheduler) -> None:
+        """Worker thread: the next warm job; a failing one ends warming (logged).
+        `scheduler`: the engine's, whose settings a requests job's own takes."""
+        batch, prompt_len, requests = self._warm_jobs.pop(0)
         try:
-            seconds = warmup.run_shape(self.model, self._stream, batch, prompt_len, prefill_step,
-                                       self.config.speculative_tokens if self._speculates() else 0, self.kv_bits,
-                                       self.key_scales)
+            if requests:
+                seconds = warmup.run_requests(lambda: self._scratch_scheduler(scheduler), batch, prompt_len)
+            else:
+                seconds = warmup.run_shape(self.model, self._stream, batch, prompt_len,
+                                           scheduler.config.prefill_step_size,
+                                           self.config.speculative_tokens if self._speculates() else 0,
+                                           self.kv_bits, self.key_scales)
         except Exception:
             log.exception("engine %s: warming batch %d failed; warming stops", self.name, batch)
             self._warm_jobs.clear()
@@ -298,6 +303,11 @@ class EngineCore:
         if not self._warm_jobs:
             log.info("engine %s: batch shapes up to %d warmed in %.1f s", self.name,
                      self.config.max_concurrent_requests, self.warm_seconds)
+
+    def _scratch_scheduler(self, like: Scheduler) -> Scheduler:
+        """A scheduler with `like`'s settings and a prefix cache of its own (warm jobs)."""
+        return Scheduler(self.model, self.tokenizer, like.config, like.guard, self._stream,
+                         self._scratch_prefix_cache(), self._elsewhere)
 
     def _elsewhere(self) -> int:
         measure = self.memory_elsewhere
@@ -314,16 +324,31 @@ class EngineCore:
             log.exception("engine %s: the memory-pressure hook failed", self.name)
             return False
 
-    def _make_prefix_cache(self) -> PrefixCache | None:
+    def _cache_layout(self, quiet: bool = False) -> tuple[bytes, list] | None:
+        """(root, codecs) of this model's prefix cache; None where it has none."""
         if not self.config.prefix_cache:
             return None
         layers = make_prompt_cache(self.model)
         codecs = codecs_for(layers)
         if codecs is None:
             kinds = sorted({type(c).__name__ for c in layers})
-            log.info("prefix cache off for %s: no codec for cache type(s) %s", self.name, ", ".join(kinds))
+            if not quiet:
+                log.info("prefix cache off for %s: no codec for cache type(s) %s", self.name, ", ".join(kinds))
             return None
-        root = hashlib.sha256(self.fingerprint + parameter_layout(self.model)).digest()
+        return hashlib.sha256(self.fingerprint + parameter_layout(self.model)).digest(), codecs
+
+    def _scratch_prefix_cache(self) -> PrefixCache | None:
+        """A prefix cache of the engine's layout, in memory alone, for a warm job:
+        nothing it stores reaches the engine's."""
+        layout, c = self._cache_layout(quiet=True), self.config
+        return layout and PrefixCache(*layout, c.cache_block_size, c.hot_cache_bytes(), kv_bits=c.cache_kv_bits,
+                                      key_scales=self.key_scales)
+
+    def _make_prefix_cache(self) -> PrefixCache | None:
+        layout = self._cache_layout()
+        if layout is None:
+            return None
+        root, codecs = layout
         c = self.config
         hot_bytes, (ssd_dir, ssd_bytes) = c.hot_cache_bytes(), c.ssd_tier()
         cache = PrefixCache(root, codecs, c.cache_block_size, hot_bytes, ssd_dir, ssd_bytes, c.ssd_write_through,
@@ -504,8 +529,7 @@ class EngineCore:
                     if self._closed:
                         return
                     if self._warm_jobs:  # one at a time: a request waits for one job at most
-                        await loop.run_in_executor(self._worker, self._warm_next,
-                                                   self.scheduler.config.prefill_step_size)
+                        await loop.run_in_executor(self._worker, self._warm_next, self.scheduler)
                         continue
                     self._wake.clear()
                     if not self.scheduler.has_work() and not self._closed:

@@ -16,12 +16,25 @@ runs kernels of its own; then one step of rows that end at different places
 (as after a verification that kept more of one row's drafts), whose key write
 is a kernel of its own too. On a CPU (nothing to compile) they verify at full
 width only.
+
+The last shape job but the long context is requests, not a bare generator:
+a few requests through a scheduler of the engine's kind with a prefix cache of
+its own, then each again as a next turn, so that storing blocks, a hit's
+rebuild and its remainder's prefill, and rows leaving the batch at different
+steps have run once too. On a new H100, where the jobs before it had warmed
+every batch shape, the first 8 concurrent requests still spent ~100 ms more
+storing their blocks than the next 8, and ~90 ms more taking finished rows out
+of the batch, and a server's first request at one stream took 162 ms to its
+first token against ~40 ms for the next.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
@@ -29,7 +42,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from tierlm.engine.drafts import PromptLookup
 from tierlm.engine.quantized_kv import quantized_slots
-from tierlm.engine.request import SamplingParams
+from tierlm.engine.request import Request, SamplingParams
 from tierlm.engine.sampling import make_request_sampler
 from tierlm.engine.speculative_batch import SpeculativeGenerator, padded_width, pads_widths, ragged
 
@@ -39,6 +52,15 @@ LONG_PROMPT = 512  # one prompt this long at batch 1: the prefill kernels of a l
 LONG_CONTEXT = 65536  # a GPU's last warm job: one prompt up to this long, its prefill chunks' attention graphs
 SHORT_PROMPT = 16
 DECODE_STEPS = 3
+REQUEST_ROWS = 8  # the requests job's rows at most: what it warms does not change with more
+SHORT_REQUEST = 160  # a CPU's requests job: a hit of two 64-token blocks and a remainder, no long prefill
+NEXT_TURN = [5, 6, 7, 8, 9, 10, 11, 12]  # tokens a next turn appends to a prompt and its answer
+
+
+class WarmJob(NamedTuple):
+    batch: int
+    prompt_len: int
+    requests: bool = False  # through a scheduler of its own (`run_requests`), else a bare generator (`run_shape`)
 
 
 def batch_sizes(max_running: int) -> list[int]:
@@ -52,9 +74,11 @@ def batch_sizes(max_running: int) -> list[int]:
     return sorted(sizes)
 
 
-def warm_shapes(max_running: int, compiles: bool | None = None, long_context: int = 0) -> list[tuple[int, int]]:
-    """(batch, prompt length) of each warm job, in the order they run. Where the
-    device compiles kernels per shape (`compiles`; default: a GPU):
+def warm_shapes(max_running: int, compiles: bool | None = None, long_context: int = 0) -> list[WarmJob]:
+    """The warm jobs, in the order they run: each batch size with short prompts,
+    then a few requests (`run_requests`; long prompts where kernels compile, else
+    short ones). Where the device compiles kernels per shape (`compiles`;
+    default: a GPU):
     - a full batch of long prompts: on a new H200, 8 streams of 500-token
       prompts ran their first run at 0.45x the second after every short shape
       had been warmed (a full batch's long prefill and its decode over longer
@@ -65,9 +89,11 @@ def warm_shapes(max_running: int, compiles: bool | None = None, long_context: in
       its own the first time: a server's first 20k-token prompt took 1.0 s to
       its first token on the H200, a later one 0.25 s."""
     compiles = mx.default_device() != mx.cpu if compiles is None else compiles
-    return [(1, LONG_PROMPT)] + [(b, SHORT_PROMPT) for b in batch_sizes(max_running)] + \
-        ([(max_running, LONG_PROMPT)] if compiles and max_running > 1 else []) + \
-        ([(1, long_context)] if compiles and long_context > LONG_PROMPT else [])
+    requests = WarmJob(min(max_running, REQUEST_ROWS), LONG_PROMPT if compiles else SHORT_REQUEST, True)
+    return [WarmJob(1, LONG_PROMPT)] + [WarmJob(b, SHORT_PROMPT) for b in batch_sizes(max_running)] + \
+        ([WarmJob(max_running, LONG_PROMPT)] if compiles and max_running > 1 else []) + [requests] + \
+        ([WarmJob(1, long_context)] if compiles and long_context > LONG_PROMPT else [])
+
 
 
 def long_context_tokens(context: int | None, prefill_step: int, fits) -> int:
@@ -123,6 +149,44 @@ def _rows_ending_apart(model, stream) -> None:
         for cache in batch:
             cache.drop([1, 0])  # the first row gives back a token: the rows end apart
         mx.eval(model(mx.array([[1], [1]]), cache=batch))
+
+
+def run_requests(new_scheduler: Callable[[], object], batch: int, prompt_len: int) -> float:
+    """Worker thread: `batch` requests of up to `prompt_len` tokens (two lengths)
+    through `new_scheduler()` (a Scheduler whose prefix cache, if any, is its
+    own: nothing reaches the engine's), then each again with its answer and a
+    few tokens more, as an agent's next turn: a hit on the blocks the first
+    wave stored. Rows end a step apart, every other one sampled. The seconds
+    it took."""
+    tic = time.perf_counter()
+    scheduler = new_scheduler()
+    try:
+        prompts = prompts_of_two_lengths(batch, prompt_len)
+        answers = _serve(scheduler, prompts)
+        _serve(scheduler, [prompt + answer + NEXT_TURN for prompt, answer in zip(prompts, answers)])
+    finally:
+        scheduler.close()
+    return time.perf_counter() - tic
+
+
+_warm_ids = itertools.count()
+
+
+def _serve(scheduler, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt as a request, stepped to its end; the tokens of each answer."""
+    ids = [f"warm-{next(_warm_ids)}" for _ in prompts]
+    for i, (request_id, prompt) in enumerate(zip(ids, prompts)):
+        params = SamplingParams(max_tokens=DECODE_STEPS + i % 2, temperature=0.7 if i % 2 else 0.0, seed=0,
+                                ignore_eos=True)
+        scheduler.add_request(Request(request_id, prompt, params))
+    answers: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    while scheduler.has_work():
+        scheduler.step()
+        for output in scheduler.take_outputs():
+            if output.error:
+                raise RuntimeError(f"warm request failed: {output.error}")
+            answers[output.request_id] += output.token_ids
+    return [answers[request_id] for request_id in ids]
 
 
 def draft_widths(drafts: int) -> list[int]:
