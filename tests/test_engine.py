@@ -191,6 +191,10 @@ def test_warm_batch_sizes_cover_each_power_of_two_and_the_size_after():
     # where kernels compile per shape (a GPU), a full batch of long prompts, then requests and one long context
     assert (2, warmup.LONG_PROMPT, False) in warmup.warm_shapes(2, compiles=True)
     assert warmup.warm_shapes(2, compiles=True, long_context=8192)[-1] == (1, 8192, False)
+    # and, where kernels compile, a prompt of each length cuDNN's attention sees (but the long prompt's)
+    buckets = warmup.bucket_lengths(2048)
+    assert buckets == [384, 512, 640, 768, 896, 1024, 1152, 1280, 1408, 1536, 1664, 1792, 1920, 2048]
+    assert warmup.warm_shapes(2, compiles=True)[-len(buckets) + 1:] == [(1, n, False) for n in buckets if n != 512]
     assert warmup.warm_shapes(2, compiles=False, long_context=8192)[-1] == requests
     assert (warmup.REQUEST_ROWS, warmup.LONG_PROMPT, True) in warmup.warm_shapes(32, compiles=True)
 

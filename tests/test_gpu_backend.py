@@ -129,3 +129,31 @@ def test_a_batch_prefill_without_left_padding_goes_to_mlx_as_causal(padding):
     rows = slice(0, 3)  # a right-padded row's padding queries are thrown away
     assert mx.allclose(got[:, :, rows], want[:, :, rows], atol=1e-5).item()
     assert isinstance(given[0], mx.array) if padding == "left" else given[0] == "causal"
+
+
+@pytest.mark.parametrize("mask", ["causal", "boolean", "additive", "one-row"])
+@pytest.mark.parametrize("length, span", [(300, 300), (300, 2348)], ids=["first-chunk", "later-chunk"])
+def test_a_long_chunk_is_padded_to_its_bucket_and_gets_mlxs_answer(mask, length, span, monkeypatch):
+    """More than MAX_QUERIES queries (cuDNN's, on a GPU) go padded with zeros to
+    a multiple of QUERY_BUCKET, keys and values by as many: MLX's attention
+    over the real ones still, with "causal" (aligned to the last key) and with
+    array masks."""
+    monkeypatch.setattr(gpu, "QUERY_BUCKET", 128)
+    key = mx.random.key(13)
+    q, k, v = (mx.random.normal(shape, key=mx.random.split(key, 3)[i])
+               for i, shape in enumerate([(1, 4, length, 64), (1, 2, span, 64), (1, 2, span, 64)]))
+    causal = mx.arange(span)[None] <= mx.arange(span - length, span)[:, None]
+    masks = {"causal": "causal",
+             "boolean": causal & (mx.random.uniform(shape=(1, 1, length, span), key=key) > 0.3),
+             "additive": mx.where(causal, mx.random.normal((1, 1, length, span), key=key), -mx.inf),
+             "one-row": mx.random.normal((1, 1, 1, span), key=key)}
+    given = []
+
+    def mlx(queries, keys, values, cache, scale, mask, sinks=None):
+        given.append(queries.shape[2])
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    got = gpu._wrap(mlx)(q, k, v, None, scale=0.125, mask=masks[mask])
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=masks[mask])
+    assert given == [384] and got.shape == want.shape
+    assert mx.allclose(got, want, atol=1e-5).item()

@@ -20,6 +20,16 @@ as an array runs ~6x slower than given "causal": a 20k-token prompt of a 1B
 model took 0.97 s of attention and matmuls against 0.17 s, on the H200. Such a
 mask goes to cuDNN as "causal" (`_unpadded`).
 
+Longer prefill chunks go to cuDNN with their queries, keys and values padded
+by the same count of zeros to a multiple of `QUERY_BUCKET` queries: a graph
+built for one prompt length then serves every length of its bucket (and the
+warm-up builds each bucket's up to a chunk: engine.warmup). A length new to
+the process cost its prefill ~40-110 ms more (an H100, 450 to 1,900 tokens:
+105-154 ms, bucketed 26-86 ms), and a chat's prompts are nearly all of new
+lengths. Under "causal" (aligned to the last key) the
+padded keys come after every real query's last, so only padded queries see
+them; an array mask hides them.
+
 A hit's remainder (more queries than a verification feeds) sees its keys and
 values padded with zeros, hidden by the mask, to a multiple of `KEY_PAD`:
 each turn of an agent has a context of a new length, and the products' first
@@ -60,6 +70,7 @@ SCORES_BYTES = 256 * 2**20  # float32 scores of one piece of the queries at most
 # copy them every step.
 KEY_PAD = int(os.environ.get("TIERLM_KEY_PAD", "1024"))  # 0: no padding, for comparisons
 PAD_FROM_QUERIES = 18  # engine.request.MAX_DRAFT_TOKENS + 2 (a test holds them together)
+QUERY_BUCKET = int(os.environ.get("TIERLM_QUERY_BUCKET", "128"))  # 0: no padding, for comparisons
 
 
 def install(model: nn.Module) -> list[str]:
@@ -92,10 +103,46 @@ def _wrap(original, few_queries: bool = True):
             return attention_products(queries, keys, values, scale, mask)
         if queries.shape[2] > 1 and _unpadded(cache, mask):
             mask = "causal"
+        if queries.shape[2] > MAX_QUERIES and QUERY_BUCKET and queries.shape[2] % QUERY_BUCKET \
+                and (isinstance(mask, mx.array) or mask == "causal"):
+            return _bucketed(original, queries, keys, values, cache, scale, mask)
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.original = original
     return scaled_dot_product_attention
+
+
+def _bucketed(original, queries, keys, values, cache, scale: float, mask):
+    """`original` attention with `extra` zero queries, keys and values after the
+    real ones, making the queries a multiple of QUERY_BUCKET; the real queries'
+    answer. "causal" hides the padded keys from every real query (query i sees
+    the keys up to S - L + i, both S and L grown by `extra`); an array mask is
+    grown to hide them, and to show the padded queries the padded keys alone."""
+    length = queries.shape[2]
+    extra = -length % QUERY_BUCKET
+    queries, keys, values = (_zeros_after(a, extra) for a in (queries, keys, values))
+    if isinstance(mask, mx.array):
+        mask = _grown(mask, extra)
+    return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=None)[:, :, :length]
+
+
+def _zeros_after(a: mx.array, extra: int) -> mx.array:
+    """`a` with `extra` zero positions after its last (axis 2)."""
+    return mx.concatenate([a, mx.zeros((*a.shape[:2], extra, *a.shape[3:]), a.dtype)], axis=2)
+
+
+def _grown(mask: mx.array, extra: int) -> mx.array:
+    """An attention mask (boolean, or added to the scores) for `extra` more
+    queries and keys: the real queries see no new key, the new queries only
+    the new keys (a mask of one row, for every query, stays one)."""
+    hidden, shown = (False, True) if mask.dtype == mx.bool_ else (-mx.inf, 0.0)
+    *lead, rows, cols = mask.shape
+    mask = mx.concatenate([mask, mx.full((*lead, rows, extra), hidden, mask.dtype)], axis=-1)
+    if rows == 1:
+        return mask
+    new_rows = mx.concatenate([mx.full((*lead, extra, cols), hidden, mask.dtype),
+                               mx.full((*lead, extra, extra), shown, mask.dtype)], axis=-1)
+    return mx.concatenate([mask, new_rows], axis=-2)
 
 
 def _unpadded(cache, mask) -> bool:
@@ -160,9 +207,7 @@ def attention_products(queries, keys, values, scale: float, mask, max_scores_byt
 def _padded(keys, values, mask, extra: int):
     """Keys and values with `extra` zero positions after their last, and the
     mask that hides them (None: every real key visible)."""
-    zeros = mx.zeros((*keys.shape[:2], extra, keys.shape[3]), keys.dtype)
-    keys = mx.concatenate([keys, zeros], axis=2)
-    values = mx.concatenate([values, mx.zeros((*values.shape[:2], extra, values.shape[3]), values.dtype)], axis=2)
+    keys, values = _zeros_after(keys, extra), _zeros_after(values, extra)
     if mask is None:
         return keys, values, mx.arange(keys.shape[2]) < keys.shape[2] - extra
     hidden = mx.zeros((*mask.shape[:-1], extra), mx.bool_) if mask.dtype == mx.bool_ \

@@ -166,7 +166,8 @@ class EngineCore:
                               self._elsewhere, self._relieve, lockstep=self.lockstep)
         if self._warms(mx.default_device()):
             self._warm_jobs = warmup.warm_shapes(self.config.max_concurrent_requests,
-                                                 long_context=self._long_warm_tokens(guard, prefill_step))
+                                                 long_context=self._long_warm_tokens(guard, prefill_step),
+                                                 prefill_step=prefill_step)
             self._warm_before_ready(scheduler)
         return scheduler
 

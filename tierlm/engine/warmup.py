@@ -40,6 +40,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from tierlm.backends import gpu
 from tierlm.engine.drafts import PromptLookup
 from tierlm.engine.quantized_kv import quantized_slots
 from tierlm.engine.request import Request, SamplingParams
@@ -74,7 +75,8 @@ def batch_sizes(max_running: int) -> list[int]:
     return sorted(sizes)
 
 
-def warm_shapes(max_running: int, compiles: bool | None = None, long_context: int = 0) -> list[WarmJob]:
+def warm_shapes(max_running: int, compiles: bool | None = None, long_context: int = 0,
+                prefill_step: int = 2048) -> list[WarmJob]:
     """The warm jobs, in the order they run: each batch size with short prompts,
     then a few requests (`run_requests`; long prompts where kernels compile, else
     short ones). Where the device compiles kernels per shape (`compiles`;
@@ -83,6 +85,7 @@ def warm_shapes(max_running: int, compiles: bool | None = None, long_context: in
       prompts ran their first run at 0.45x the second after every short shape
       had been warmed (a full batch's long prefill and its decode over longer
       KV compile kernels of their own);
+    - one prompt of each length of `bucket_lengths` (but LONG_PROMPT's);
     - then one prompt of `long_context` tokens (`long_context_tokens`): cuDNN
       builds a graph per shape of queries and keys, per process, so each chunk
       of a long prefill (its queries against every key before them) waits for
@@ -92,8 +95,19 @@ def warm_shapes(max_running: int, compiles: bool | None = None, long_context: in
     requests = WarmJob(min(max_running, REQUEST_ROWS), LONG_PROMPT if compiles else SHORT_REQUEST, True)
     return [WarmJob(1, LONG_PROMPT)] + [WarmJob(b, SHORT_PROMPT) for b in batch_sizes(max_running)] + \
         ([WarmJob(max_running, LONG_PROMPT)] if compiles and max_running > 1 else []) + [requests] + \
+        ([WarmJob(1, n) for n in bucket_lengths(prefill_step) if n != LONG_PROMPT] if compiles else []) + \
         ([WarmJob(1, long_context)] if compiles and long_context > LONG_PROMPT else [])
 
+
+def bucket_lengths(prefill_step: int) -> list[int]:
+    """The prompt lengths, up to a prefill chunk, whose attention a GPU's cuDNN
+    runs at its own shape (backends.gpu pads the queries to a multiple of
+    QUERY_BUCKET): one prompt each builds every graph a chat's one-chunk
+    prompts need (~40 ms each the first time)."""
+    if not gpu.QUERY_BUCKET:
+        return []
+    first = (gpu.MAX_QUERIES // gpu.QUERY_BUCKET + 1) * gpu.QUERY_BUCKET
+    return list(range(first, prefill_step + 1, gpu.QUERY_BUCKET))
 
 
 def long_context_tokens(context: int | None, prefill_step: int, fits) -> int:

@@ -1,0 +1,28 @@
+"""bench_lab.new_lengths: prompts of lengths the server has not seen, each
+answered with the server's own prefill stage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench_lab import new_lengths
+
+
+def test_settings_and_server_timing_are_read():
+    assert new_lengths.setting("bucketed") == ("bucketed", {})
+    assert new_lengths.setting("off:TIERLM_QUERY_BUCKET=0,A=b=c") == ("off", {"TIERLM_QUERY_BUCKET": "0", "A": "b=c"})
+    assert new_lengths.server_timing("read;dur=0.5, queue;dur=0.4, prefill;dur=127.1") == \
+        {"read": 0.5, "queue": 0.4, "prefill": 127.1}
+
+
+@pytest.mark.slow  # a server start
+def test_each_length_is_answered_with_its_prefill(tmp_path):
+    out = tmp_path / "lengths.json"
+    assert new_lengths.main(["--words", "40", "90", "60", "--json", str(out)]) == 0
+    (only,) = json.loads(out.read_text())["settings"]
+    tokens = [r["prompt_tokens"] for r in only["requests"]]
+    assert tokens[0] < tokens[2] < tokens[1]  # more words, more tokens
+    assert all(0 < r["prefill_ms"] < r["total_ms"] for r in only["requests"])
+    assert only["median_prefill_ms"] > 0 and only["ready_s"] > 0
