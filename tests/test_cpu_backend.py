@@ -272,6 +272,51 @@ def test_without_a_compiler_the_blas_still_goes_in_the_slot(tmp_path):
     assert state["check"] == "a float32 product through MLX counted 1 call(s), numpy's answer"
 
 
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_a_library_two_threads_need_is_built_once_and_its_error_reaches_both(monkeypatch, tmp_path):
+    """The C++ libraries start building beside the C one (native.in_background);
+    the install that needs one then waits for that build instead of starting
+    its own, and meets its error where it fails."""
+    import threading
+    import time
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    source = tmp_path / "one.c"
+    source.write_text("int one(void) { return 1; }\n")
+    compiled = []
+
+    def compile_into(compiler, path):
+        compiled.append(path)
+        time.sleep(0.3)  # the other threads ask meanwhile
+        subprocess.run([compiler, "-shared", "-fPIC", "-o", str(path), str(source)], check=True, capture_output=True)
+
+    def failing(compiler, path):
+        compiled.append(path)
+        time.sleep(0.3)
+        subprocess.run([compiler, "-c", "-o", str(path), str(tmp_path / "missing.c")], check=True,
+                       capture_output=True)
+
+    for how, inputs in ((compile_into, b"one"), (failing, b"missing")):
+        results = []
+
+        def need(how=how, inputs=inputs, results=results):
+            try:
+                results.append(native.build_once("tierlm_test", inputs, "C", "CC", "cc", how))
+            except native.BuildError as e:
+                results.append(e)
+
+        threads = [threading.Thread(target=need) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if how is compile_into:
+            assert len(compiled) == 1 and len(set(results)) == 1 and results[0].exists()
+        else:
+            assert len(compiled) == 2 and all(isinstance(r, native.BuildError) for r in results)
+            assert "missing.c" in str(results[0])
+
+
 @pytest.mark.slow  # compiles the kernels again
 @needs_route
 def test_a_compiler_without_amx_builds_the_rest(tmp_path):

@@ -58,9 +58,12 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
     int8.choose (None: float32 products only)."""
     from tierlm.backends.cpu import amx as amx_tiles
     from tierlm.backends.cpu import kernels as cpu_kernels
-    from tierlm.backends.cpu import graph_ops, int8, isa, quantized, route, weights
+    from tierlm.backends.cpu import graph_ops, int8, isa, native, quantized, route, weights
     from tierlm.backends.cpu.route import Feature
 
+    # the C++ libraries compile beside the C one, the first time (native.in_background)
+    native.in_background(*([] if quantized.decided() else [quantized.build_hook]),
+                         *([] if graph_ops.decided() or not kernels else [graph_ops.build]))
     state = route.prepare()
     products = quantized.install(state.lib)
     dtype = weights.apply(weights_dtype, model, memory_bytes)

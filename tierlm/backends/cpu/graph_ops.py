@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from pathlib import Path
 
 import mlx.core as mx
 from mlx import nn
@@ -64,6 +65,11 @@ def state() -> Feature:
     return _feature if _feature is not None else Feature(False, "not set up (the native kernels are off)")
 
 
+def decided() -> bool:
+    """Whether install() has run in this process (its library built or not)."""
+    return _feature is not None
+
+
 def on() -> bool:
     return _feature is not None and _feature.on
 
@@ -73,8 +79,13 @@ def ran() -> int:
     return int(_lib.tierlm_graph_ran()) if _lib is not None else 0
 
 
+def build() -> Path:
+    """graph_ops.cpp compiled against the installed mlx, once per source and mlx version."""
+    return native.build_against_mlx("tierlm_graph_ops", SOURCE, "-ffp-contract=off")
+
+
 def _load() -> ctypes.CDLL:
-    path = native.build_against_mlx("tierlm_graph_ops", SOURCE, "-ffp-contract=off")
+    path = build()
     try:
         lib = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
     except OSError as e:

@@ -101,6 +101,11 @@ def install(lib: ctypes.CDLL | None) -> Feature:
         return _feature
 
 
+def decided() -> bool:
+    """Whether install() has run in this process (its library built or not)."""
+    return _feature is not None
+
+
 def on() -> bool:
     return _feature is not None and _feature.on
 
