@@ -18,7 +18,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench_lab import lab_parser, write_result
+from bench_lab import add_model_args, lab_parser, model_folder, write_result
 
 
 def title(result: dict) -> str:
@@ -58,9 +58,7 @@ def measure(model, tokenizer, batch: int, context: int, tokens: int, bits: int, 
 
 def main(argv=None) -> int:
     p = lab_parser("bench_lab.kv_bits", __doc__)
-    p.add_argument("--model", default=None, help="model folder (default: the built-in default model)")
-    p.add_argument("--preset", default=None, help="random weights of this preset's shapes instead")
-    p.add_argument("--tokenizer", default=None, help="with --preset: a model folder whose tokenizer it takes")
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, nargs="+", default=[2048])
     p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
@@ -70,16 +68,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import mlx.core as mx
 
-    from tierlm.bench.servers import default_model_folder
     from tierlm.models.loader import load_model, usable_vocab_size
 
-    if args.preset:
-        from tierlm.models.random_model import make_random_model
-
-        path = make_random_model(args.preset, Path(tempfile.mkdtemp(prefix="tierlm-kv-bits-")) / "model",
-                                 Path(args.tokenizer))
-    else:
-        path = Path(args.model).expanduser() if args.model else default_model_folder()
+    path = model_folder(args, Path(tempfile.mkdtemp(prefix="tierlm-kv-bits-")))
     model, tokenizer = load_model(path)
     vocab = usable_vocab_size(tokenizer, model)
     result = {"model": str(path), "preset": args.preset, "batch": args.batch, "bits": args.bits,

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from bench_lab import lab_parser, write_result
-from tierlm.bench.servers import RunningServer, default_model_folder, tierlm_server
+from bench_lab import add_model_args, lab_parser, model_folder, write_result
+from tierlm.bench.servers import RunningServer, tierlm_server
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
 # words a prompt has: SmolLM2's tokenizer makes ~1.3 tokens of each, so one chunk (2,048 tokens) holds every
@@ -91,20 +91,13 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     p = lab_parser("bench_lab.new_lengths", __doc__)
-    p.add_argument("--model", default=None, help="model folder (default: the built-in default model)")
-    p.add_argument("--preset", default=None, help="serve random weights of this preset's shapes instead")
-    p.add_argument("--tokenizer", default=None, help="with --preset: a model folder whose tokenizer it takes")
+    add_model_args(p)
     p.add_argument("--setting", action="append", default=[], help="NAME or NAME:VAR=VALUE,... (repeatable)")
     p.add_argument("--words", type=int, nargs="+", default=DEFAULT_WORDS)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="tierlm-new-lengths-"))
-    if args.preset:
-        from tierlm.models.random_model import make_random_model
-
-        model = make_random_model(args.preset, work / "model", Path(args.tokenizer))
-    else:
-        model = Path(args.model).expanduser() if args.model else default_model_folder()
+    model = model_folder(args, work)
     result = {"model": str(model), "preset": args.preset, "words": args.words,
               "settings": [one_setting(model, *setting(s), args.words, work) for s in args.setting or ["this"]]}
     print(table(result))

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import httpx
 
-from bench_lab import lab_parser, write_result
-from tierlm.bench.servers import RunningServer, default_model_folder, tierlm_server
+from bench_lab import add_model_args, lab_parser, model_folder, write_result
+from tierlm.bench.servers import RunningServer, tierlm_server
 from tierlm.engine.stages import STAGES
 
 BEFORE_ENGINE = STAGES[: STAGES.index("submit") + 1]
@@ -137,9 +137,7 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     p = lab_parser("bench_lab.request_path", __doc__)
-    p.add_argument("--model", default=None, help="model folder (default: the built-in default model)")
-    p.add_argument("--preset", default=None, help="serve random weights of this preset's shapes instead")
-    p.add_argument("--tokenizer", default=None, help="with --preset: a model folder whose tokenizer it takes")
+    add_model_args(p)
     p.add_argument("--sizes", type=int, nargs="+", default=[2000, 6000])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--serve-arg", action="append", default=[], help="one more argument for tierlm serve")
@@ -148,12 +146,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     work = Path(tempfile.mkdtemp(prefix="tierlm-request-path-"))
-    if args.preset:
-        from tierlm.models.random_model import make_random_model
-
-        model = make_random_model(args.preset, work / "model", Path(args.tokenizer))
-    else:
-        model = Path(args.model).expanduser() if args.model else default_model_folder()
+    model = model_folder(args, work)
     tokenizer = AutoTokenizer.from_pretrained(model)
     serve = ["--ssd-cache", "--ssd-cache-dir", str(work / "ssd"), "--ssd-cache-size", "100GiB", *args.serve_arg]
 
