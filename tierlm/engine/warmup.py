@@ -24,8 +24,8 @@ rebuild and its remainder's prefill, and rows leaving the batch at different
 steps have run once too. On a new H100, where the jobs before it had warmed
 every batch shape, the first 8 concurrent requests still spent ~100 ms more
 storing their blocks than the next 8, and ~90 ms more taking finished rows out
-of the batch, and a server's first request at one stream took 162 ms to its
-first token against ~40 ms for the next.
+of the batch. With 256-token blocks (the default) a GPU's job stores two
+blocks of its 512-token prompts and one of its 256-token ones, and hits them.
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ LONG_CONTEXT = 65536  # a GPU's last warm job: one prompt up to this long, its p
 SHORT_PROMPT = 16
 DECODE_STEPS = 3
 REQUEST_ROWS = 8  # the requests job's rows at most: what it warms does not change with more
-SHORT_REQUEST = 160  # a CPU's requests job: a hit of two 64-token blocks and a remainder, no long prefill
+# a CPU's requests job (warming is off there by default: nothing compiles): short prompts, which hold
+# whole blocks only where they are small (64 tokens: two and one, and a hit on them, in its test)
+SHORT_REQUEST = 160
 NEXT_TURN = [5, 6, 7, 8, 9, 10, 11, 12]  # tokens a next turn appends to a prompt and its answer
 
 
