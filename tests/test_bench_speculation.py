@@ -13,16 +13,27 @@ import pytest
 from tierlm.bench import speculation_bench
 
 
-@pytest.mark.slow  # a server and a code edit asked twice
+def test_a_code_edit_asks_for_a_real_module_back_with_one_function_renamed():
+    from tierlm.loadgen.edits import WORKLOADS, module_source
+
+    workload = WORKLOADS["code-edit"](2, 24)
+    assert workload.num_requests == 2 and workload.params["modules"] == ["colorsys", "fnmatch"]
+    source, function = module_source("colorsys")
+    (request,) = workload.sessions[0]
+    ask = request.messages[0]["content"]
+    assert source in ask and f"Rename the function {function} to {function}_v2" in ask and request.max_tokens == 24
+
+
+@pytest.mark.slow  # a server, two stories asked twice (the code edits' 1.8k-token prompts took ~30 s)
 def test_the_speculation_benchmark_runs_and_counts_drafts(model_path, tmp_path):
     out = tmp_path / "speculation.json"
     done = subprocess.run([sys.executable, "-m", "tierlm.cli", "bench", "speculation", "--model", str(model_path),
-                           "--workloads", "code-edit", "--concurrency", "1", "--prompts", "2", "--rounds", "1",
+                           "--workloads", "prose", "--concurrency", "1", "--prompts", "2", "--rounds", "1",
                            "--max-tokens", "24", "--threads", "2", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (row,) = json.loads(out.read_text())["results"]
-    assert row["workload"] == "code-edit" and row["same_text"] and row["prompts"] == 2
+    assert row["workload"] == "prose" and row["same_text"] and row["prompts"] == 2
     assert len(row["on"]["texts"]) == len(row["off"]["texts"]) == 2  # two requests over one stream
     assert speculation_bench.table([row])[1][0][1] == "1 (2 requests)"
     assert row["on"]["summary"]["failed"] == row["off"]["summary"]["failed"] == 0
