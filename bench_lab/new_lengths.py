@@ -79,6 +79,11 @@ def one_setting(model: Path, name: str, env: dict, words: list[int], work: Path)
             "median_prefill_ms": statistics.median(r["prefill_ms"] for r in later)}
 
 
+def title(result: dict) -> str:
+    model = f"random weights of {result['preset']}'s shapes" if result.get("preset") else Path(result["model"]).name
+    return f"Prompts of lengths new to the server, {model}: {len(result['words'])} prompts, one token out"
+
+
 def table(result: dict) -> str:
     lines = ["| setting | first request: tokens, ms to the answer (prefill) | later ones: median ms (prefill) |",
              "|---|---|---|"]
@@ -100,6 +105,7 @@ def main(argv=None) -> int:
     model = model_folder(args, work)
     result = {"model": str(model), "preset": args.preset, "words": args.words,
               "settings": [one_setting(model, *setting(s), args.words, work) for s in args.setting or ["this"]]}
+    print(title(result))
     print(table(result))
     write_result(args, p, "new_lengths", result)
     return 0

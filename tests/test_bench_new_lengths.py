@@ -26,3 +26,20 @@ def test_each_length_is_answered_with_its_prefill(tmp_path):
     assert tokens[0] < tokens[2] < tokens[1]  # more words, more tokens
     assert all(0 < r["prefill_ms"] < r["total_ms"] for r in only["requests"])
     assert only["median_prefill_ms"] > 0 and only["ready_s"] > 0
+
+
+def test_its_results_are_a_benchmark_of_the_docs(tmp_path):
+    """A result file of it in docs/bench-results shows in benchmarks.md with its table."""
+    from bench_lab import docs
+
+    rows = [{"prompt_tokens": n, "total_ms": ms, "prefill_ms": ms - 9} for n, ms in ((590, 61.0), (635, 42.0))]
+    doc = {"kind": "new_lengths", "date": "2026-12-06 07:00:00 UTC", "command": "python -m bench_lab.new_lengths",
+           "machine": {}, "model": "/m/llama-1b", "preset": "llama-1b", "words": [450, 480],
+           "settings": [{"name": "bucketed", "env": {}, "ready_s": 50.0, "requests": rows,
+                         "median_total_ms": 42.0, "median_prefill_ms": 33.0}]}
+    machine = tmp_path / "results" / "gpu"
+    machine.mkdir(parents=True)
+    (machine / "new-lengths.json").write_text(json.dumps(doc))
+    text = docs.render_docs(tmp_path / "results", tmp_path / "benchmarks.md").read_text()
+    assert "### Prompts of lengths new to the server, random weights of llama-1b's shapes: 2 prompts" in text
+    assert "| bucketed | 590, 61 (52) | 42 (33) |" in text
