@@ -18,9 +18,9 @@ def test_settings_and_server_timing_are_read():
 
 
 @pytest.mark.slow  # a server start
-def test_each_length_is_answered_with_its_prefill(tmp_path):
+def test_each_length_is_answered_with_its_prefill(model_path, tmp_path):
     out = tmp_path / "lengths.json"
-    assert new_lengths.main(["--words", "40", "90", "60", "--json", str(out)]) == 0
+    assert new_lengths.main(["--model", str(model_path), "--words", "40", "90", "60", "--json", str(out)]) == 0
     (only,) = json.loads(out.read_text())["settings"]
     tokens = [r["prompt_tokens"] for r in only["requests"]]
     assert tokens[0] < tokens[2] < tokens[1]  # more words, more tokens
