@@ -306,9 +306,13 @@ class EngineCore:
                      self.config.max_concurrent_requests, self.warm_seconds)
 
     def _scratch_scheduler(self, like: Scheduler) -> Scheduler:
-        """A scheduler with `like`'s settings and a prefix cache of its own (warm jobs)."""
-        return Scheduler(self.model, self.tokenizer, like.config, like.guard, self._stream,
-                         self._scratch_prefix_cache(), self._elsewhere)
+        """A scheduler with `like`'s settings and a prefix cache of its own (warm
+        jobs): the layout of `like`'s, in memory alone, so nothing it stores
+        reaches `like`'s (or its SSD folder)."""
+        cache = like.cache and PrefixCache(b"warm-up", like.cache.codecs, like.cache.block_size,
+                                           like.cache.hot.capacity, kv_bits=like.cache.kv_bits,
+                                           key_scales=self.key_scales)
+        return Scheduler(self.model, self.tokenizer, like.config, like.guard, self._stream, cache, self._elsewhere)
 
     def _elsewhere(self) -> int:
         measure = self.memory_elsewhere
@@ -325,31 +329,16 @@ class EngineCore:
             log.exception("engine %s: the memory-pressure hook failed", self.name)
             return False
 
-    def _cache_layout(self, quiet: bool = False) -> tuple[bytes, list] | None:
-        """(root, codecs) of this model's prefix cache; None where it has none."""
+    def _make_prefix_cache(self) -> PrefixCache | None:
         if not self.config.prefix_cache:
             return None
         layers = make_prompt_cache(self.model)
         codecs = codecs_for(layers)
         if codecs is None:
             kinds = sorted({type(c).__name__ for c in layers})
-            if not quiet:
-                log.info("prefix cache off for %s: no codec for cache type(s) %s", self.name, ", ".join(kinds))
+            log.info("prefix cache off for %s: no codec for cache type(s) %s", self.name, ", ".join(kinds))
             return None
-        return hashlib.sha256(self.fingerprint + parameter_layout(self.model)).digest(), codecs
-
-    def _scratch_prefix_cache(self) -> PrefixCache | None:
-        """A prefix cache of the engine's layout, in memory alone, for a warm job:
-        nothing it stores reaches the engine's."""
-        layout, c = self._cache_layout(quiet=True), self.config
-        return layout and PrefixCache(*layout, c.cache_block_size, c.hot_cache_bytes(), kv_bits=c.cache_kv_bits,
-                                      key_scales=self.key_scales)
-
-    def _make_prefix_cache(self) -> PrefixCache | None:
-        layout = self._cache_layout()
-        if layout is None:
-            return None
-        root, codecs = layout
+        root = hashlib.sha256(self.fingerprint + parameter_layout(self.model)).digest()
         c = self.config
         hot_bytes, (ssd_dir, ssd_bytes) = c.hot_cache_bytes(), c.ssd_tier()
         cache = PrefixCache(root, codecs, c.cache_block_size, hot_bytes, ssd_dir, ssd_bytes, c.ssd_write_through,

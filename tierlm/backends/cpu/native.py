@@ -67,11 +67,9 @@ def build_once(stem: str, inputs: bytes, language: str, compiler_variable: str, 
         return built
     with _in_flight_lock:
         building = _in_flight.get(built)
-        if building is None:
+        ours = building is None
+        if ours:
             building = _in_flight[built] = Future()
-            ours = True
-        else:
-            ours = False
     if not ours:
         return building.result()  # raises the builder's BuildError too
     try:
