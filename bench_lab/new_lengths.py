@@ -16,6 +16,7 @@ answer at the client, and the server's prefill stage (its Server-Timing).
 from __future__ import annotations
 
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -108,6 +109,7 @@ def main(argv=None) -> int:
     print(title(result))
     print(table(result))
     write_result(args, p, "new_lengths", result)
+    shutil.rmtree(work, ignore_errors=True)  # a preset's weights (2.5 GB for llama-1b) and the kernel folders
     return 0
 
 
