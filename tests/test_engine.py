@@ -505,3 +505,41 @@ def test_prefix_cache_through_the_scheduler_for_every_cache_type(name, tokenizer
     plain = run(go(prefix_cache=False))
     assert [o.cached_tokens for o in cached] == [0, 96, 80, 64, 64, 64]
     assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+
+
+def test_a_hit_whose_remainder_fits_one_chunk_is_prefilled_in_one_pass(tokenizer):
+    """A hit's remainder that crosses a chunk boundary but fits one chunk is one
+    segment (no second pass, no copy of the whole prefix to store a block), and
+    its answer is an uncached engine's; longer ones, and snapshot caches, are
+    still cut at chunk (block) boundaries counted from the prompt's start."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first, second = list(range(1000, 1060)), list(range(1000, 1090))  # hit 48: 42 tokens across 64
+
+    async def go(name, **config):
+        model = tiny_model(name, vocab_size=len(tokenizer.vocab))
+        engine = EngineCore(f"{name}-{config}", lambda: (model, tokenizer), Settings(ssd_cache=False, **config))
+        await engine.start()
+        scheduler = engine.scheduler
+        cuts = [[len(s) for s in scheduler._segments(list(range(n)), start)]
+                for start, n in ((0, 150), (48, 90), (48, 200))]
+        extracted = []  # the token count of each cache taken out of the batch
+        real_extract = scheduler._gen.extract_cache
+
+        def extract_cache(uids):
+            caches = real_extract(uids)
+            extracted.extend(len(tokens) for _, tokens in caches.values())
+            return caches
+
+        scheduler._gen.extract_cache = extract_cache
+        outs = [await engine.generate(Request(engine.new_request_id(), p, params)) for p in (first, second)]
+        await engine.close()
+        return cuts, extracted, outs
+
+    cuts, extracted, (out1, out2) = run(go("llama", cache_block_size=16, prefill_step_size=64))
+    assert cuts == [[64, 64, 22], [42], [16, 64, 64, 8]]
+    assert out2.cached_tokens == 48
+    assert extracted == [59, 89]  # once a request, as it ended (its prompt but the last token)
+    _, _, plain = run(go("llama", prefix_cache=False))
+    assert [o.token_ids for o in (out1, out2)] == [o.token_ids for o in plain]
+    snapshot_cuts, _, _ = run(go("qwen3_next", cache_block_size=16, prefill_step_size=64))
+    assert snapshot_cuts == [[16] * 9 + [6], [16, 16, 10], [16] * 9 + [8]]
