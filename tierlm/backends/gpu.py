@@ -220,10 +220,12 @@ def _products(queries, keys, values, scale: float, mask, quantized: tuple[int, i
     kv_heads, span = (keys[0] if quantized else keys).shape[1:3]
     group = heads // kv_heads  # query heads h*group .. h*group+group-1 read KV head h
     grouped = (queries * scale).reshape(batch, kv_heads, group * length, -1)
-    scores = _matmul(grouped, keys, quantized, transpose=True).reshape(batch, heads, length, span).astype(mx.float32)
+    scores = _matmul(grouped, keys, quantized, transpose=True).reshape(batch, heads, length, span)
     if mask is not None:
-        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
-    weights = mx.softmax(scores, axis=-1).astype(queries.dtype)
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask.astype(scores.dtype)
+    # the softmax sums in float32 (precise) but reads and writes the scores' own
+    # type: a long context's scores are most of the bytes these products move
+    weights = mx.softmax(scores, axis=-1, precise=True)
     out = _matmul(weights.reshape(batch, kv_heads, group * length, span), values, quantized, transpose=False)
     return out.reshape(batch, heads, length, -1)
 
