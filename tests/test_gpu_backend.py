@@ -137,8 +137,10 @@ def test_a_long_chunk_is_padded_to_its_bucket_and_gets_mlxs_answer(mask, length,
     """More than MAX_QUERIES queries (cuDNN's, on a GPU) go padded with zeros to
     a multiple of QUERY_BUCKET, keys and values by as many: MLX's attention
     over the real ones still, with "causal" (aligned to the last key) and with
-    array masks."""
+    array masks. (A later chunk's queries this few would run as products:
+    test_a_hits_remainder_runs_as_products_while_its_scores_are_few.)"""
     monkeypatch.setattr(gpu, "QUERY_BUCKET", 128)
+    monkeypatch.setattr(gpu, "HIT_SCORES", 0)
     key = mx.random.key(13)
     q, k, v = (mx.random.normal(shape, key=mx.random.split(key, 3)[i])
                for i, shape in enumerate([(1, 4, length, 64), (1, 2, span, 64), (1, 2, span, 64)]))
@@ -157,3 +159,26 @@ def test_a_long_chunk_is_padded_to_its_bucket_and_gets_mlxs_answer(mask, length,
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=masks[mask])
     assert given == [384] and got.shape == want.shape
     assert mx.allclose(got, want, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("length, span, products", [(300, 2348, True), (1100, 3148, False), (300, 300, False),
+                                                    (600, 200_000, False)],
+                         ids=["hit", "too-many-queries", "first-chunk", "too-many-scores"])
+def test_a_hits_remainder_runs_as_products_while_its_scores_are_few(length, span, products):
+    """Queries after cached keys (a hit's remainder: a new number of keys every
+    turn, so a new cuDNN graph on a GPU) run as products up to MAX_HIT_QUERIES
+    and HIT_SCORES, with MLX's answer; a first chunk, and more, stay MLX's."""
+    key = mx.random.key(17)
+    q, k, v = (mx.random.normal(shape, key=mx.random.split(key, 3)[i])
+               for i, shape in enumerate([(1, 4, length, 64), (1, 2, span, 64), (1, 2, span, 64)]))
+    given = []
+
+    def mlx(queries, keys, values, cache, scale, mask, sinks=None):
+        given.append(queries.shape[2])
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    got = gpu._wrap(mlx)(q, k, v, None, scale=0.125, mask="causal")  # lazy: MLX's runs nothing here
+    assert (given == []) == products
+    if products:
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+        assert mx.allclose(got, want, atol=1e-5).item()

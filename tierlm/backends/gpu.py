@@ -71,6 +71,11 @@ SCORES_BYTES = 256 * 2**20  # float32 scores of one piece of the queries at most
 KEY_PAD = int(os.environ.get("TIERLM_KEY_PAD", "1024"))  # 0: no padding, for comparisons
 PAD_FROM_QUERIES = 18  # engine.request.MAX_DRAFT_TOKENS + 2 (a test holds them together)
 QUERY_BUCKET = int(os.environ.get("TIERLM_QUERY_BUCKET", "128"))  # 0: no padding, for comparisons
+# A hit's remainder of more queries runs as products too while its scores
+# (heads x queries x keys, all rows) stay under this: ~2-3 ms a layer on an
+# H100, about what a new cuDNN graph costs a whole forward pass.
+MAX_HIT_QUERIES = 1024
+HIT_SCORES = int(os.environ.get("TIERLM_HIT_SCORES", str(384 * 2**20)))  # 0: cuDNN's, for comparisons
 
 
 def install(model: nn.Module) -> list[str]:
@@ -99,7 +104,7 @@ def _wrap(original, few_queries: bool = True):
                 queries = cache.key_scales.queries(queries)
             keys, values, mask = _whole_buffers(cache, keys, values, mask, queries.shape[2])
             return attention_products(queries, keys, values, scale, mask, quantized=(cache.group_size, cache.bits))
-        if few_queries and 1 < queries.shape[2] <= MAX_QUERIES:
+        if few_queries and (1 < queries.shape[2] <= MAX_QUERIES or _hit_remainder(queries, keys)):
             return attention_products(queries, keys, values, scale, mask)
         if queries.shape[2] > 1 and _unpadded(cache, mask):
             mask = "causal"
@@ -110,6 +115,15 @@ def _wrap(original, few_queries: bool = True):
 
     scaled_dot_product_attention.original = original
     return scaled_dot_product_attention
+
+
+def _hit_remainder(queries, keys) -> bool:
+    """Queries after a cached prefix, few enough for the products to cost less
+    than the cuDNN graph their shape would need: a hit's remainder meets a new
+    number of keys every turn, and each graph took 60-90 ms to build."""
+    batch, heads, length, _ = queries.shape
+    span = keys.shape[2]
+    return span > length and length <= MAX_HIT_QUERIES and batch * heads * length * span <= HIT_SCORES
 
 
 def _bucketed(original, queries, keys, values, cache, scale: float, mask):
