@@ -62,12 +62,12 @@ def conversation(source: str, turns: int) -> list[dict]:
 
 
 def turn(server: RunningServer, messages: list[dict]) -> dict:
-    """One streamed turn: seconds to the first token, cached tokens, the server's stages."""
+    """One streamed turn: seconds to the first token, prompt and cached tokens, the server's stages."""
     body = {"messages": messages, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     client = httpx.Client(base_url=server.base_url, timeout=600)  # made before the clock starts, as an agent's is
     client.get("/health")
-    tic, first, cached = time.perf_counter(), None, 0
+    tic, first, cached, prompt = time.perf_counter(), None, 0, None
     with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
@@ -78,11 +78,12 @@ def turn(server: RunningServer, messages: list[dict]) -> dict:
             if first is None and (choice.get("delta", {}).get("content") or choice.get("finish_reason")):
                 first = time.perf_counter() - tic
             if chunk.get("usage"):
+                prompt = chunk["usage"].get("prompt_tokens")
                 cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     engine = client.get("/stats").json()["engines"][0]
     client.close()
     stats = engine.get("request_stages", {}).get("last", {})  # {}: a server from before the stages
-    return {"ttft_s": first, "cached_tokens": cached, "stages_ms": stats,
+    return {"ttft_s": first, "prompt_tokens": prompt, "cached_tokens": cached, "stages_ms": stats,
             "before_engine_ms": sum(stats.get(s, 0.0) for s in BEFORE_ENGINE),
             "engine_ms": sum(stats.get(s, 0.0) for s in ENGINE)}
 
