@@ -11,8 +11,13 @@ few hundred queries over a long context, a new shape every turn): a 20k-token
 hot hit's prefill took 143 ms through cuDNN, 90 ms here, on the H200.
 Attention for up to `MAX_QUERIES` queries runs here instead as
 softmax(q kᵀ · scale + mask) v, two matmuls around a softmax, which MLX runs
-without building anything per shape. Longer prefill chunks keep cuDNN, whose
+without building anything per shape. So does a hit's remainder of up to
+`MAX_HIT_QUERIES` queries while its scores stay under `HIT_SCORES`: every
+turn of an agent meets a new number of keys, and a new graph cost the turn
+60-90 ms on an H100. Longer prefill chunks keep cuDNN, whose
 graph for a full chunk is built once and whose kernels those chunks need.
+The scores stay in the activations' type (the matmul's output: rounded there
+either way); the softmax sums them in float32.
 
 mlx-lm's batch cache hands attention an array mask even where its rows are
 not padded (one long prompt, or prompts of one length), and cuDNN given a mask
