@@ -66,7 +66,7 @@ from mlx_lm.models.cache import BatchKVCache
 from tierlm.backends import mlx_lm_modules
 
 MAX_QUERIES = 256  # queries a sequence feeds at most for attention to run as products here
-SCORES_BYTES = 256 * 2**20  # float32 scores of one piece of the queries at most
+SCORES_BYTES = 256 * 2**20  # scores of one piece of the queries at most, counted at 4 bytes (bfloat16 ones take half)
 # A hit's remainder (more queries than a verification feeds) sees its keys
 # padded to a multiple of this: each agent turn's context is a new length, and
 # the products' first run at a new shape costs more than the copy (a 20k-token
