@@ -48,7 +48,12 @@ implementation for problem shape"). Here the query heads are folded into
 rows, and the products read the cache's whole buffers with the keys past its
 end masked (the buffers grow 256 keys at a time: a new shape per 256 tokens,
 not per step); the queries are multiplied by the factors the keys are kept
-divided by (engine.key_scaling).
+divided by (engine.key_scaling). The scores read the keys dequantized: on an
+H100, MLX 0.32.4's quantized product of stacked matrices transposed (the
+keys of every sequence and KV head, its Hopper kernel) returned scores off
+by ~28 or NaN, and every greedy answer over 8-bit KV was end-of-text tokens;
+the values' product (not transposed, another kernel) equals the dequantized
+one exactly and stays quantized.
 
 `install(model)` puts the wrapper into the mlx-lm modules `model` is built from,
 only where MLX's default device is a CUDA GPU.
@@ -254,4 +259,6 @@ def _matmul(a: mx.array, b, quantized: tuple[int, int] | None, transpose: bool) 
     if quantized is None:
         return a @ (b.swapaxes(-1, -2) if transpose else b)
     group_size, bits = quantized
-    return mx.quantized_matmul(a, *b, transpose=transpose, group_size=group_size, bits=bits)
+    if transpose:  # MLX 0.32's CUDA product of stacked quantized matrices, transposed, is wrong (see the docstring)
+        return a @ mx.dequantize(*b, group_size=group_size, bits=bits).swapaxes(-1, -2)
+    return mx.quantized_matmul(a, *b, transpose=False, group_size=group_size, bits=bits)
