@@ -240,7 +240,9 @@ def _provenance(doc: dict, path: Path) -> str:
     """When and how: the command, or each command of results merged into one."""
     commands = [d.get("command") for d in doc.get("merged_from", [])] or [doc.get("command")]
     lines = "\n".join(c or "(command not recorded)" for c in commands)
-    return f"*{_when(doc, path)}*\n\n```\n{lines}\n```\n"
+    # a result found wrong after the fact keeps its numbers as data, under a warning
+    void = f"\n**Void:** {doc['void']}\n" if doc.get("void") else ""
+    return f"*{_when(doc, path)}*\n\n```\n{lines}\n```\n{void}"
 
 
 def _shape(workload: str, params: dict) -> str:

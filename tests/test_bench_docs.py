@@ -185,3 +185,11 @@ def test_a_compare_against_llama_server_shows_long_prompts_memory_and_the_cpu(tm
             "tierlm's kernels capped at TIERLM_MAX_CPU_ISA=avx2.") in section
     assert '`{"name": "cpu", "quantized_kernels": "on (avx512-vnni)"}`' in section  # the counters left out
     assert "tierlm bench compare --model qwen2.5-coder-0.5b --servers tierlm,llama" in text  # the command, on top
+
+
+def test_a_result_found_wrong_keeps_its_numbers_under_a_warning(tmp_path):
+    wrong = compare("2026-01-02 10:00:00 UTC", 32) | {"void": "the kernel gave wrong answers"}
+    text = rendered(tmp_path, "cpu", {"compare-wrong.json": wrong, "compare-ok.json": compare("2026-01-01 10:00:00 UTC", 500)})
+    shown = sections(text)
+    assert sum("**Void:** the kernel gave wrong answers" in body for body in shown.values()) == 1
+    assert "**Void:**" not in next(body for body in shown.values() if "500" in body.splitlines()[0])
