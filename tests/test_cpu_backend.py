@@ -317,6 +317,42 @@ def test_a_library_two_threads_need_is_built_once_and_its_error_reaches_both(mon
             assert "missing.c" in str(results[0])
 
 
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_a_new_build_leaves_the_newest_versions_and_no_abandoned_scratch(monkeypatch, tmp_path):
+    """Each source version builds a file of its own: a new build removes all
+    but the newest KEPT_VERSIONS of that library (other libraries untouched),
+    and scratch folders a process left mid-build more than an hour ago, not
+    one another build is using now."""
+    import os
+    import time
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache = tmp_path / "tierlm" / "native"
+    cache.mkdir(parents=True)
+    now = time.time()
+    old = [cache / f"tierlm_test-{i:016x}.so" for i in range(native.KEPT_VERSIONS + 2)]
+    for age, path in enumerate(old):  # old[0] the newest
+        path.write_bytes(b"")
+        os.utime(path, (now - 60 * (age + 1),) * 2)
+    other = cache / "tierlm_other-0000000000000000.so"
+    other.write_bytes(b"")
+    os.utime(other, (now - 10**6,) * 2)
+    abandoned, busy = cache / "build-abandoned", cache / "build-busy"
+    abandoned.mkdir(), busy.mkdir()
+    os.utime(abandoned, (now - 2 * 3600,) * 2)
+    source = tmp_path / "one.c"
+    source.write_text("int one(void) { return 1; }\n")
+
+    def compile_into(compiler, path):
+        subprocess.run([compiler, "-shared", "-fPIC", "-o", str(path), str(source)], check=True, capture_output=True)
+
+    built = native.build_once("tierlm_test", b"new", "C", "CC", "cc", compile_into)
+    left = sorted(p.name for p in cache.iterdir())
+    assert built.exists() and other.exists() and busy.exists() and not abandoned.exists()
+    assert [p.name for p in old if p.exists()] == [p.name for p in old[:native.KEPT_VERSIONS - 1]]
+    assert len([n for n in left if n.startswith("tierlm_test-")]) == native.KEPT_VERSIONS
+
+
 @pytest.mark.slow  # compiles the kernels again
 @needs_route
 def test_a_compiler_without_amx_builds_the_rest(tmp_path):

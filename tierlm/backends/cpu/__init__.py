@@ -62,7 +62,7 @@ def prepare(model, *, weights_dtype: str = "auto", memory_bytes: int, kernels: b
     from tierlm.backends.cpu.route import Feature
 
     # the C++ libraries compile beside the C one, the first time (native.in_background)
-    native.in_background(*([] if quantized.decided() else [quantized.build_hook]),
+    native.in_background(*([] if quantized.decided() or not quantized.wanted() else [quantized.build_hook]),
                          *([] if graph_ops.decided() or not kernels else [graph_ops.build]))
     state = route.prepare()
     products = quantized.install(state.lib)

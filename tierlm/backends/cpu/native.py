@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -96,13 +97,18 @@ def _quietly(builder: Callable[[], Path]) -> None:
         pass
 
 
+KEPT_VERSIONS = 8  # builds of one library kept in the cache: the newest, for a downgrade or a replica of another version
+SCRATCH_HOURS = 1  # a build's scratch folder older than this was left by a process that exited mid-build
+
+
 def _build(built: Path, language: str, compiler_variable: str, default_compiler: str, compile_into) -> Path:
     cache = built.parent
     compiler = shutil.which(os.environ.get(compiler_variable, default_compiler))
     if compiler is None:
         raise BuildError(f"no {language} compiler ({default_compiler}) found")
     cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as scratch:  # then a rename: safe when two start at once
+    _tidy(cache, built.name.rsplit("-", 1)[0])
+    with tempfile.TemporaryDirectory(dir=cache, prefix="build-") as scratch:  # then a rename: safe when two start at once
         tmp = Path(scratch) / built.name
         try:
             compile_into(compiler, tmp)
@@ -112,6 +118,27 @@ def _build(built: Path, language: str, compiler_variable: str, default_compiler:
             raise BuildError(f"the {language} compiler failed: {e}") from e
         os.replace(tmp, built)
     return built
+
+
+def _tidy(cache: Path, stem: str) -> None:
+    """Before a new build of `stem`: all but its KEPT_VERSIONS newest builds go
+    (each source version is a file of its own, so upgrades would pile them up),
+    and so do scratch folders a process left when it exited mid-build (a
+    background build's thread dies with the process, its cleanup unrun). A
+    library another process has loaded stays mapped after its file goes."""
+    now = time.time()
+    versions = sorted(cache.glob(f"{stem}-*.so"), key=_modified, reverse=True)
+    stale = versions[KEPT_VERSIONS - 1:] + [d for d in cache.glob("build-*")
+                                           if now - _modified(d) > SCRATCH_HOURS * 3600]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def _modified(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile by another process's tidying
+        return 0.0
 
 
 def build() -> Path:

@@ -101,6 +101,11 @@ def install(lib: ctypes.CDLL | None) -> Feature:
         return _feature
 
 
+def wanted() -> bool:
+    """TIERLM_QUANT_KERNEL does not turn the kernels off: the hook is worth building."""
+    return os.environ.get("TIERLM_QUANT_KERNEL", "auto") != "off"
+
+
 def decided() -> bool:
     """Whether install() has run in this process (its library built or not)."""
     return _feature is not None
@@ -131,7 +136,7 @@ def reads_half_scales() -> bool:
 def _choose_path(lib: ctypes.CDLL) -> tuple[int | None, str]:
     """qgemm.c's path, and why; None: off."""
     choice = os.environ.get("TIERLM_QUANT_KERNEL", "auto")
-    if choice == "off":
+    if not wanted():
         return None, "turned off by TIERLM_QUANT_KERNEL=off"
     if bad_cap := isa.bad_value(lib):
         return None, bad_cap
