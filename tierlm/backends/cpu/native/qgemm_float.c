@@ -91,24 +91,6 @@ INLINE void widen_halves(const uint16_t *from, long n, float *to) {
 static __thread void *packed_kept, *panel_kept; /* this thread's scratch (threads.h) */
 static __thread size_t packed_capacity, panel_capacity;
 
-/* x as the tiles read it: each R rows of a full tile block by block (block b
- * of row r at (b * R + r) * 32 floats from the tile's first row), and the rows
- * after the last full tile likewise as one smaller tile; each block's values in
- * unpacked order. One pointer with constant offsets keeps a tile's loop in
- * registers. */
-static float *pack_rows(const float *x, long M, long K, int bits, int R) {
-  float *packed = tierlm_kept_buffer(&packed_kept, &packed_capacity, sizeof(float) * M * K);
-  long tiled = M <= SHORT ? 0 : M / R * R;
-  for (long m = 0; m < M; m++) {
-    long m0 = m < tiled ? m / R * R : tiled, rows = m < tiled ? R : M - tiled;
-    for (long b = 0; b < K / BLOCK; b++) {
-      float *to = packed + m0 * K + (b * rows + (m - m0)) * BLOCK;
-      for (int i = 0; i < BLOCK; i++) to[unpacked_position(bits, i)] = x[m * K + b * BLOCK + i];
-    }
-  }
-  return packed;
-}
-
 /* sum_k w[c][k] x[r][k] for R activation rows (x, packed) times C weight rows,
  * into out[r * C + c]. The weights come either packed, from wrow (row_bytes
  * apart, unpacked here block by block, the next tile's rows prefetched a share a
@@ -277,6 +259,45 @@ static tiles tiles_for(int bits) {
   return table[bits == 4 ? 0 : bits == 5 ? 1 : 2];
 }
 
+/* x as the tiles read it: each R rows of a full tile block by block (block b
+ * of row r at (b * R + r) * 32 floats from the tile's first row), and the rows
+ * after the last full tile likewise as one smaller tile; each block's values in
+ * unpacked order. One pointer with constant offsets keeps a tile's loop in
+ * registers. Written by the pool's threads, a share of the rows each: a
+ * prompt's rows are ~10% of its products' time on one core. */
+typedef struct {
+  const float *x;
+  long M, K, tiled;
+  int bits;
+  float *packed;
+} packing;
+
+/* One row's blocks, each in unpacked order: a 4-bit block's even values then
+ * its odd ones (unpack.h), the others as they are. */
+INLINE void pack_row(const float *from, long K, int bits, long stride, float *to) {
+  for (long b = 0; b < K / BLOCK; b++, from += BLOCK, to += stride) {
+    if (bits == 4)
+      for (int i = 0; i < BLOCK / 2; i++) to[i] = from[2 * i], to[BLOCK / 2 + i] = from[2 * i + 1];
+    else
+      for (int i = 0; i < BLOCK; i++) to[i] = from[i];
+  }
+}
+
+static void pack_part(void *arg, int part, int parts) {
+  const packing *p = arg;
+  for (long m = p->M * part / parts; m < p->M * (part + 1) / parts; m++) {
+    long m0 = m < p->tiled ? m / R * R : p->tiled, rows = m < p->tiled ? R : p->M - p->tiled;
+    pack_row(p->x + m * p->K, p->K, p->bits, rows * BLOCK, p->packed + m0 * p->K + (m - m0) * BLOCK);
+  }
+}
+
+static float *pack_rows(const float *x, long M, long K, int bits) {
+  float *packed = tierlm_kept_buffer(&packed_kept, &packed_capacity, sizeof(float) * M * K);
+  packing p = {x, M, K, M <= SHORT ? 0 : M / R * R, bits, packed};
+  tierlm_parallel(pack_part, &p, M * K < (1L << 16) ? 1 : tierlm_threads());
+  return packed;
+}
+
 /* ---- the product, shared over the cores by output columns ---------------- */
 
 typedef struct {
@@ -345,7 +366,7 @@ static void columns_of(void *arg, int part, int parts) {
 /* out (M x N) = x (M x K) times the quantized W (N x K) transposed. */
 void SIMD_NAME(tierlm_qmm_float)(const float *x, long M, long K, const void *w, const void *scales,
                                  const void *biases, int half, long N, int bits, int group, float *out) {
-  float *packed = pack_rows(x, M, K, bits, R);
+  float *packed = pack_rows(x, M, K, bits);
   job j = {M, K, N, bits, group, w, scales, biases, half, packed, out};
   /* chunks for the cores (whichever is free takes the next), but not for products too small to share */
   tierlm_parallel_chunks(columns_of, &j, M * N * K < (1L << 16) || N < 64 ? 1 : CHUNKS_PER_THREAD * tierlm_threads());
