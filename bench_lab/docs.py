@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_lab import (constrained, kv_bits, kv_quality, lab_parser, models_bench, new_lengths, prefill, replicas,
+from bench_lab import (agent_session, constrained, kv_bits, kv_quality, lab_parser, models_bench, new_lengths, prefill, replicas,
                        request_path, streaming)
 from tierlm.bench.compare import compare_rows, long_prompt_rows, memory_rows
 from tierlm.bench import speculation_bench
@@ -528,6 +528,10 @@ def render_new_lengths(doc: dict, path: Path) -> str:
     return "\n".join([f"### {new_lengths.title(doc)}\n", _provenance(doc, path), new_lengths.table(doc), ""])
 
 
+def render_agent_session(doc: dict, path: Path) -> str:
+    return "\n".join([f"### {agent_session.title(doc)}\n", _provenance(doc, path), agent_session.table(doc), ""])
+
+
 def render_serve(doc: dict, path: Path) -> str:
     h, rows = serve_rows(doc["runs"], ("concurrency",))
     params = doc["runs"][0]["workload_params"] if doc["runs"] else {}
@@ -659,6 +663,8 @@ def benchmarks(results: list[Result]) -> tuple[list[Benchmark], list[Path]]:
             found.setdefault((12, replicas.title(r.doc)), []).append({r.kind: r})
         elif r.kind == "new_lengths":
             found.setdefault((13, new_lengths.title(r.doc)), []).append({r.kind: r})
+        elif r.kind == "agent_session":
+            found.setdefault((14, agent_session.title(r.doc)), []).append({r.kind: r})
     shown = {r.path for files_list in found.values() for files in files_list for r in files.values()}
     others = [r.path for r in results if r.path not in shown]
     return [Benchmark(order, title, _newest_first(found[order, title])) for order, title in sorted(found)], others
@@ -675,7 +681,8 @@ def render_benchmark(bench: Benchmark) -> str:
                   "streaming": render_streaming, "speculation": render_speculation,
                   "speculation-batch": render_speculation_batch, "request_path": render_request_path,
                   "kv_bits": render_kv_bits, "kv_quality": render_kv_quality, "prefill": render_prefill,
-                  "replicas": render_replicas, "new_lengths": render_new_lengths}[r.kind]
+                  "replicas": render_replicas, "new_lengths": render_new_lengths,
+                  "agent_session": render_agent_session}[r.kind]
         text = render(r.doc, r.path)
     if bench.older_files:
         names = ", ".join(f"`{p.name}`" for p in sorted(bench.older_files))

@@ -193,3 +193,13 @@ def test_a_result_found_wrong_keeps_its_numbers_under_a_warning(tmp_path):
     shown = sections(text)
     assert sum("**Void:** the kernel gave wrong answers" in body for body in shown.values()) == 1
     assert "**Void:**" not in next(body for body in shown.values() if "500" in body.splitlines()[0])
+
+
+def test_an_agent_session_shows_each_settings_cold_and_hot_turns(tmp_path):
+    setting = {"name": "products", "env": {}, "turns": [], "median_cold_ttft_s": 0.444,
+               "median_hot_ttft_s": 0.082, "median_hot_prefill_ms": 51.0}
+    doc = {"kind": "agent_session", "date": "2026-01-01 10:00:00 UTC", "command": "python -m bench_lab.agent_session",
+           "machine": {}, "model": "/m/llama-1b", "preset": "llama-1b", "first": 20000, "turns": 8, "sessions": 3,
+           "same_shapes": False, "settings": [setting, setting | {"name": "cudnn", "median_hot_prefill_ms": 84.0}]}
+    (body,) = [b for t, b in sections(rendered(tmp_path, "h100", {"agent.json": doc})).items() if "agent's session" in t]
+    assert "| products | 0.444 | 0.082 | 51 |" in body and "| cudnn | 0.444 | 0.082 | 84 |" in body
