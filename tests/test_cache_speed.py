@@ -200,6 +200,7 @@ def test_bench_cache_runs_on_a_tiny_model(model_path, tmp_path, monkeypatch):
     assert [r["tokens"] for r in result["sizes"]] == [256, 512]
     for r in result["sizes"]:
         assert r["hot_cached_tokens"] == r["ssd_disk_cached_tokens"] == r["ssd_cached_cached_tokens"] == r["tokens"]
+        assert r["preloaded_cached_tokens"] == r["tokens"] and r["preload_s"] > 0
         assert r["ssd_disk_restore_gbs"] > 0 and r["cold_s"] > 0
     assert result["writer"]["write_drops"] == 0 and result["writer"]["written_blocks"] == 4
     disk = result["disk"]

@@ -93,7 +93,7 @@ def restarted(model_path, tmp_path_factory, seeded, tokenizer):
     truncated = next(f for f in files if f != first_block)
     truncated.write_bytes(truncated.read_bytes()[:1000])
 
-    second = serve(model_path, folder)
+    second = serve(model_path, folder, "--no-ssd-preload")  # the blocks a lookup reads (test_ssd_preload.py: at start)
     try:
         yield second, first_block
     finally:

@@ -135,13 +135,20 @@ def _metadata(header: bytes) -> dict:
 def fingerprint_of(path) -> str | None:
     """The hex model fingerprint a block file was written for; None if unreadable.
     Reads only the header."""
+    return (metadata_of(path) or {}).get("fingerprint")
+
+
+def metadata_of(path) -> dict | None:
+    """A block file's metadata (fingerprint, signature, token_count, ...), from its
+    header alone, unchecked; None if unreadable."""
     try:
         with open(path, "rb") as f:
             head = f.read(8)
             head += f.read(int.from_bytes(head, "little"))
-        return _metadata(head).get("fingerprint")
+        meta = _metadata(head)
     except (OSError, ValueError):
         return None
+    return meta if isinstance(meta, dict) else None
 
 
 def header_length(first: bytes) -> int:

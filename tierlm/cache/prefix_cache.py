@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -32,6 +33,8 @@ from tierlm.cache.ssd_tier import SSDTier
 log = logging.getLogger(__name__)
 
 WRITE_BACK_TIMEOUT_S = 30.0  # at close, for writing the hot tier to SSD
+PRELOAD_FILES = 8  # block files a preload step reads: a request that comes meanwhile waits for one step at most
+PRELOAD_SCAN_WAIT_S = 0.1  # a preload step's wait for the SSD tier's index at start
 
 
 @dataclass
@@ -55,6 +58,8 @@ class PrefixCacheStats:
     stored_blocks: int = 0
     collisions: int = 0
     ssd_hit_tokens: int = 0
+    preloaded_blocks: int = 0  # read back from SSD before any prompt asked (preload_step)
+    preloaded_bytes: int = 0
 
 
 def kv_root(fingerprint: bytes, kv_bits: int, keys_tag: str = "") -> bytes:
@@ -105,6 +110,7 @@ class PrefixCache:
             + (f";{keys_tag}" if keys_tag else "")
         self.ssd = SSDTier(ssd_dir, ssd_bytes, fingerprint, self.signature) if ssd_dir else None
         self.write_through = write_through
+        self._preload_keys: deque[bytes] | None = None  # preload_step's files still to read, newest first
         if self.ssd is not None and not write_through:
             self.hot.on_evict = self.ssd.enqueue  # write-back: blocks leaving memory go to SSD
 
@@ -154,12 +160,42 @@ class PrefixCache:
         """A verified block read from SSD, into the hot tier."""
         if block is None or block.key != key:
             return None
+        self._into_hot(block)
+        self.stats.ssd_hit_tokens += len(block.tokens)
+        return block
+
+    def _into_hot(self, block: Block) -> None:
         if block.packed is not None and mx.default_device() == mx.gpu:
             block.packed = _copied_on_device(block.packed)
         block.nbytes = payload_bytes(self.codecs, block.payload())
         self.hot.put(block)
-        self.stats.ssd_hit_tokens += len(block.tokens)
-        return block
+
+    def preload_step(self, budget_bytes: int, max_files: int = PRELOAD_FILES) -> bool:
+        """Worker thread, while idle after a start: up to `max_files` of the SSD
+        tier's most recently used block files of this model read back into the
+        hot tier, while it holds less than `budget_bytes`; whether more is left.
+        A restarted server then serves the prompts it served before from
+        memory, not at the disk's speed. Files of other models (or layouts) in
+        the folder are passed over; those that fail a check are deleted."""
+        if self.ssd is None:
+            return False
+        if self._preload_keys is None:
+            if not self.ssd.scanned.wait(PRELOAD_SCAN_WAIT_S):  # the index is still being built
+                return True
+            self._preload_keys = deque(self.ssd.newest_keys())
+        for _ in range(max_files):
+            if not self._preload_keys or self.hot.nbytes >= budget_bytes:
+                self._preload_keys.clear()
+                return False
+            key = self._preload_keys.popleft()
+            if key in self.hot:
+                continue
+            block = self.ssd.read_whole(key)
+            if block is not None:
+                self._into_hot(block)
+                self.stats.preloaded_blocks += 1
+                self.stats.preloaded_bytes += block.nbytes
+        return bool(self._preload_keys)
 
     def _divergence(self, tokens: list[int], keys: list[bytes], i: int) -> int:
         """Where the prompt leaves the nearest cached prefix: the longest common
@@ -341,6 +377,8 @@ class PrefixCache:
             "collisions": s.collisions,
             "hot_hit_tokens": s.hit_tokens - s.ssd_hit_tokens,
             "ssd_hit_tokens": s.ssd_hit_tokens,
+            "preloaded_blocks": s.preloaded_blocks,
+            "preloaded_bytes": s.preloaded_bytes,
             "ssd": self.ssd.snapshot_stats() if self.ssd else None,
             "write_policy": None if self.ssd is None else ("write-through" if self.write_through else "write-back"),
         }

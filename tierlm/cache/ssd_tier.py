@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from tierlm.cache import block_file, kv_quant
 from tierlm.cache.hot_tier import Block
@@ -266,8 +267,7 @@ class SSDTier:
         closing the generator early cancels the header reads not started."""
         if not wanted:
             return
-        if self._readers is None:
-            self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ssd-read")
+        self._start_readers()
         ahead: deque[_Ahead] = deque()
         items = iter(wanted)
         ahead_bytes = 0
@@ -314,6 +314,54 @@ class SSDTier:
             for block in ahead:
                 block.header.cancel()
             self.stats.read_seconds += time.perf_counter() - tic
+
+    def _start_readers(self) -> None:
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ssd-read")
+
+    def newest_keys(self) -> list[bytes]:
+        """Every indexed block file's key, the most recently used first, whoever
+        wrote it (read_whole tells this model's)."""
+        with self._lock:
+            return [bytes.fromhex(k) for k in reversed(self._index)]
+
+    def read_whole(self, key: bytes) -> Block | None:
+        """Worker thread: the block in `key`'s file, its token ids read from the
+        file (the checksum covers them), where the file is this model's in this
+        layout; None otherwise, or if it is gone. A file that fails a check is
+        deleted, as on a lookup. For preloading: no prompt asked for it."""
+        self._start_readers()
+        meta = block_file.metadata_of(self.path_for(key.hex()))
+        if meta is None or meta.get("fingerprint") != self.fingerprint.hex() or meta.get("signature") != self.signature:
+            return None  # another model's, another layout's, or gone: not ours to judge
+        count = meta.get("token_count", "")
+        header, error = self._open(key, (0,) * int(count)) if count.isdigit() else (None, "no token count")
+        block = _Ahead(key, (), 0, Future())
+        block.header.set_result((header, error))
+        if header is None or not self._begin_check_tokens_read(block):
+            self._reject(key, error or block.error)
+            return None
+        header, payload = self._finish(block)
+        if payload is None:
+            return None
+        self.stats.reads += 1
+        self.stats.read_bytes += header.nbytes
+        packed = payload if isinstance(payload, mx.array) or kv_quant.is_quantized(payload) else None
+        return Block(key, header.parent, block.tokens, None if packed is not None else payload, nbytes=0,
+                     packed=packed)
+
+    def _begin_check_tokens_read(self, block: _Ahead) -> bool:
+        """Worker thread: load the block's arrays and take its token ids as the
+        wanted ones (read_whole), then check it as a chain's block is checked."""
+        if not self._start_load(block):
+            return False
+        try:
+            mx.eval(block.arrays["tokens"])
+            block.tokens = tuple(int(t) for t in np.asarray(block.arrays["tokens"]))
+        except (KeyError, RuntimeError, ValueError) as e:
+            block.error = f"unreadable: {e}"
+            return False
+        return self._begin_check(block)
 
     def _begin_check(self, block: _Ahead) -> bool:
         """Worker thread: wait for the block's arrays, then check them on a reader

@@ -38,6 +38,7 @@ from tierlm.engine.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
+PRELOAD_SHARE = 0.5  # of the hot tier, filled from SSD at start at most: the rest stays free for new blocks
 WARM_ON_REQUEST_S = 5.0  # warming before ready of a model a request waits for (unless warmup_wait_s)
 WARM_AT_SERVER_START_S = 120.0  # of the default model at a server's start: every shape (~15 s on a new H200)
 
@@ -95,6 +96,7 @@ class EngineCore:
         self._posted: deque[list[RequestOutput]] = deque()
         self._task: asyncio.Task | None = None
         self._warm_jobs: list[warmup.WarmJob] = []  # still to run, while idle
+        self._preloading = False  # SSD blocks still to read back into memory, while idle (`ssd_preload`)
         self.warm_seconds = 0.0  # spent warming so far
         self._closed = False
         self._last_log = time.monotonic()
@@ -162,8 +164,12 @@ class EngineCore:
             self.profile.kv_bytes_per_token / 2**10,
             limit / 2**20,
         )
-        scheduler = Scheduler(self.model, self.tokenizer, sched_config, guard, stream, self._make_prefix_cache(),
+        cache = self._make_prefix_cache()
+        scheduler = Scheduler(self.model, self.tokenizer, sched_config, guard, stream, cache,
                               self._elsewhere, self._relieve, lockstep=self.lockstep)
+        # not over several ranks: each would preload its own blocks, in its own time
+        self._preloading = cache is not None and cache.ssd is not None and self.config.ssd_preload \
+            and self.lockstep is None
         if self._warms(mx.default_device()):
             self._warm_jobs = warmup.warm_shapes(self.config.max_concurrent_requests,
                                                  long_context=self._long_warm_tokens(guard, prefill_step),
@@ -269,6 +275,11 @@ class EngineCore:
         return bool(self._warm_jobs)
 
     @property
+    def preloading(self) -> bool:
+        """Whether blocks are still being read back from SSD while idle (`ssd_preload`)."""
+        return self._preloading
+
+    @property
     def shapes_to_warm(self) -> list[warmup.WarmJob]:
         """The warm jobs still to run, in order."""
         return list(self._warm_jobs)
@@ -304,6 +315,21 @@ class EngineCore:
         if not self._warm_jobs:
             log.info("engine %s: batch shapes up to %d warmed in %.1f s", self.name,
                      self.config.max_concurrent_requests, self.warm_seconds)
+
+    def _preload_next(self) -> None:
+        """Worker thread, while idle: a preload step (PrefixCache.preload_step),
+        filling up to PRELOAD_SHARE of the hot tier; a failing one ends preloading."""
+        cache = self.scheduler.cache
+        try:
+            more = cache.preload_step(int(cache.hot.capacity * PRELOAD_SHARE))
+        except Exception:
+            log.exception("engine %s: reading blocks back from SSD failed; preloading stops", self.name)
+            more = False
+        if not more:
+            self._preloading = False
+            if cache.stats.preloaded_blocks:
+                log.info("engine %s: %d blocks (%.0f MiB) read back from SSD into memory while idle", self.name,
+                         cache.stats.preloaded_blocks, cache.stats.preloaded_bytes / 2**20)
 
     def _scratch_scheduler(self, like: Scheduler) -> Scheduler:
         """A scheduler with `like`'s settings and a prefix cache of its own (warm
@@ -520,6 +546,9 @@ class EngineCore:
                         return
                     if self._warm_jobs:  # one at a time: a request waits for one job at most
                         await loop.run_in_executor(self._worker, self._warm_next, self.scheduler)
+                        continue
+                    if self._preloading:  # likewise, a few files a step
+                        await loop.run_in_executor(self._worker, self._preload_next)
                         continue
                     self._wake.clear()
                     if not self.scheduler.has_work() and not self._closed:
