@@ -263,8 +263,9 @@ static tiles tiles_for(int bits) {
  * of row r at (b * R + r) * 32 floats from the tile's first row), and the rows
  * after the last full tile likewise as one smaller tile; each block's values in
  * unpacked order. One pointer with constant offsets keeps a tile's loop in
- * registers. Written by the pool's threads, a share of the rows each: a
- * prompt's rows are ~10% of its products' time on one core. */
+ * registers. Written by the pool's threads, a share of the rows each: one
+ * core packing a prompt's rows value by value while the other waited was ~4%
+ * of a 2,048-token prefill's samples. */
 typedef struct {
   const float *x;
   long M, K, tiled;
