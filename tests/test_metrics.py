@@ -69,6 +69,7 @@ def test_names_and_types(srv):
                        ("tierlm:e2e_request_latency_seconds", "histogram"),
                        ("tierlm:prefix_cache_queries", "counter"), ("tierlm:prefix_cache_hits", "counter"),
                        ("tierlm:prefix_cache_bytes", "gauge"), ("tierlm:prefix_cache_blocks", "gauge"),
+                       ("tierlm:prefix_cache_preloaded_blocks", "counter"),
                        ("tierlm:ssd_writes", "counter"), ("tierlm:ssd_write_drops", "counter"),
                        ("tierlm:ssd_errors", "counter"), ("tierlm:ssd_read_seconds", "counter"),
                        ("tierlm:ssd_write_seconds", "counter"), ("tierlm:model_loads", "counter"),

@@ -115,7 +115,7 @@ def _engine_counters(rec: EngineRecord) -> dict[str, float]:
         s = rec.cache_stats
         out.update({"cache_queries": s.lookup_tokens, "cache_hits|hot": max(0, s.hit_tokens - s.ssd_hit_tokens),
                     "cache_hits|ssd": s.ssd_hit_tokens, "cache_requests": s.lookups, "cache_stored": s.stored_blocks,
-                    "cache_evictions|hot": rec.hot_stats.evictions})
+                    "cache_evictions|hot": rec.hot_stats.evictions, "cache_preloaded": s.preloaded_blocks})
     if rec.ssd_stats is not None:
         s = rec.ssd_stats
         out.update({"ssd_writes": s.writes, "ssd_write_bytes": s.write_bytes, "ssd_write_drops": s.write_drops,
@@ -141,6 +141,8 @@ COUNTERS = {
     "cache_stored": ("prefix_cache_stored_blocks", "blocks stored in the hot tier", None),
     "cache_evictions": ("prefix_cache_evictions", "blocks evicted, by tier (hot: to the SSD tier or dropped)",
                         "tier"),
+    "cache_preloaded": ("prefix_cache_preloaded_blocks", "blocks read back from the SSD tier into memory after a "
+                        "start, before a prompt asked (ssd_preload)", None),
     "ssd_writes": ("ssd_writes", "blocks written to the SSD tier", None),
     "ssd_write_bytes": ("ssd_write_bytes", "bytes written to the SSD tier", None),
     "ssd_write_drops": ("ssd_write_drops", "blocks not written to the SSD tier (queue full, disk nearly full)",
