@@ -101,3 +101,22 @@ def test_preloading_passes_over_other_models_files_and_deletes_a_damaged_one(loa
     stats = run(restart())
     assert stats["preloaded_blocks"] == len(ours) - 1
     assert foreign.exists() and not damaged.exists() and stats["ssd"]["errors"] == 1
+
+
+def test_clearing_the_cache_ends_what_preloading_had_left(loaded, tmp_path):
+    """A clear of the hot tier mid-preload is not undone by the rest of it."""
+    _seed(loaded, tmp_path)
+
+    async def go():
+        engine = await _engine(loaded, tmp_path, ssd_preload=False)
+        cache = engine.scheduler.cache
+        more = await engine.on_worker(cache.preload_step, 2**40, 1)
+        one = len(cache.hot)
+        await engine.on_worker(cache.clear)
+        after = await engine.on_worker(cache.preload_step, 2**40)
+        left = len(cache.hot)
+        await engine.close()
+        return more, one, after, left
+
+    more, one, after, left = run(go())
+    assert more and one == 1 and not after and left == 0
