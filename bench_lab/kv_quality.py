@@ -64,6 +64,11 @@ def table(result: dict) -> str:
         batched = "-" if r["equal_batched"] is None else f"{r['equal_batched']}/{r['prompts']}"
         rows.append(f"| {bits} | {r['equal_alone']}/{r['prompts']} / {batched} "
                     f"| {r['median_first_difference']} | {r['max_logprob_move']:.3f} |")
+    broken = {bits: r["degenerate"] for bits, r in result["bits"].items() if r.get("degenerate")}
+    if broken or result.get("degenerate_16_bit"):
+        rows.append(f"\n**Degenerate answers (one token repeated):** {result.get('degenerate_16_bit', 0)} at 16 bits, "
+                    + ", ".join(f"{n} at {bits}" for bits, n in broken.items()) + ": the attention is broken, "
+                    "not merely rounded.")
     if result.get("tiers"):
         rows.append(f"\nEach prompt took {result['cached_tokens']} tokens or more from the tiers (asked alone only).")
     return "\n".join(rows)
@@ -96,6 +101,13 @@ async def _answers(loaded, bits: int, max_tokens: int, tiers: bool = False) -> t
     return alone, list(batched)
 
 
+def degenerate(outputs: list) -> int:
+    """Answers of one token repeated (or none at all): what a broken attention
+    gives (the GPU's 8-bit batch answered end-of-text tokens until 971b91f),
+    counted so that such a run cannot pass for a quality figure."""
+    return sum(len(set(o.token_ids)) <= 1 and len(o.token_ids) != 1 for o in outputs)
+
+
 def compare(quantized: list, full: list) -> dict:
     equal, firsts, moves = 0, [], []
     for q, f in zip(quantized, full):
@@ -109,7 +121,8 @@ def compare(quantized: list, full: list) -> dict:
         agree = len(q.token_ids) if same is None else same
         scored = min(agree, len(q.logprobs or ()), len(f.logprobs or ()))  # an end of turn has none
         moves += [abs(q.logprobs[i][1] - f.logprobs[i][1]) for i in range(scored)]
-    return {"equal": equal, "first_differences": firsts, "max_logprob_move": max(moves, default=0.0)}
+    return {"equal": equal, "first_differences": firsts, "max_logprob_move": max(moves, default=0.0),
+            "degenerate": degenerate(quantized)}
 
 
 def main(argv=None) -> int:
@@ -137,7 +150,9 @@ def main(argv=None) -> int:
         result["bits"][str(bits)] = {
             "prompts": len(PROMPTS), "equal_alone": a["equal"], "equal_batched": None if args.tiers else b["equal"],
             "first_differences": firsts, "median_first_difference": statistics.median(firsts) if firsts else None,
-            "max_logprob_move": max(a["max_logprob_move"], b["max_logprob_move"])}
+            "max_logprob_move": max(a["max_logprob_move"], b["max_logprob_move"]),
+            "degenerate": a["degenerate"] + b["degenerate"]}
+    result["degenerate_16_bit"] = degenerate(full[0]) + degenerate(full[1])
     print(title(result))
     print(table(result))
     write_result(args, p, "kv_quality", result)

@@ -203,3 +203,21 @@ def test_an_agent_session_shows_each_settings_cold_and_hot_turns(tmp_path):
            "same_shapes": False, "settings": [setting, setting | {"name": "cudnn", "median_hot_prefill_ms": 84.0}]}
     (body,) = [b for t, b in sections(rendered(tmp_path, "h100", {"agent.json": doc})).items() if "agent's session" in t]
     assert "| products | 0.444 | 0.082 | 51 |" in body and "| cudnn | 0.444 | 0.082 | 84 |" in body
+
+
+def test_kv_qualitys_table_says_when_answers_are_one_token_repeated():
+    """Answers of end-of-text tokens only (the GPU's broken 8-bit attention once)
+    are named as broken, not read as a quality figure."""
+    from types import SimpleNamespace
+
+    from bench_lab import kv_quality
+
+    good = [SimpleNamespace(token_ids=[5, 6, 7], logprobs=None), SimpleNamespace(token_ids=[9], logprobs=None)]
+    broken = [SimpleNamespace(token_ids=[0] * 8, logprobs=None), SimpleNamespace(token_ids=[9], logprobs=None)]
+    assert kv_quality.degenerate(good) == 0 and kv_quality.degenerate(broken) == 1
+    row = {"prompts": 2, "equal_alone": 1, "equal_batched": 1, "median_first_difference": 0,
+           "max_logprob_move": 0.0}
+    result = {"bits": {"8": row | {"degenerate": kv_quality.compare(broken, good)["degenerate"]}},
+              "degenerate_16_bit": 0}
+    assert "1 at 8: the attention is broken" in kv_quality.table(result)
+    assert "Degenerate" not in kv_quality.table({"bits": {"8": row | {"degenerate": 0}}, "degenerate_16_bit": 0})
