@@ -118,6 +118,7 @@ def test_health_probes_stay_out_of_the_access_log(server, client):
     health = httpx.get(server.base_url + "/health")
     # ready; on the CPU nothing is warmed (MLX's CPU backend compiles nothing per shape)
     assert health.status_code == 200 and health.json()["warming"] is False
+    assert health.json()["preloading"] is False  # its SSD folder was empty, read back at once
     log = server.log()
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in log  # the access log is on
     assert "GET /health" not in log  # though the fixture polled it until the model was up

@@ -144,8 +144,10 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
             return JSONResponse({"status": "error", "detail": "engine loop stopped"}, status_code=503)
         if reason := served.engine.degraded:
             return JSONResponse({"status": "degraded", "detail": reason}, status_code=503)
-        # ready; "warming": batch shapes are still being run once in the background
-        return {"status": "ok", "model": served.info.name, "warming": served.engine.warming}
+        # ready; "warming": batch shapes are still being run once in the background;
+        # "preloading": blocks are still being read back from the SSD tier (`ssd_preload`)
+        return {"status": "ok", "model": served.info.name, "warming": served.engine.warming,
+                "preloading": served.engine.preloading}
 
     @app.get("/v1/cache/stats")
     async def cache_stats():
