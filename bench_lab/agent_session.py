@@ -28,6 +28,7 @@ from pathlib import Path
 from bench_lab import add_model_args, lab_parser, model_folder, write_result
 from bench_lab.new_lengths import setting
 from bench_lab.request_path import source_file, turn
+from tierlm.bench.report import markdown_table
 from tierlm.bench.servers import RunningServer, tierlm_server
 
 TOOL_OUTPUT_TOKENS = [60, 150, 300, 500, 900, 1400]  # what a tool call brings back: a grep, a file, a test run
@@ -82,12 +83,9 @@ def title(result: dict) -> str:
 
 
 def table(result: dict) -> str:
-    lines = ["| setting | first turn (cold), median s | later turns (hot hits), median s | their prefill, median ms |",
-             "|---|---|---|---|"]
-    for s in result["settings"]:
-        lines.append(f"| {s['name']} | {s['median_cold_ttft_s']:.3f} | {s['median_hot_ttft_s']:.3f} "
-                     f"| {s['median_hot_prefill_ms']:.0f} |")
-    return "\n".join(lines)
+    header = ["setting", "first turn (cold), median s", "later turns (hot hits), median s", "their prefill, median ms"]
+    return markdown_table(header, [[s["name"], f"{s['median_cold_ttft_s']:.3f}", f"{s['median_hot_ttft_s']:.3f}",
+                                    f"{s['median_hot_prefill_ms']:.0f}"] for s in result["settings"]])
 
 
 def main(argv=None) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from bench_lab import add_model_args, lab_parser, model_folder, write_result
+from tierlm.bench.report import markdown_table
 from tierlm.bench.servers import RunningServer, tierlm_server
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
@@ -86,13 +87,13 @@ def title(result: dict) -> str:
 
 
 def table(result: dict) -> str:
-    lines = ["| setting | first request: tokens, ms to the answer (prefill) | later ones: median ms (prefill) |",
-             "|---|---|---|"]
+    header = ["setting", "first request: tokens, ms to the answer (prefill)", "later ones: median ms (prefill)"]
+    rows = []
     for s in result["settings"]:
         first = s["requests"][0]
-        lines.append(f"| {s['name']} | {first['prompt_tokens']}, {first['total_ms']:.0f} ({first['prefill_ms']:.0f}) "
-                     f"| {s['median_total_ms']:.0f} ({s['median_prefill_ms']:.0f}) |")
-    return "\n".join(lines)
+        rows.append([s["name"], f"{first['prompt_tokens']}, {first['total_ms']:.0f} ({first['prefill_ms']:.0f})",
+                     f"{s['median_total_ms']:.0f} ({s['median_prefill_ms']:.0f})"])
+    return markdown_table(header, rows)
 
 
 def main(argv=None) -> int:

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from bench_lab import lab_parser, write_result
+from tierlm.bench.report import markdown_table
 
 VARIANTS = ("cudnn", "products", "batchcache", "batchcache-causal", "batchcache-clear", "batch", "engine")
 VOCAB = 128256  # Llama 3's: the presets take theirs from a tokenizer
@@ -149,11 +150,9 @@ def title(result: dict) -> str:
 
 
 def table(result: dict) -> str:
-    rows = ["| variant | chunk | tokens | first run s | later runs s (median) | tok/s |", "|---|---|---|---|---|---|"]
-    for m in result["measurements"]:
-        rows.append(f"| {m['variant']} | {m['step']} | {m['size']} | {m['first_s']:.3f} | {m['median_s']:.3f}"
-                    f" | {m['tok_s']:.0f} |")
-    return "\n".join(rows)
+    header = ["variant", "chunk", "tokens", "first run s", "later runs s (median)", "tok/s"]
+    return markdown_table(header, [[m["variant"], str(m["step"]), str(m["size"]), f"{m['first_s']:.3f}",
+                                    f"{m['median_s']:.3f}", f"{m['tok_s']:.0f}"] for m in result["measurements"]])
 
 
 def main(argv=None) -> int:
