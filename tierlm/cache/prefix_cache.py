@@ -327,10 +327,7 @@ class PrefixCache:
     def clear(self, ssd: bool = False) -> int:
         """Drop the hot tier (without writing it back) and, if asked, every SSD file;
         what preloading had left to read back is not read (it would refill the tier)."""
-        if self._preload_keys is not None:
-            self._preload_keys.clear()
-        else:
-            self._preload_keys = deque()
+        self._preload_keys = deque()
         on_evict, self.hot.on_evict = self.hot.on_evict, None
         dropped = self.hot.clear()
         self.hot.on_evict = on_evict
