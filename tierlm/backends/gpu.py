@@ -41,10 +41,12 @@ each turn of an agent has a context of a new length, and the products' first
 run at a new shape cost more than the copy (docs/prefix-cache.md).
 
 KV kept quantized in the batch (`batch_kv_bits`, engine.quantized_kv) runs
-here too, whatever the queries: mlx-lm's quantized attention broadcasts each
-KV head over its query heads and reads the KV up to the batch's end as a
-strided view, and MLX's CUDA quantized products take neither ("no
-implementation for problem shape"). Here the query heads are folded into
+here too, whatever the queries. Up to 32 queries a sequence (a decode step, a
+verification) go to one kernel that reads the KV at its bits
+(backends.cuda_kv_attention); longer ones run as the products below.
+mlx-lm's quantized attention broadcasts each KV head over its query heads and
+reads the KV up to the batch's end as a strided view, and MLX's CUDA
+quantized products take neither ("no implementation for problem shape"). Here the query heads are folded into
 rows, and the products read the cache's whole buffers with the keys past its
 end masked (the buffers grow 256 keys at a time: a new shape per 256 tokens,
 not per step); the queries are multiplied by the factors the keys are kept
@@ -68,7 +70,7 @@ from mlx import nn
 
 from mlx_lm.models.cache import BatchKVCache
 
-from tierlm.backends import mlx_lm_modules
+from tierlm.backends import cuda_kv_attention, mlx_lm_modules
 
 MAX_QUERIES = 256  # queries a sequence feeds at most for attention to run as products here
 SCORES_BYTES = 256 * 2**20  # scores of one piece of the queries at most, counted at 4 bytes (bfloat16 ones take half)
@@ -86,6 +88,9 @@ QUERY_BUCKET = int(os.environ.get("TIERLM_QUERY_BUCKET", "128"))  # 0: no paddin
 # H100, about what a new cuDNN graph costs a whole forward pass.
 MAX_HIT_QUERIES = 1024
 HIT_SCORES = int(os.environ.get("TIERLM_HIT_SCORES", str(384 * 2**20)))  # 0: cuDNN's, for comparisons
+# A decode step (or a verification) over KV kept quantized runs as one kernel
+# that reads the KV at its bits (backends.cuda_kv_attention); off: the products.
+KV_KERNEL = os.environ.get("TIERLM_KV_KERNEL") != "off"
 
 
 def install(model: nn.Module) -> list[str]:
@@ -113,6 +118,8 @@ def _wrap(original, few_queries: bool = True):
             if getattr(cache, "key_scales", None) is not None:  # keys kept divided by them (engine.key_scaling)
                 queries = cache.key_scales.queries(queries)
             keys, values, mask = _whole_buffers(cache, keys, values, mask, queries.shape[2])
+            if KV_KERNEL and cuda_kv_attention.usable(queries, keys, cache.bits, cache.group_size, mask):
+                return cuda_kv_attention.attention(queries, keys, values, scale, mask, cache.bits)
             return attention_products(queries, keys, values, scale, mask, quantized=(cache.group_size, cache.bits))
         if few_queries and (1 < queries.shape[2] <= MAX_QUERIES or _hit_remainder(queries, keys)):
             return attention_products(queries, keys, values, scale, mask)
