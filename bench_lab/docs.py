@@ -24,7 +24,7 @@ from pathlib import Path
 from bench_lab import (agent_session, constrained, kv_bits, kv_quality, lab_parser, models_bench, new_lengths, prefill, replicas,
                        request_path, streaming)
 from tierlm.bench.compare import compare_rows, long_prompt_rows, memory_rows
-from tierlm.bench import speculation_bench
+from tierlm.bench import cache_bench, speculation_bench
 from tierlm.bench.engine_overhead import pair_ratios, step_ratios
 from tierlm.bench.report import markdown_table, ms, num, pairs_cell, ratio, serve_rows
 from tierlm.loadgen.metrics import geometric_mean_se
@@ -520,6 +520,14 @@ def render_prefill(doc: dict, path: Path) -> str:
     return "\n".join([f"### {prefill.title(doc)}\n", _provenance(doc, path), prefill.table(doc), ""])
 
 
+def cache_title(doc: dict) -> str:
+    return f"The prefix cache's tiers, in process: {Path(doc['model']).name}"
+
+
+def render_cache(doc: dict, path: Path) -> str:
+    return "\n".join([f"### {cache_title(doc)}\n", _provenance(doc, path), cache_bench.table(doc), ""])
+
+
 def render_kv_quality(doc: dict, path: Path) -> str:
     return "\n".join([f"### {kv_quality.title(doc)}\n", _provenance(doc, path), kv_quality.table(doc), ""])
 
@@ -665,6 +673,8 @@ def benchmarks(results: list[Result]) -> tuple[list[Benchmark], list[Path]]:
             found.setdefault((13, new_lengths.title(r.doc)), []).append({r.kind: r})
         elif r.kind == "agent_session":
             found.setdefault((14, agent_session.title(r.doc)), []).append({r.kind: r})
+        elif r.kind == "cache":
+            found.setdefault((15, cache_title(r.doc)), []).append({r.kind: r})
     shown = {r.path for files_list in found.values() for files in files_list for r in files.values()}
     others = [r.path for r in results if r.path not in shown]
     return [Benchmark(order, title, _newest_first(found[order, title])) for order, title in sorted(found)], others
@@ -682,7 +692,7 @@ def render_benchmark(bench: Benchmark) -> str:
                   "speculation-batch": render_speculation_batch, "request_path": render_request_path,
                   "kv_bits": render_kv_bits, "kv_quality": render_kv_quality, "prefill": render_prefill,
                   "replicas": render_replicas, "new_lengths": render_new_lengths,
-                  "agent_session": render_agent_session}[r.kind]
+                  "agent_session": render_agent_session, "cache": render_cache}[r.kind]
         text = render(r.doc, r.path)
     if bench.older_files:
         names = ", ".join(f"`{p.name}`" for p in sorted(bench.older_files))

@@ -146,7 +146,7 @@ def test_the_machine_heading_names_the_hardware_of_the_results_shown(tmp_path):
     benchmark (data only) does not name the machine of the tables."""
     other_cpu = compare("2026-01-03 10:00:00 UTC", 500) | {"machine": {"cpu": "Other CPU", "git": "x"}}
     files = {"compare-a.json": compare("2026-01-02 10:00:00 UTC", 32), "compare-b.json": other_cpu,
-             "cache-later.json": {"kind": "cache", "date": "2026-01-04 10:00:00 UTC",
+             "embeddings-later.json": {"kind": "embeddings", "date": "2026-01-04 10:00:00 UTC",
                                   "machine": {"cpu": "Data-only CPU"}}}
     text = rendered(tmp_path, "cpu", files)
     assert "## cpu: Other CPU / Test CPU\n" in text
@@ -203,6 +203,19 @@ def test_an_agent_session_shows_each_settings_cold_and_hot_turns(tmp_path):
            "same_shapes": False, "settings": [setting, setting | {"name": "cudnn", "median_hot_prefill_ms": 84.0}]}
     (body,) = [b for t, b in sections(rendered(tmp_path, "h100", {"agent.json": doc})).items() if "agent's session" in t]
     assert "| products | 0.444 | 0.082 | 51 |" in body and "| cudnn | 0.444 | 0.082 | 84 |" in body
+
+
+def test_the_cache_tiers_show_each_prompts_times_and_the_read_back_where_measured(tmp_path):
+    size = {"tokens": 20480, "kv_bytes": 640 * 2**20, "cold_s": 0.39, "hot_s": 0.059, "ssd_disk_s": 0.619,
+            "ssd_cached_s": 0.302, "ssd_disk_restore_gbs": 1.27, "ssd_cached_restore_gbs": 3.25}
+    doc = {"kind": "cache", "date": "2026-01-01 10:00:00 UTC", "command": "tierlm bench cache", "machine": {},
+           "model": "/m/llama-1b", "sizes": [size | {"preload_s": 0.66, "preloaded_s": 0.082}],
+           "disk": {"read_gbs": 1.4, "page_cache_gbs": 5.65}}
+    older = doc | {"date": "2025-01-01 10:00:00 UTC", "sizes": [size]}  # before the read-back was measured
+    (body,) = [b for t, b in sections(rendered(tmp_path, "h100", {"new.json": doc, "old.json": older})).items()
+               if "prefix cache's tiers" in t]
+    assert "| 20480 | 640 MiB | 0.39 s | 0.059 s | 0.619 s | 0.302 s | 1.27 GB/s | 3.25 GB/s | 0.66 s, 0.082 s |" in body
+    assert "kept as data: `old.json`" in body
 
 
 def test_kv_qualitys_table_says_when_answers_are_one_token_repeated():
