@@ -46,11 +46,12 @@ verification) go to one kernel that reads the KV at its bits
 (backends.cuda_kv_attention); longer ones run as the products below.
 mlx-lm's quantized attention broadcasts each KV head over its query heads and
 reads the KV up to the batch's end as a strided view, and MLX's CUDA
-quantized products take neither ("no implementation for problem shape"). Here the query heads are folded into
-rows, and the products read the cache's whole buffers with the keys past its
-end masked (the buffers grow 256 keys at a time: a new shape per 256 tokens,
-not per step); the queries are multiplied by the factors the keys are kept
-divided by (engine.key_scaling). The scores read the keys dequantized: on an
+quantized products take neither ("no implementation for problem shape").
+Here the query heads are folded into rows, and the products (and the
+kernel) read the cache's whole buffers with the keys past its end masked (the
+buffers grow 256 keys at a time: a new shape per 256 tokens, not per step);
+the queries are multiplied by the factors the keys are kept divided by
+(engine.key_scaling). The products' scores read the keys dequantized: on an
 H100, MLX 0.32.4's quantized product of stacked matrices transposed (the
 keys of every sequence and KV head, its Hopper kernel) returned scores off
 by ~28 or NaN, and every greedy answer over 8-bit KV was end-of-text tokens;
