@@ -1,4 +1,4 @@
-"""Affine-quantized weights to float32, fast enough to load a model with.
+"""Affine-quantized weights (and KV) to float32, fast enough to load a model with.
 
 MLX's CPU `mx.dequantize` runs at ~10-50 M values/s (a 5-bit 151936 x 896
 embedding took 11 s on a 2-core Xeon, Qwen2.5-Coder-0.5B's whole import to
@@ -49,3 +49,29 @@ def _unpack(packed: np.ndarray, bits: int, codes: np.ndarray) -> None:
         if shift + bits > 8:  # runs into the next byte
             code = code | (packed[..., byte + 1] << (8 - shift))
         np.bitwise_and(code, mask, out=codes[..., i])
+
+
+KV_BITS = (8, 4)
+
+
+def kv_takes(cache) -> bool:
+    """Whether `kv_float32` reads this quantized KV cache's keys and values."""
+    return cache.bits in KV_BITS and getattr(cache, "mode", "affine") == "affine"
+
+
+def kv_float32(triple, group_size: int, bits: int) -> mx.array:
+    """A quantized KV cache's (values, scales, biases) keys or values as
+    float32, in MLX operations (part of the step's graph): each code as a
+    float, times its group's scale, plus its bias. MLX's CPU `mx.dequantize`
+    took ~2.5x as long on a batch's keys and values (1.6M values: 9.5 ms
+    against 3.8 on the 2-core Xeon)."""
+    codes, scales, biases = triple
+    if bits == 8:
+        values = codes.view(mx.uint8).astype(mx.float32)
+    else:  # 8 codes a word, the first in the lowest bits (MLX's packing)
+        shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+        values = ((codes[..., None] >> shifts) & ((1 << bits) - 1)).astype(mx.float32)
+        values = values.reshape(*codes.shape[:-1], -1)
+    grouped = values.reshape(*values.shape[:-1], values.shape[-1] // group_size, group_size)
+    out = grouped * scales[..., None].astype(mx.float32) + biases[..., None].astype(mx.float32)
+    return out.reshape(values.shape)
