@@ -20,7 +20,7 @@ sinks, 16-bit activations) still goes to mlx-lm's own. KV kept at 8 or 4 bits
 in the batch (engine.quantized_kv) is read back as float32 a layer at a time
 (dequantize.kv_float32) and takes the same attention: mlx-lm's quantized
 attention (two quantized products and MLX's softmax) made a decode step of the
-default model at batch 8 over 1k tokens ~3.2x as long as float32 KV's. Where
+default model at batch 8 over 1k tokens ~3.5x as long as float32 KV's. Where
 the native kernels run, mlx-lm's per-step log-sum-exp of the logits runs in
 native code too (`GenerateMx`). `calls` counts what ran (the native library
 counts its own calls too): the tests check that what is reported in use runs.
