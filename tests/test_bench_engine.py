@@ -53,6 +53,18 @@ def test_step_accounted_ratio_charges_the_engine_its_between_and_its_event_loop(
     assert step_accounted_ratio(bare, dict(engine, between=10.0, main_cpu=0.0)) == 1.0
 
 
+def test_a_run_whose_requests_fail_says_why(loaded):
+    """Requests the engine refuses (more tokens than memory holds, caused for
+    real) end the run with their error, not with an empty list of token times."""
+    model, tokenizer = loaded
+    runner = EngineRunner(model, tokenizer, batch=2, prefill_step_size=256)
+    try:
+        with pytest.raises(RuntimeError, match="2 of 2 requests failed; request 0: .*memory"):
+            runner.run(random_prompts(1000, 2, 40, seed=2), 10**9)
+    finally:
+        runner.close()
+
+
 @pytest.mark.slow  # a benchmark run
 def test_engine_runner_reuses_one_engine_and_starts_each_run_with_an_empty_cache(loaded):
     model, tokenizer = loaded  # the default model as tierlm loads it, shared with the engine tests

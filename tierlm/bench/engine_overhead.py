@@ -145,15 +145,20 @@ class EngineRunner:
         await self.engine.clear_cache()
         self.runs += 1
         times: list[list[float]] = [[] for _ in prompts]
+        errors: list[str] = []
 
         async def consume(i: int, request: Request) -> None:
             async for out in self.engine.stream_outputs(request):
                 if out is not None and out.token_ids:
                     times[i].extend([time.perf_counter()] * len(out.token_ids))
+                if out is not None and out.error:
+                    errors.append(f"request {i}: {out.error}")
 
         requests = [Request(f"bench-{self.runs}-{i}", p, self.params(i, max_tokens)) for i, p in enumerate(prompts)]
         start = time.perf_counter()  # what params() builds (a grammar) is made before the timed part
         await asyncio.gather(*(consume(i, r) for i, r in enumerate(requests)))
+        if errors:  # a failed request has no token times: say why, not what the rates make of it
+            raise RuntimeError(f"{len(errors)} of {len(prompts)} requests failed; {errors[0]}")
         self.generated = [len(t) for t in times]
         return _result(self.batch, "engine" if self.batch >= len(prompts) else "engine-queue", start, times)
 
