@@ -513,7 +513,8 @@ def render_request_path(doc: dict, path: Path) -> str:
 
 
 def render_kv_bits(doc: dict, path: Path) -> str:
-    return "\n".join([f"### {kv_bits.title(doc)}\n", _provenance(doc, path), kv_bits.table(doc), ""])
+    note = [doc["note"], ""] if doc.get("note") else []  # what the command alone does not say
+    return "\n".join([f"### {kv_bits.title(doc)}\n", _provenance(doc, path), *note, kv_bits.table(doc), ""])
 
 
 def render_prefill(doc: dict, path: Path) -> str:

@@ -220,6 +220,66 @@ def test_scaled_keys_leave_attention_as_computed_with_a_fraction_of_the_error():
     assert key_errors[True] < key_errors[False] / 3, key_errors
 
 
+def _tokens(n: int, seed: int, rows: int = 2) -> mx.array:
+    return mx.random.normal((rows, 2, n, 64), key=mx.random.key(seed))
+
+
+def _batch(lengths: list[int], seed: int, tail: int, scales) -> QuantizedBatchKVCache:
+    slots = []
+    for i, n in enumerate(lengths):
+        plain = KVCache()
+        plain.update_and_fetch(_tokens(n, seed + i, 1), _tokens(n, seed + 50 + i, 1))
+        slots.append(QuantizedSlot.of(plain, 8, scales))
+    batch = QuantizedSlot.merge(slots)
+    batch.tail_capacity = tail
+    return batch
+
+
+def _steps(cache, seed: int, n: int) -> None:
+    for i in range(n):
+        rows = cache.offset.shape[0]
+        cache.update_and_fetch(_tokens(1, seed + i, rows), _tokens(1, seed + 100 + i, rows))
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled-keys"])
+def test_a_tail_of_16_bit_decode_steps_ends_as_quantizing_each_step_would(scaled):
+    """On a CUDA GPU a decode step's token waits at 16 bits in the batch
+    cache's tail (its kernel reads it there) and is quantized with the rest
+    when the tail fills, the batch changes or a reader of the buffers comes:
+    the buffers then hold, bit for bit, what quantizing each step's token
+    at once holds. The same steps, joins, trims and leaves through a cache
+    with a tail of 4 and one with none, on any device."""
+    scales = key_scaling.KeyScales(mx.where(mx.arange(64) < 2, 4.0, 1.0)[None, None, None] * mx.ones((1, 2, 1, 1))) \
+        if scaled else None
+    caches = []
+    for tail in (4, 0):
+        cache = _batch([5, 9], seed=0, tail=tail, scales=scales)
+        _steps(cache, 10, 6)  # the tail fills once
+        if tail:
+            keys, values, start = cache.unquantized_tail()
+            assert cache.tail_length == 2 and start.item() == cache._idx - 2 == 13
+            assert mx.array_equal(keys[..., 1:2, :], _tokens(1, 15)).item()  # kept as computed
+            assert cache.nbytes > _batch([5, 9], 0, 0, scales).nbytes  # the tail's bytes count
+        cache.trim(1)  # a step given back
+        _steps(cache, 20, 3)
+        other = _batch([12], seed=5, tail=tail, scales=scales)
+        _steps(other, 30, 2)
+        cache.extend(other)  # a sequence joins
+        _steps(cache, 40, 3)
+        cache.filter([0, 2])  # one leaves
+        _steps(cache, 50, 2)
+        caches.append((cache, cache.extract(1)))
+        if tail:
+            assert cache.tail_length == 0 and cache.unquantized_tail() is None  # extract read the buffers
+    (with_tail, slot_a), (without, slot_b) = caches
+    assert (with_tail._idx, with_tail.offset.tolist(), with_tail.left_padding.tolist()) == \
+        (without._idx, without.offset.tolist(), without.left_padding.tolist())
+    for a, b in zip(with_tail.keys + with_tail.values, without.keys + without.values):
+        assert mx.array_equal(a[..., : without._idx, :], b[..., : without._idx, :]).item()
+    for a, b in zip(slot_a.keys + slot_a.values, slot_b.keys + slot_b.values):
+        assert mx.array_equal(a, b).item()
+
+
 def test_the_batch_keeps_fewer_bytes_and_names_its_bits():
     """8-bit KV with float32 scales (the CPU's KV dtype): 3.5x fewer bytes than
     float32's; `bits` is what sends mlx-lm's attention to its quantized path."""

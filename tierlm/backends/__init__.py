@@ -35,6 +35,9 @@ class Backend:
     warnings: tuple[str, ...] = ()  # start-up log lines, warnings (a part that failed its check)
     summary: dict = field(default_factory=dict)  # for /stats: what is in use, and why not
     counters: Callable[[], dict] | None = field(default=None, repr=False, compare=False)  # live, for /stats
+    # decode steps a batch keeping KV at 8 or 4 bits may hold at 16 bits (engine.quantized_kv):
+    # the model's attention reads them there (tierlm.backends.gpu)
+    kv_tail: int = 0
 
     def stats(self) -> dict:
         """For /stats: the summary and, live, what ran so far."""
@@ -85,7 +88,8 @@ def prepare(model, *, cpu_weights_dtype: str = "auto", memory_bytes: int, cpu_ke
         replaced = gpu.install(model)
         backend = Backend(log=(f"GPU: attention of 2-{gpu.MAX_QUERIES} queries as products (no cuDNN graph "
                                f"per shape): {', '.join(replaced) or 'no module'}",),
-                          summary={"few_query_attention": replaced}) if replaced else NONE
+                          summary={"few_query_attention": replaced},
+                          kv_tail=gpu.kv_tail_tokens()) if replaced else NONE
     key = id(model)
     _by_model[key] = backend
     weakref.finalize(model, _by_model.pop, key, None)

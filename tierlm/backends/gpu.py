@@ -43,7 +43,9 @@ run at a new shape cost more than the copy (docs/prefix-cache.md).
 KV kept quantized in the batch (`batch_kv_bits`, engine.quantized_kv) runs
 here too, whatever the queries. Up to 32 queries a sequence (a decode step, a
 verification) go to one kernel that reads the KV at its bits
-(backends.cuda_kv_attention); longer ones run as the products below.
+(backends.cuda_kv_attention), and a decode step's tokens from the batch
+cache's 16-bit tail (`KV_TAIL` steps, quantized together); longer ones run
+as the products below, the tail quantized first.
 mlx-lm's quantized attention broadcasts each KV head over its query heads and
 reads the KV up to the batch's end as a strided view, and MLX's CUDA
 quantized products take neither ("no implementation for problem shape").
@@ -92,6 +94,15 @@ HIT_SCORES = int(os.environ.get("TIERLM_HIT_SCORES", str(384 * 2**20)))  # 0: cu
 # A decode step (or a verification) over KV kept quantized runs as one kernel
 # that reads the KV at its bits (backends.cuda_kv_attention); off: the products.
 KV_KERNEL = os.environ.get("TIERLM_KV_KERNEL") != "off"
+# Decode steps a batch keeping KV quantized holds at 16 bits before quantizing
+# them together (engine.quantized_kv): the kernel reads them as they are.
+KV_TAIL = int(os.environ.get("TIERLM_KV_TAIL", "64"))  # 0: each step's token quantized at once
+
+
+def kv_tail_tokens() -> int:
+    """How many decode steps a batch cache of quantized KV may keep at 16 bits
+    (engine.quantized_kv) for a model `install` wrapped: the kernel reads them."""
+    return KV_TAIL if KV_KERNEL else 0
 
 
 def install(model: nn.Module) -> list[str]:
@@ -116,12 +127,7 @@ def _wrap(original, few_queries: bool = True):
         if isinstance(mask, str) and mask != "causal" or sinks is not None:
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         if hasattr(cache, "bits"):  # mlx-lm's own broadcasts KV heads, which CUDA's quantized products refuse
-            if getattr(cache, "key_scales", None) is not None:  # keys kept divided by them (engine.key_scaling)
-                queries = cache.key_scales.queries(queries)
-            keys, values, mask = _whole_buffers(cache, keys, values, mask, queries.shape[2])
-            if KV_KERNEL and cuda_kv_attention.usable(queries, keys, cache.bits, cache.group_size, mask):
-                return cuda_kv_attention.attention(queries, keys, values, scale, mask, cache.bits)
-            return attention_products(queries, keys, values, scale, mask, quantized=(cache.group_size, cache.bits))
+            return _over_quantized_kv(queries, cache, scale, mask)
         if few_queries and (1 < queries.shape[2] <= MAX_QUERIES or _hit_remainder(queries, keys)):
             return attention_products(queries, keys, values, scale, mask)
         if queries.shape[2] > 1 and _unpadded(cache, mask):
@@ -133,6 +139,43 @@ def _wrap(original, few_queries: bool = True):
 
     scaled_dot_product_attention.original = original
     return scaled_dot_product_attention
+
+
+def _over_quantized_kv(queries, cache, scale: float, mask) -> mx.array:
+    """Attention over a cache whose KV is kept at 8 or 4 bits (engine.quantized_kv):
+    the kernel for a few queries, reading the cache's 16-bit tail too and
+    multiplying the keys by the factors they are kept divided by; otherwise
+    the products over the whole buffers (the tail quantized first)."""
+    key_scales = getattr(cache, "key_scales", None)  # keys kept divided by them (engine.key_scaling)
+    length = queries.shape[2]
+    if KV_KERNEL and cuda_kv_attention.usable(queries, cache.keys, cache.bits, cache.group_size, mask):
+        tail = cache.unquantized_tail() if hasattr(cache, "unquantized_tail") else None
+        return cuda_kv_attention.attention(queries, cache.keys, cache.values, scale, _mask_array(cache, mask, length),
+                                           cache.bits, tail=tail,
+                                           factors=None if key_scales is None else key_scales.factors)
+    if hasattr(cache, "flush"):
+        cache.flush()
+    if key_scales is not None:
+        queries = key_scales.queries(queries)
+    keys, values, mask = _whole_buffers(cache, mask, length)
+    return attention_products(queries, keys, values, scale, mask, quantized=(cache.group_size, cache.bits))
+
+
+def _end(cache) -> int:
+    """Where the cache's KV ends: a batch's end, or one sequence's length."""
+    return getattr(cache, "_idx", getattr(cache, "offset", None))
+
+
+def _mask_array(cache, mask, length: int) -> mx.array:
+    """`mask` as booleans (B or 1, 1, L or 1, end) for the kernel: mlx-lm's batch
+    mask already is (made once a step, shared by every layer); None or
+    "causal" (one sequence) becomes one."""
+    if isinstance(mask, mx.array):
+        return mask if mask.ndim == 4 else mask.reshape(1, 1, *mask.shape[-2:])
+    end = _end(cache)
+    if mask is None:
+        return mx.ones((1, 1, 1, end), dtype=mx.bool_)
+    return (mx.arange(end)[None] <= mx.arange(end - length, end)[:, None])[None, None]
 
 
 def _hit_remainder(queries, keys) -> bool:
@@ -186,17 +229,15 @@ def _unpadded(cache, mask) -> bool:
     return isinstance(mask, mx.array) and type(cache) is BatchKVCache and not any(cache.left_padding.tolist())
 
 
-def _whole_buffers(cache, keys, values, mask, length: int):
+def _whole_buffers(cache, mask, length: int):
     """A quantized KV cache's whole buffers, and the mask that hides the
     keys past its end: MLX's CUDA quantized products take no strided view (the
     batch's KV up to its end is one), and its buffers grow 256 keys at a time,
     so the products see a new shape every 256 tokens, not every step."""
-    end = getattr(cache, "_idx", getattr(cache, "offset", None))  # a batch's end; one sequence's length
-    if not isinstance(end, int) or not isinstance(cache.keys, tuple):
-        return keys, values, mask
+    end = _end(cache)
     span = cache.keys[0].shape[2]
     if span == end:
-        return keys, values, mask
+        return cache.keys, cache.values, mask
     if mask is None or isinstance(mask, str):
         causal = mask is not None
         mask = mx.arange(span)[None] < end

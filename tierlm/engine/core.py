@@ -156,6 +156,7 @@ class EngineCore:
             draft_model=draft,
             kv_bits=self.kv_bits,
             key_scales=self.key_scales,
+            kv_tail=backends.describe(self.model).kv_tail,
         )
         log.info(
             "engine %s ready: weights %.0f MiB, KV %.1f KiB/token, memory limit %.0f MiB",

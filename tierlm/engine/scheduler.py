@@ -55,6 +55,7 @@ class SchedulerConfig:
     draft_model: Any = None  # a smaller model of the same tokenizer drafting too (engine.draft_model)
     kv_bits: int = 16  # what the batch keeps attention KV at (engine.quantized_kv)
     key_scales: list | None = None  # per layer, what quantized keys are kept divided by (engine.key_scaling)
+    kv_tail: int = 0  # decode steps quantized KV may hold at 16 bits (backends.Backend.kv_tail)
 
 
 @dataclass
@@ -491,7 +492,7 @@ class Scheduler:
             caches = [self.cache.rebuild(lookup.blocks)] if hit else None
             if self.config.kv_bits != 16:
                 caches = [quantized_slots(caches[0] if caches else make_prompt_cache(self.model), self.config.kv_bits,
-                                          self.config.key_scales)]
+                                          self.config.key_scales, self.config.kv_tail)]
             text = IncrementalText(self.tokenizer.detokenizer, params.stop, self._bytes_table,
                                    params.keep_leading_space)
         except Exception as e:

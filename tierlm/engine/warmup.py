@@ -40,7 +40,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from tierlm.backends import gpu
+from tierlm.backends import describe, gpu
 from tierlm.engine.drafts import PromptLookup
 from tierlm.engine.quantized_kv import quantized_slots
 from tierlm.engine.request import Request, SamplingParams
@@ -237,7 +237,7 @@ def _decode_a_few(model, stream, batch: int, prompt_len: int, prefill_step: int,
         greedy = make_request_sampler(SamplingParams(temperature=0), lambda message: None)
         prompts = prompts_of_two_lengths(batch, prompt_len)
         caches = None if kv_bits == 16 else \
-            [quantized_slots(make_prompt_cache(model), kv_bits, key_scales) for _ in prompts]
+            [quantized_slots(make_prompt_cache(model), kv_bits, key_scales, describe(model).kv_tail) for _ in prompts]
         samplers = [sampled if i % 2 else greedy for i in range(batch)]
         if drafts:
             gen.speculation.draft_alternately()
