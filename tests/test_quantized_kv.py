@@ -17,6 +17,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from tierlm.backends.cpu import route
 from tierlm.engine import key_scaling
+from tierlm.engine.memory_guard import MemoryGuard, profile_model
 from tierlm.engine.quantized_kv import QuantizedBatchKVCache, QuantizedSlot, dequantized, quantized_slots, \
     why_not_quantized
 from tierlm.models.random_model import TINY, build_model, tiny_model
@@ -278,6 +279,18 @@ def test_a_tail_of_16_bit_decode_steps_ends_as_quantizing_each_step_would(scaled
         assert mx.array_equal(a[..., : without._idx, :], b[..., : without._idx, :]).item()
     for a, b in zip(slot_a.keys + slot_a.values, slot_b.keys + slot_b.values):
         assert mx.array_equal(a, b).item()
+
+
+def test_the_memory_estimate_counts_a_decoding_sequences_16_bit_tail():
+    """Where the batch keeps a tail of decode steps at 16 bits (a CUDA GPU), a
+    decoding sequence holds it beside its quantized KV: the guard reserves it."""
+    model = _model()
+    plain, quantized = profile_model(model), profile_model(model, 8, kv_tail=64)
+    assert quantized.tail_bytes == 64 * plain.kv_bytes_per_token > 0
+    assert profile_model(model, 8).tail_bytes == 0 and plain.tail_bytes == 0
+    guard = MemoryGuard(quantized, limit=2**30, prefill_step=512)
+    assert guard.decode_bytes(10) == 10 * quantized.kv_bytes_per_token + quantized.tail_bytes
+    assert guard.decode_bytes(0) == 0
 
 
 def test_the_batch_keeps_fewer_bytes_and_names_its_bits():

@@ -143,7 +143,7 @@ class EngineCore:
         with mx.stream(stream):
             self.kv_bits = self._batch_kv_bits()
             self.key_scales = self._key_scales()
-            self.profile = profile_model(self.model, self.kv_bits)
+            self.profile = profile_model(self.model, self.kv_bits, backends.describe(self.model).kv_tail)
         draft = self._load_draft()
         limit = self.config.memory_limit_bytes() or default_memory_limit()
         prefill_step = self.config.prefill_step_size or prefill_step_for(mx.default_device())

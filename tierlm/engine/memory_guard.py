@@ -33,6 +33,7 @@ class ModelProfile:
     hidden_size: int
     intermediate_size: int
     native_bytes: int = 0  # held outside MLX's allocator: what the backend adds (tierlm.backends)
+    tail_bytes: int = 0  # a decoding sequence's 16-bit tail beside its quantized KV (engine.quantized_kv)
 
 
 def _arg(model, *names: str, default: int = 0) -> int:
@@ -44,13 +45,31 @@ def _arg(model, *names: str, default: int = 0) -> int:
     return default
 
 
-def profile_model(model, kv_bits: int = 16) -> ModelProfile:
+def profile_model(model, kv_bits: int = 16, kv_tail: int = 0) -> ModelProfile:
     """Measure the model on its own worker thread: one token through a fresh
-    cache (its attention KV quantized where the batch keeps it at `kv_bits`)."""
+    cache (its attention KV quantized where the batch keeps it at `kv_bits`,
+    besides up to `kv_tail` decode steps at 16 bits)."""
     from mlx.utils import tree_flatten
 
     native_bytes = describe(model).extra_bytes
     weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) + native_bytes
+    per_token, fixed = _kv_bytes(model, kv_bits)
+    tail_bytes = _kv_bytes(model, 16)[0] * kv_tail if kv_bits != 16 else 0
+    hidden = _arg(model, "hidden_size", "d_model", default=4096)
+    return ModelProfile(
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=per_token,
+        fixed_cache_bytes=fixed,
+        num_heads=_arg(model, "num_attention_heads", "n_heads", default=32),
+        hidden_size=hidden,
+        intermediate_size=_arg(model, "intermediate_size", default=4 * hidden),
+        native_bytes=native_bytes,
+        tail_bytes=tail_bytes,
+    )
+
+
+def _kv_bytes(model, kv_bits: int) -> tuple[int, int]:
+    """The KV bytes a token adds, and those of state that does not grow."""
     cache = make_prompt_cache(model)
     if kv_bits != 16:
         cache = quantized_slots(cache, kv_bits)
@@ -64,16 +83,7 @@ def profile_model(model, kv_bits: int = 16) -> ModelProfile:
             per_token += c.nbytes // allocated
         else:
             fixed += c.nbytes
-    hidden = _arg(model, "hidden_size", "d_model", default=4096)
-    return ModelProfile(
-        weight_bytes=weight_bytes,
-        kv_bytes_per_token=per_token,
-        fixed_cache_bytes=fixed,
-        num_heads=_arg(model, "num_attention_heads", "n_heads", default=32),
-        hidden_size=hidden,
-        intermediate_size=_arg(model, "intermediate_size", default=4 * hidden),
-        native_bytes=native_bytes,
-    )
+    return per_token, fixed
 
 
 def default_memory_limit() -> int:
@@ -103,8 +113,10 @@ class MemoryGuard:
         return p.kv_bytes_per_token * prompt_tokens + p.fixed_cache_bytes + scores + activations
 
     def decode_bytes(self, tokens: int) -> int:
-        """The KV that `tokens` more generated tokens will add."""
-        return self.profile.kv_bytes_per_token * max(0, tokens)
+        """The KV that `tokens` more generated tokens will add (and the 16-bit
+        tail a decoding sequence holds where the batch keeps KV quantized)."""
+        tail = self.profile.tail_bytes if tokens > 0 else 0
+        return self.profile.kv_bytes_per_token * max(0, tokens) + tail
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """All a request may come to hold: its prefill, every token it may generate,
