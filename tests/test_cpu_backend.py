@@ -1084,3 +1084,12 @@ def test_kv_kept_quantized_in_the_batch_is_read_as_float32_by_the_same_attention
                                                                          masks[mask])
     assert cpu_kernels.calls["quantized_kv"] == before + 1
     assert mx.allclose(got, want, atol=1e-4).item(), mx.abs(got - want).max()
+    # where the native kernels run, one operation that dequantizes a KV head at a time: the
+    # same bits as the attention over the whole KV made float32 first
+    from tierlm.backends.cpu import dequantize, graph_ops
+
+    if cpu_kernels.native_kernels() and graph_ops.install().on:
+        fused = cpu_kernels.quantized_attention(scales.queries(queries), q_keys, q_values, 0.125, masks[mask], 64, bits)
+        whole = cpu_kernels.attention(scales.queries(queries), *(dequantize.kv_float32(t, 64, bits)
+                                                                 for t in (q_keys, q_values)), 0.125, masks[mask])
+        assert fused is not None and mx.array_equal(fused, whole).item() and mx.array_equal(got, fused).item()

@@ -94,6 +94,7 @@ def _load() -> ctypes.CDLL:
     lib.tierlm_graph_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float]
     lib.tierlm_graph_rope.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
     lib.tierlm_graph_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float, ctypes.c_int]
+    lib.tierlm_graph_quantized_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_int] * 3
     lib.tierlm_graph_set_kernels.argtypes = [ctypes.c_void_p] * 3
     lib.tierlm_graph_ran.restype = ctypes.c_ulong
     lib.tierlm_graph_qmm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
@@ -290,6 +291,24 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     out = mx.array(0.0)
     code = _lib.tierlm_graph_attention(id(queries), id(keys), id(values), id(array_mask) if array_mask is not None
                                        else None, id(out), scale, int(mask == "causal" if isinstance(mask, str) else 0))
+    return _result(code, out)
+
+
+def quantized_attention(queries: mx.array, keys: tuple, values: tuple, scale: float, mask, group: int,
+                        bits: int) -> mx.array | None:
+    """`attention` over keys and values kept at `bits` in groups of `group`
+    (MLX's affine (codes, scales, biases), float32 scales), each sequence's KV
+    head read as float32 just before its products: the same bits as `attention`
+    over `dequantize.kv_float32` of them, without that copy of the whole
+    context. None for anything it does not take."""
+    if _lib is None or isinstance(mask, str) and mask != "causal":
+        return None
+    array_mask = mask if isinstance(mask, mx.array) else None
+    triples = [(ctypes.c_void_p * 3)(*(id(a) for a in t)) for t in (keys, values)]
+    out = mx.array(0.0)
+    code = _lib.tierlm_graph_quantized_attention(id(queries), *triples, id(array_mask) if array_mask is not None
+                                                 else None, id(out), scale,
+                                                 int(mask == "causal" if isinstance(mask, str) else 0), group, bits)
     return _result(code, out)
 
 

@@ -17,10 +17,12 @@ native/exact_gemm.c, bit-exact whatever the padding) around the softmax.
 `install(model)` puts both into the model's module in place of mlx-lm's, only on
 MLX's CPU device and only for float32 inputs; everything else (attention
 sinks, 16-bit activations) still goes to mlx-lm's own. KV kept at 8 or 4 bits
-in the batch (engine.quantized_kv) is read back as float32 a layer at a time
-(dequantize.kv_float32) and takes the same attention: mlx-lm's quantized
-attention (two quantized products and MLX's softmax) made a decode step of the
-default model at batch 8 over 1k tokens ~3.5x as long as float32 KV's. Where
+in the batch (engine.quantized_kv) takes the same attention, each KV head
+read back as float32 just before its products (`quantized_attention`, one
+operation: graph_ops.cpp), or the whole layer's KV at once
+(dequantize.kv_float32) where that does not run: mlx-lm's quantized attention
+(two quantized products and MLX's softmax) made a decode step of the default
+model at batch 8 over 1k tokens ~3.5x as long as float32 KV's. Where
 the native kernels run, mlx-lm's per-step log-sum-exp of the logits runs in
 native code too (`GenerateMx`). `calls` counts what ran (the native library
 counts its own calls too): the tests check that what is reported in use runs.
@@ -109,6 +111,22 @@ def attention(queries, keys, values, scale: float, mask, native: bool | None = N
         return mx.concatenate([_attention(queries[:, :, i : i + rows], keys, values, scale,
                                           mask[:, :, i : i + rows], True) for i in range(0, length, rows)], axis=2)
     return _attention(queries, keys, values, scale, mask, native)
+
+
+def quantized_attention(queries, keys: tuple, values: tuple, scale: float, mask, group: int,
+                        bits: int) -> mx.array | None:
+    """`attention` over KV kept at `bits` as one operation that reads each
+    sequence's KV head as float32 just before its products (graph_ops), where
+    the native kernels run and the scores fit a block; the same bits as
+    `attention` over the KV as float32. None where it does not take them."""
+    batch, heads, length, _ = queries.shape
+    if not native_kernels() or length > max(1, SCORES_BLOCK_BYTES // (4 * batch * heads * keys[0].shape[2])):
+        return None
+    if isinstance(mask, mx.array) and mask.ndim == 2 and mask.dtype == mx.bool_:
+        mask = mask[None, None]
+    if isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[2] == 1 < length:  # one row for every query
+        mask = mx.broadcast_to(mask, (*mask.shape[:2], length, mask.shape[3]))
+    return graph_ops.quantized_attention(queries, keys, values, scale, mask, group, bits)
 
 
 def _attention(queries, keys, values, scale: float, mask, native: bool) -> mx.array:
@@ -222,8 +240,12 @@ def _wrap_attention(original):
         if hasattr(cache, "bits"):  # KV kept at 8 or 4 bits (engine.quantized_kv): read as float32 here
             if getattr(keys, "key_scales", None) is not None:  # keys kept divided by them (engine.key_scaling)
                 queries = keys.key_scales.queries(queries)
-            keys, values = (dequantize.kv_float32(t, cache.group_size, cache.bits) for t in (keys, values))
             calls["quantized_kv"] += 1
+            calls["attention"] += 1
+            if (out := quantized_attention(queries, keys, values, scale, mask, cache.group_size, cache.bits)) is not None:
+                return out
+            keys, values = (dequantize.kv_float32(t, cache.group_size, cache.bits) for t in (keys, values))
+            return attention(queries, keys, values, scale, mask)
         calls["attention"] += 1
         return attention(queries, keys, values, scale, mask)
 

@@ -1,6 +1,7 @@
-// tierlm's own MLX operations for the CPU: RMSNorm, RoPE, attention, SwiGLU,
-// GELU and the logits' log-sum-exp, each one node of MLX's graph instead of
-// many (or instead of an evaluation that split the step's graph).
+// tierlm's own MLX operations for the CPU: RMSNorm, RoPE, attention (over
+// float32 or quantized KV), SwiGLU, GELU and the logits' log-sum-exp, each one
+// node of MLX's graph instead of many (or instead of an evaluation that split
+// the step's graph).
 //
 // On MLX's CPU device every operation costs a few microseconds whatever its
 // size (perf: malloc, and MLX's stream thread woken through a futex for each
@@ -335,6 +336,11 @@ const float *rows_at(const array &a, int i, int j, std::vector<float> &scratch, 
   return scratch.data();
 }
 
+// the float32 rows (and their stride) of one sequence's (b) KV head (h): keys or values
+using KVRows = std::function<const float *(int b, int h, std::vector<float> &scratch, int64_t *ld)>;
+void attend(std::vector<array> &inputs, array &out, float scale, bool causal, int width, const array *mask_array,
+            const KVRows &keys_at, const KVRows &values_at);
+
 // softmax(q k^T * scale + mask) v for (B, H, L, D) queries and (B, KV, S, D)
 // keys and values, as kernels.attention computes it where the native kernels
 // run, bit for bit: the queries times the scale, each KV head's group of query
@@ -354,55 +360,156 @@ class Attention : public NativeOperation {
   }
 
   static void compute(std::vector<array> &inputs, array &out, float scale, bool causal) {
-    const array &q = inputs[0], &k = inputs[1], &v = inputs[2];
-    int batch = q.shape(0), heads = q.shape(1), length = q.shape(2), dim = q.shape(3);
-    int kv_heads = k.shape(1), span = k.shape(2), width = v.shape(3), group = heads / kv_heads;
-    // the queries times the scale, row-major (B, H, L, D): MLX's product, element by element
-    // not zeroed first: every element is written before it is read
-    std::unique_ptr<float[]> queries(new float[static_cast<size_t>(batch) * heads * length * dim]);
-    Shape shape = q.shape();
-    const float *qs = q.data<float>();
-    for (int64_t r = 0, rows = rows_of(shape); r < rows; r++) {
-      const float *row = qs + row_offset(q, shape, r);
-      for (int d = 0; d < dim; d++) queries[r * dim + d] = row[d * q.strides()[3]] * scale;
-    }
-    std::unique_ptr<float[]> scores(new float[static_cast<size_t>(batch) * heads * length * span]);
-    std::vector<float> scratch;
-    int64_t ld;
-    int m = group * length;
-    for (int b = 0; b < batch; b++)
-      for (int h = 0; h < kv_heads; h++) {
-        const float *keys = rows_at(k, b, h, scratch, &ld);
-        size_t first = (static_cast<size_t>(b) * heads + h * group) * length;
-        sgemm(ROW_MAJOR, NO_TRANS, TRANS, m, span, dim, 1.0f, queries.get() + first * dim, dim, keys,
-              static_cast<int>(ld), 0.0f, scores.get() + first * span, span);
-      }
-    long rows = static_cast<long>(batch) * heads * length;
-    if (inputs.size() == 4) {
-      const array &mask = inputs[3];
-      int mask_batch = mask.shape(0) > 1;
-      std::vector<unsigned char> bits(static_cast<size_t>(mask.shape(0)) * length * span);
-      Shape mask_shape = mask.shape();
-      for (int64_t r = 0, n = rows_of(mask_shape); r < n; r++) {
-        const bool *row = mask.data<bool>() + row_offset(mask, mask_shape, r);
-        for (int c = 0; c < span; c++) bits[r * span + c] = row[c * mask.strides()[3]];
-      }
-      softmax_rows_masked(scores.get(), rows, span, bits.data(), heads, length, mask_batch);
-    } else {
-      softmax_rows(scores.get(), rows, span, causal ? length : 0);
-    }
-    float *to = out.data<float>();
-    for (int b = 0; b < batch; b++)
-      for (int h = 0; h < kv_heads; h++) {
-        const float *values = rows_at(v, b, h, scratch, &ld);
-        size_t first = (static_cast<size_t>(b) * heads + h * group) * length;
-        sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, m, width, span, 1.0f, scores.get() + first * span, span, values,
-              static_cast<int>(ld), 0.0f, to + first * width, width);
-      }
+    const array &k = inputs[1], &v = inputs[2];
+    attend(inputs, out, scale, causal, v.shape(3), inputs.size() == 4 ? &inputs[3] : nullptr,
+           [&](int b, int h, std::vector<float> &scratch, int64_t *ld) { return rows_at(k, b, h, scratch, ld); },
+           [&](int b, int h, std::vector<float> &scratch, int64_t *ld) { return rows_at(v, b, h, scratch, ld); });
   }
 
   float scale_;
   bool causal_;
+};
+
+// Attention as above, the keys and values of each (sequence, KV head) read
+// through `keys_at` and `values_at` (`width` values a row), under `mask` (a
+// boolean (B or 1, 1, L, S) array), or causal, or neither.
+void attend(std::vector<array> &inputs, array &out, float scale, bool causal, int width, const array *mask_array,
+          const KVRows &keys_at, const KVRows &values_at) {
+  const array &q = inputs[0];
+  int batch = q.shape(0), heads = q.shape(1), length = q.shape(2), dim = q.shape(3);
+  int kv_heads = inputs[1].shape(1), span = inputs[1].shape(2), group = heads / kv_heads;
+  // the queries times the scale, row-major (B, H, L, D): MLX's product, element by element
+  // not zeroed first: every element is written before it is read
+  std::unique_ptr<float[]> queries(new float[static_cast<size_t>(batch) * heads * length * dim]);
+  Shape shape = q.shape();
+  const float *qs = q.data<float>();
+  for (int64_t r = 0, rows = rows_of(shape); r < rows; r++) {
+    const float *row = qs + row_offset(q, shape, r);
+    for (int d = 0; d < dim; d++) queries[r * dim + d] = row[d * q.strides()[3]] * scale;
+  }
+  std::unique_ptr<float[]> scores(new float[static_cast<size_t>(batch) * heads * length * span]);
+  std::vector<float> scratch;
+  int64_t ld;
+  int m = group * length;
+  for (int b = 0; b < batch; b++)
+    for (int h = 0; h < kv_heads; h++) {
+      const float *keys = keys_at(b, h, scratch, &ld);
+      size_t first = (static_cast<size_t>(b) * heads + h * group) * length;
+      sgemm(ROW_MAJOR, NO_TRANS, TRANS, m, span, dim, 1.0f, queries.get() + first * dim, dim, keys,
+            static_cast<int>(ld), 0.0f, scores.get() + first * span, span);
+    }
+  long rows = static_cast<long>(batch) * heads * length;
+  if (mask_array != nullptr) {
+    const array &mask = *mask_array;
+    int mask_batch = mask.shape(0) > 1;
+    std::vector<unsigned char> bits(static_cast<size_t>(mask.shape(0)) * length * span);
+    Shape mask_shape = mask.shape();
+    for (int64_t r = 0, n = rows_of(mask_shape); r < n; r++) {
+      const bool *row = mask.data<bool>() + row_offset(mask, mask_shape, r);
+      for (int c = 0; c < span; c++) bits[r * span + c] = row[c * mask.strides()[3]];
+    }
+    softmax_rows_masked(scores.get(), rows, span, bits.data(), heads, length, mask_batch);
+  } else {
+    softmax_rows(scores.get(), rows, span, causal ? length : 0);
+  }
+  float *to = out.data<float>();
+  for (int b = 0; b < batch; b++)
+    for (int h = 0; h < kv_heads; h++) {
+      const float *values = values_at(b, h, scratch, &ld);
+      size_t first = (static_cast<size_t>(b) * heads + h * group) * length;
+      sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, m, width, span, 1.0f, scores.get() + first * span, span, values,
+            static_cast<int>(ld), 0.0f, to + first * width, width);
+    }
+}
+
+// One group of 64 codes (`bytes`, MLX's packing: code e in the lowest bits
+// first) as float32: each code times the scale, plus the bias, rounded one by
+// one as kv_float32's MLX operations round them (no contraction: see the top).
+// Cloned for AVX-512 and AVX2 (picked at load by the CPU) and built at -O3
+// (GCC 12's -O2 leaves these loops scalar), so they run 8 codes an
+// instruction; the build's own target is plain x86-64.
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
+void dequantize_8bit_group(const uint8_t *__restrict bytes, float scale, float bias, float *__restrict to) {
+  for (int e = 0; e < 64; e++) to[e] = static_cast<float>(bytes[e]) * scale + bias;
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
+void dequantize_4bit_group(const uint8_t *__restrict bytes, float scale, float bias, float *__restrict to) {
+  float low[32], high[32];
+  for (int i = 0; i < 32; i++) {
+    low[i] = static_cast<float>(bytes[i] & 15u) * scale + bias;
+    high[i] = static_cast<float>(bytes[i] >> 4) * scale + bias;
+  }
+  for (int i = 0; i < 32; i++) {
+    to[2 * i] = low[i];
+    to[2 * i + 1] = high[i];
+  }
+}
+
+// One sequence's (i) KV head's (j) rows of KV kept at `bits` in groups of
+// `group` (MLX's affine (codes, scales, biases), float32 scales: the CPU's KV
+// dtype), as float32 in `scratch`: each code as a float, times its group's
+// scale, plus its bias, as kv_float32 computes it (dequantize.py). A slab at a
+// time, so the product reads it from the cache, not from memory.
+const float *dequantized_at(const array &codes, const array &scales, const array &biases, int i, int j, int group,
+                            int bits, std::vector<float> &scratch, int64_t *ld) {
+  int64_t rows = codes.shape(2), width = codes.shape(3) * 32 / bits, groups = width / group;
+  auto at = [i, j](const array &a) { return (a.shape(0) > 1 ? i * a.strides()[0] : 0) + j * a.strides()[1]; };
+  const uint32_t *c = codes.data<uint32_t>() + at(codes);
+  const float *s = scales.data<float>() + at(scales), *z = biases.data<float>() + at(biases);
+  int64_t c_row = codes.strides()[2], s_row = scales.strides()[2], z_row = biases.strides()[2];
+  int per_word = 32 / bits;
+  uint32_t levels = (1u << bits) - 1u;
+  bool fast = group == 64 && (bits == 8 || bits == 4);
+  scratch.resize(static_cast<size_t>(rows) * width);
+  for (int64_t r = 0; r < rows; r++) {
+    float *to = scratch.data() + r * width;
+    const uint32_t *words = c + r * c_row;
+    for (int64_t g = 0; g < groups; g++) {
+      float scale = s[r * s_row + g], bias = z[r * z_row + g];
+      if (fast) {
+        const uint8_t *bytes = reinterpret_cast<const uint8_t *>(words) + g * 64 * bits / 8;
+        (bits == 8 ? dequantize_8bit_group : dequantize_4bit_group)(bytes, scale, bias, to + g * 64);
+        continue;
+      }
+      for (int64_t e = g * group; e < (g + 1) * group; e++) {
+        uint32_t code = (words[e / per_word] >> ((e % per_word) * bits)) & levels;
+        to[e] = static_cast<float>(code) * scale + bias;
+      }
+    }
+  }
+  *ld = width;
+  return scratch.data();
+}
+
+// Attention (as Attention) over KV kept at 8 or 4 bits: inputs q, then the
+// keys' and the values' (codes, scales, biases), then the mask if any. Each
+// (sequence, KV head) is dequantized just before its product, into a scratch
+// the product then reads from the cache: the whole context's KV as float32 (a
+// copy four times its size, written and read back a layer at a time) is never made.
+class QuantizedKVAttention : public NativeOperation {
+ public:
+  QuantizedKVAttention(Stream stream, float scale, bool causal, int group, int bits)
+      : NativeOperation(stream), scale_(scale), causal_(causal), group_(group), bits_(bits) {}
+  const char *name() const override { return "TierlmQuantizedKVAttention"; }
+
+ private:
+  Task task() const override {
+    return [scale = scale_, causal = causal_, group = group_, bits = bits_](std::vector<array> &inputs, array &out) {
+      const array &kc = inputs[1], &ks = inputs[2], &kb = inputs[3], &vc = inputs[4], &vs = inputs[5], &vb = inputs[6];
+      attend(inputs, out, scale, causal, vc.shape(3) * 32 / bits, inputs.size() == 8 ? &inputs[7] : nullptr,
+             [&](int b, int h, std::vector<float> &scratch, int64_t *ld) {
+               return dequantized_at(kc, ks, kb, b, h, group, bits, scratch, ld);
+             },
+             [&](int b, int h, std::vector<float> &scratch, int64_t *ld) {
+               return dequantized_at(vc, vs, vb, b, h, group, bits, scratch, ld);
+             });
+    };
+  }
+
+  float scale_;
+  bool causal_;
+  int group_, bits_;
 };
 
 // A QuantizedMatmul primitive (affine, transposed) of `group` and `bits` on
@@ -540,6 +647,42 @@ int tierlm_graph_attention(void *q_object, void *k_object, void *v_object, void 
   Shape shape = q->shape();
   shape.back() = v->shape(3);
   return lazy<Attention>(out, shape, std::move(inputs), scale, causal != 0 && !mask);
+}
+
+// *out = attention (as tierlm_graph_attention) of float32 q (B, H, L, D) over
+// keys and values kept at `bits` in groups of `group`: each MLX's affine
+// (uint32 codes (B, KV, S, D * bits / 32), float32 scales and biases (B, KV,
+// S, D / group)), lazy. Return codes as above.
+int tierlm_graph_quantized_attention(void *q_object, void *const *keys_objects, void *const *values_objects,
+                                     void *mask_object, void *out_object, float scale, int causal, int group,
+                                     int bits) {
+  array *q = array_of(q_object), *out = array_of(out_object);
+  array *mask = mask_object ? array_of(mask_object) : nullptr;
+  std::vector<array> inputs;
+  if (!sgemm || !float32_array(q) || q->ndim() != 4 || out == nullptr || (mask_object && mask == nullptr) ||
+      bits <= 0 || 32 % bits || group <= 0 || q->shape(3) % group)
+    return 1;
+  inputs.push_back(*q);
+  for (void *const *triple : {keys_objects, values_objects}) {
+    array *codes = array_of(triple[0]), *scales = array_of(triple[1]), *biases = array_of(triple[2]);
+    if (codes == nullptr || scales == nullptr || biases == nullptr || codes->dtype() != uint32 ||
+        scales->dtype() != float32 || biases->dtype() != float32 || codes->ndim() != 4 || scales->ndim() != 4 ||
+        scales->shape() != biases->shape() || codes->shape(0) != q->shape(0) || codes->shape(1) == 0 ||
+        q->shape(1) % codes->shape(1) || static_cast<int64_t>(codes->shape(3)) * 32 / bits != q->shape(3) ||
+        scales->shape(0) != codes->shape(0) || scales->shape(1) != codes->shape(1) ||
+        scales->shape(2) != codes->shape(2) || static_cast<int64_t>(scales->shape(3)) * group != q->shape(3) ||
+        codes->strides()[3] != 1 || scales->strides()[3] != 1 || biases->strides()[3] != 1)
+      return 1;
+    inputs.insert(inputs.end(), {*codes, *scales, *biases});
+  }
+  if (inputs[1].shape() != inputs[4].shape()) return 1;
+  if (mask) {
+    if (mask->dtype() != bool_ || mask->ndim() != 4 || (mask->shape(0) != 1 && mask->shape(0) != q->shape(0)) ||
+        mask->shape(1) != 1 || mask->shape(2) != q->shape(2) || mask->shape(3) != inputs[1].shape(2))
+      return 1;
+    inputs.push_back(*mask);
+  }
+  return lazy<QuantizedKVAttention>(out, q->shape(), std::move(inputs), scale, causal != 0 && !mask, group, bits);
 }
 
 // *out = float32 x (..., K) times the affine-quantized uint32 w (N x K packed)
