@@ -4,6 +4,8 @@
 Per context length, one long-lived engine per bit width (as a server keeps),
 each given the same `--batch` greedy requests of random prompts of that many
 tokens, `--tokens` new tokens each; the engines take turns, round by round.
+Both decode without drafts (`--speculation off`): quantized KV never drafts,
+and on an x86 CPU the 16-bit engine would by default.
 The figure is the steady decode rate while the whole batch runs
 (loadgen.metrics.steady_decode_rate), medians over rounds; the ratio is each
 round's quantized over its 16-bit run. No prefix cache: every run prefills.
@@ -34,11 +36,13 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def measure(model, tokenizer, batch: int, context: int, tokens: int, bits: int, rounds: int, vocab: int) -> dict:
+def measure(model, tokenizer, batch: int, context: int, tokens: int, bits: int, rounds: int, vocab: int,
+            speculation: str = "off") -> dict:
     from tierlm.bench.engine_overhead import EngineRunner, random_prompts
 
     prompts = random_prompts(vocab, batch, context, seed=context)
-    runners = {b: EngineRunner(model, tokenizer, batch, 2048, batch_kv_bits=b, prefix_cache=False) for b in (16, bits)}
+    runners = {b: EngineRunner(model, tokenizer, batch, 2048, batch_kv_bits=b, prefix_cache=False,
+                               speculation=speculation) for b in (16, bits)}
     try:
         assert runners[bits].engine.kv_bits == bits, "the model's KV cannot be quantized (see the log)"
         for runner in runners.values():  # compiles, and the first allocation of this size
@@ -64,6 +68,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--bits", type=int, default=8, choices=(8, 4))
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--speculation", default="off",
+                   help="both engines' setting (quantized KV never drafts; `auto` drafts at 16 bits on x86 CPUs)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import mlx.core as mx
@@ -75,8 +81,9 @@ def main(argv=None) -> int:
     vocab = usable_vocab_size(tokenizer, model)
     result = {"model": str(path), "preset": args.preset, "batch": args.batch, "bits": args.bits,
               "tokens": args.tokens, "rounds": args.rounds, "device": str(mx.default_device()),
-              "contexts": [measure(model, tokenizer, args.batch, c, args.tokens, args.bits, args.rounds, vocab)
-                           for c in args.context]}
+              "speculation": args.speculation,
+              "contexts": [measure(model, tokenizer, args.batch, c, args.tokens, args.bits, args.rounds, vocab,
+                                   args.speculation) for c in args.context]}
     print(title(result))
     print(table(result))
     write_result(args, p, "kv_bits", result)
