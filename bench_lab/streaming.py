@@ -39,6 +39,7 @@ from bench_lab import lab_parser, write_result
 from tierlm.bench import runs, servers
 from tierlm.bench.cli import add_load_args
 from tierlm.bench.report import console, markdown_table, ms, num, ratio
+from tierlm.config import Settings
 
 SMOOTH_TARGET = ("Times in ms. Target: ITL p50 ≤ 2 × TPOT p50 at 1 and 4 streams, aggregate tok/s at 32 "
                  "streams no lower than before.\n")
@@ -126,18 +127,33 @@ def new_prompts(args, seeds: itertools.count):
 def cold_start(args, concurrency: int, kernels: str, tokenizer: str, seeds: itertools.count) -> dict:
     fresh = tempfile.TemporaryDirectory(prefix="tierlm-kernels-") if kernels == "fresh" else None
     spec = _spec(args, None, concurrency, fresh.name if fresh else None)
+    folder = Path(fresh.name) if fresh else Path(Settings().kernel_cache_dir).expanduser()
     with fresh or contextlib.nullcontext(), servers.RunningServer(spec) as server:
-        at_ready = _warmup_of(server)
-        first = _row(runs.run_one(new_prompts(args, seeds), server.base_url, tokenizer, concurrency,
-                                  label="first"))
-        second = _row(runs.run_one(new_prompts(args, seeds), server.base_url, tokenizer, concurrency,
-                                   label="second"))
-        after = _warmup_of(server)
-    result = {"concurrency": concurrency, "kernels": kernels, "first": first, "second": second,
-              "ratio": ratio(first["output_tok_s"], second["output_tok_s"]),
-              "warmup_at_ready": at_ready, "warmup_after": after}
+        at_ready, ready_kernels = _warmup_of(server), _kernel_files(folder)
+        first = runs.run_one(new_prompts(args, seeds), server.base_url, tokenizer, concurrency, label="first")
+        first_kernels = _kernel_files(folder)
+        second = runs.run_one(new_prompts(args, seeds), server.base_url, tokenizer, concurrency, label="second")
+        after, second_kernels = _warmup_of(server), _kernel_files(folder)
+    result = {"concurrency": concurrency, "kernels": kernels, "first": _row(first), "second": _row(second),
+              "ratio": ratio(first["summary"]["output_tok_s"], second["summary"]["output_tok_s"]),
+              "warmup_at_ready": at_ready, "warmup_after": after,
+              # what the warm-up left for the runs to compile (MLX's CUDA kernels; none on a CPU)
+              "kernels_at_ready": len(ready_kernels),
+              "kernels_compiled_in_first": sorted(first_kernels - ready_kernels),
+              "kernels_compiled_in_second": sorted(second_kernels - first_kernels),
+              "ttfts": {"first": _ttfts(first), "second": _ttfts(second)}}
     console.print(f"  cold start c={concurrency} ({kernels} kernels): first ÷ second {num(result['ratio'], 2)}")
     return result
+
+
+def _kernel_files(folder: Path) -> set[str]:
+    """The compiled kernels MLX keeps in `folder` (none where it is not there)."""
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else set()
+
+
+def _ttfts(run: dict) -> list:
+    """Each request's time to its first token, in the order they ended."""
+    return [r["ttft"] for r in run["per_request"]]
 
 
 def prime_kernels(args, concurrency: int, tokenizer: str, seeds: itertools.count) -> None:
@@ -240,11 +256,14 @@ def markdown(doc: dict) -> str:
     cold = doc.get("cold_start", [])
     if cold:
         header = ["streams", "kernel folder", "first run tok/s", "second run tok/s", "first ÷ second",
-                  "first TTFT p50", "second TTFT p50", "warming before ready", "shapes left at ready"]
+                  "first TTFT p50", "second TTFT p50", "warming before ready", "shapes left at ready",
+                  "kernels compiled in the first run"]
         rows = [[str(c["concurrency"]), c["kernels"], num(c["first"]["output_tok_s"]),
                  num(c["second"]["output_tok_s"]), num(c["ratio"], 2), ms(c["first"]["ttft_p50"]),
                  ms(c["second"]["ttft_p50"]), _warm_cell(c.get("warmup_at_ready"), "seconds", " s"),
-                 _warm_cell(c.get("warmup_at_ready"), "shapes_left", "")] for c in cold]
+                 _warm_cell(c.get("warmup_at_ready"), "shapes_left", ""),
+                 str(len(c["kernels_compiled_in_first"])) if "kernels_compiled_in_first" in c else "-"]
+                for c in cold]
         out += [COLD_TARGET, markdown_table(header, rows), "", _cold_medians(cold), ""]
     return "\n".join(out)
 
