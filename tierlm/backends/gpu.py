@@ -175,7 +175,13 @@ def _mask_array(cache, mask, length: int) -> mx.array:
     end = _end(cache)
     if mask is None:
         return mx.ones((1, 1, 1, end), dtype=mx.bool_)
-    return (mx.arange(end)[None] <= mx.arange(end - length, end)[:, None])[None, None]
+    return causal_mask(length, end, end)[None, None]
+
+
+def causal_mask(length: int, end: int, span: int) -> mx.array:
+    """(length, span) booleans: query i, at position end - length + i, sees the
+    keys up to itself ("causal" as mlx-lm means it, over `span` keys)."""
+    return mx.arange(span)[None] <= mx.arange(end - length, end)[:, None]
 
 
 def _hit_remainder(queries, keys) -> bool:
@@ -242,7 +248,7 @@ def _whole_buffers(cache, mask, length: int):
         causal = mask is not None
         mask = mx.arange(span)[None] < end
         if causal:
-            mask = mask & (mx.arange(span)[None] <= mx.arange(end - length, end)[:, None])
+            mask = mask & causal_mask(length, end, span)
     else:
         hidden = mx.zeros((*mask.shape[:-1], span - end), dtype=mask.dtype) if mask.dtype == mx.bool_ \
             else mx.full((*mask.shape[:-1], span - end), -mx.inf, dtype=mask.dtype)
@@ -262,7 +268,7 @@ def attention_products(queries, keys, values, scale: float, mask, max_scores_byt
     batch, heads, length, _ = queries.shape
     span = (keys[0] if quantized else keys).shape[2]
     if isinstance(mask, str):
-        mask = mx.arange(span)[None] <= mx.arange(span - length, span)[:, None]
+        mask = causal_mask(length, span, span)
     if not quantized and length >= PAD_FROM_QUERIES and KEY_PAD and span % KEY_PAD:
         keys, values, mask = _padded(keys, values, mask, KEY_PAD - span % KEY_PAD)
         span = keys.shape[2]
