@@ -9,16 +9,20 @@ read the whole context's keys at 16 bits besides reading them at 8, and the
 scores besides: slower than 16-bit KV, whose attention reads its keys once.
 
 Here each thread block reads one KV head's keys and values of one sequence
-once, at their bits, and serves every query head of its group: each lane of a
-warp dequantizes its share of a key's vector, the warp sums the dot products,
-and each query head keeps a running softmax (maximum, sum, weighted values) in
-float32. The keys after
-the cache's quantized ones (a decode step's tokens, kept at 16 bits until a
-tail of them is quantized together: engine.quantized_kv) are read as they are,
-and the quantized keys are multiplied by the factors they are kept divided by
-(engine.key_scaling). A block takes one of `splits` spans of the keys; the
-spans' partial sums are joined after (a long context of one sequence still
-fills the GPU); with one span the kernel writes the answer itself.
+once, at their bits, and serves every query head of its group: a warp takes
+32 keys at a time, a key a lane (each lane's dot products with every query
+head, the queries in shared memory), keeps one running softmax (maximum,
+sum, weighted values) in float32 a query head, and sums the 32 keys' values
+into the answer, each lane its share of the vector. (A key a warp, its
+lanes splitting the vector, left each key waiting on memory and on five
+shuffles a query head: 0.9 ms a layer at batch 32 over 8k keys on an H100.)
+The keys after the cache's quantized ones (a decode step's tokens, kept at
+16 bits until a tail of them is quantized together: engine.quantized_kv)
+are read as they are, and the quantized keys are multiplied by the factors
+they are kept divided by (engine.key_scaling). A block takes one of `splits`
+spans of the keys; the spans' partial sums are joined after (a long context
+of one sequence still fills the GPU); with one span the kernel writes the
+answer itself.
 
 A small model's decode step at a large batch waits on the host, a few
 microseconds an operation, not on the GPU: so the kernel reads mlx-lm's mask
