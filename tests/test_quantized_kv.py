@@ -88,35 +88,44 @@ def _hit_slots(model, bits: int, scales=None) -> list[QuantizedSlot]:
     return quantized_slots(dequantized(cache), bits, scales)
 
 
-@pytest.mark.parametrize("bits, scaled", [(8, False), (4, False), (8, True)])
-def test_each_row_computes_what_mlx_lms_quantized_cache_computes_alone(bits, scaled):
+def _batched(model, bits: int, scales, tail: int = 0):
     """Rows of three lengths (left-padded), one that ends early (the batch is
     filtered), one that joins after four steps (extended) and one that starts
-    from a hit: every token and log-probability of every step is the
-    sequence's own run through QuantizedKVCache (to the bit, on its own);
-    `scaled`: keys divided per channel, on a model with large key channels."""
-    model = _model(outliers=scaled)
-    scales = _scales(model, scaled)
+    from a hit, greedy: {uid: (prompt, tokens wanted, hit)}, and each row's
+    tokens and log-probabilities. `tail`: decode steps each batch keeps at 16 bits."""
     gen = BatchGenerator(model, prefill_batch_size=8, completion_batch_size=8)
+    slots = lambda: quantized_slots(make_prompt_cache(model), bits, scales, tail)  # noqa: E731
     wanted = {}
     for prompt, n in zip(PROMPTS, (20, 6, 20)):
-        (uid,) = gen.insert([prompt], max_tokens=[n], caches=[quantized_slots(make_prompt_cache(model), bits, scales)])
+        (uid,) = gen.insert([prompt], max_tokens=[n], caches=[slots()])
         wanted[uid] = (prompt, n, 0)
-    (uid,) = gen.insert([HIT[40:]], max_tokens=[12], caches=[_hit_slots(model, bits, scales)],
-                        all_tokens=[HIT[:40]])
+    hit = _hit_slots(model, bits, scales)
+    for slot in hit:
+        slot.tail_capacity = tail
+    (uid,) = gen.insert([HIT[40:]], max_tokens=[12], caches=[hit], all_tokens=[HIT[:40]])
     wanted[uid] = (HIT, 12, 40)
     tokens, logprobs = {uid: [] for uid in wanted}, {uid: [] for uid in wanted}
     steps = 0
     while any(len(tokens[uid]) < n for uid, (_, n, _) in wanted.items()):
         steps += 1
         if steps == 4:
-            (uid,) = gen.insert([JOINING], max_tokens=[10],
-                                caches=[quantized_slots(make_prompt_cache(model), bits, scales)])
+            (uid,) = gen.insert([JOINING], max_tokens=[10], caches=[slots()])
             wanted[uid] = (JOINING, 10, 0)
             tokens[uid], logprobs[uid] = [], []
         for r in gen.next()[1]:
             tokens[r.uid].append(r.token)
             logprobs[r.uid].append(r.logprobs)
+    return wanted, tokens, logprobs
+
+
+@pytest.mark.parametrize("bits, scaled", [(8, False), (4, False), (8, True)])
+def test_each_row_computes_what_mlx_lms_quantized_cache_computes_alone(bits, scaled):
+    """Every token and log-probability of every step of every row is the
+    sequence's own run through QuantizedKVCache (to the bit, on its own);
+    `scaled`: keys divided per channel, on a model with large key channels."""
+    model = _model(outliers=scaled)
+    scales = _scales(model, scaled)
+    wanted, tokens, logprobs = _batched(model, bits, scales)
     assert len(set(tokens[0])) > 3  # not a loop on one token: the rows really differ step by step
     for uid, (prompt, n, hit) in wanted.items():
         reference = _alone(model, bits, prompt, tokens[uid], hit, scales)
@@ -128,6 +137,45 @@ def test_each_row_computes_what_mlx_lms_quantized_cache_computes_alone(bits, sca
         # sees one padded key (its padding off by one when it joins)
         atol = 1e-5 if _batching_keeps_bits() else 0.02
         assert all(mx.allclose(a.reshape(-1), b.reshape(-1), atol=atol) for a, b in zip(logprobs[uid], reference)), uid
+
+
+def _quantized_with_tail(queries, keys, values, cache, scale, mask, sinks=None):
+    """mlx-lm's attention, reading a batch cache's 16-bit tail as the GPU
+    kernel does, but quantized first: what a cache without a tail would hold."""
+    if getattr(cache, "tail_length", 0):
+        start, n = cache._idx - cache.tail_length, cache.tail_length
+        tail = cache.unquantized_tail()
+        tail_keys = tail[0][..., :n, :] if cache.key_scales is None else cache.key_scales.divide(tail[0][..., :n, :])
+        keys, values = ([mx.concatenate([a[..., :start, :], b], axis=2) for a, b in
+                         zip(body, mx.quantize(t, group_size=cache.group_size, bits=cache.bits))]
+                        for body, t in ((cache.keys, tail_keys), (cache.values, tail[1][..., :n, :])))
+        keys = key_scaling.scaled_keys(tuple(keys), cache.key_scales)
+        values = tuple(values)
+    return base.scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+@pytest.mark.parametrize("bits, scaled", [(8, False), (8, True)])
+def test_a_batch_with_a_16_bit_tail_decodes_as_one_without(bits, scaled, monkeypatch):
+    """The batch's decode steps held at 16 bits (as on a CUDA GPU), read by an
+    attention that quantizes them as it reads (so the answer is comparable):
+    every row's tokens and log-probabilities, through joins, leaves and a hit,
+    are those of a batch that quantized each step's token at once."""
+    import mlx_lm.models.llama as llama
+
+    model = _model(outliers=scaled)
+    scales = _scales(model, scaled)
+    tails = []
+
+    def attention(queries, keys, values, cache, **kwargs):
+        tails.append(getattr(cache, "tail_length", 0))
+        return _quantized_with_tail(queries, keys, values, cache, **kwargs)
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", attention)
+    _, tokens_a, logprobs_a = _batched(model, bits, scales, tail=4)
+    assert set(tails) == {0, 1, 2, 3, 4}  # steps read tails of every length, and prefill none
+    _, tokens_b, logprobs_b = _batched(model, bits, scales, tail=0)
+    assert tokens_a == tokens_b
+    assert all(mx.array_equal(a, b).item() for uid in logprobs_a for a, b in zip(logprobs_a[uid], logprobs_b[uid]))
 
 
 def test_a_sequence_leaves_the_batch_as_plain_kv_close_to_its_16_bit_kv():
