@@ -54,7 +54,7 @@ def profile_model(model, kv_bits: int = 16, kv_tail: int = 0) -> ModelProfile:
     native_bytes = describe(model).extra_bytes
     weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) + native_bytes
     per_token, fixed = _kv_bytes(model, kv_bits)
-    tail_bytes = _kv_bytes(model, 16)[0] * kv_tail if kv_bits != 16 else 0
+    tail_bytes = _kv_bytes(model, 16)[0] * kv_tail if kv_bits != 16 and kv_tail else 0
     hidden = _arg(model, "hidden_size", "d_model", default=4096)
     return ModelProfile(
         weight_bytes=weight_bytes,

@@ -101,9 +101,8 @@ def attention(queries, keys, values, scale: float, mask, native: bool | None = N
     batch, heads, length, _ = queries.shape
     span = keys.shape[2]
     native = native if native is not None else native_kernels()
-    if isinstance(mask, mx.array) and mask.ndim == 2 and mask.dtype == mx.bool_:
-        mask = mask[None, None]  # a sliding window's (L, S) mask: the shape the native softmax folds in
-    rows = max(1, SCORES_BLOCK_BYTES // (4 * batch * heads * span))
+    mask = _four_axes(mask)
+    rows = _rows_a_block(batch, heads, span)
     if native and length <= rows and (out := graph_ops.attention(queries, keys, values, scale, mask)) is not None:
         return out  # one operation in MLX's graph (graph_ops.py), the same bits as _attention's
     if native and length > rows and _foldable(mask, batch, length, span):
@@ -120,13 +119,25 @@ def quantized_attention(queries, keys: tuple, values: tuple, scale: float, mask,
     the native kernels run and the scores fit a block; the same bits as
     `attention` over the KV as float32. None where it does not take them."""
     batch, heads, length, _ = queries.shape
-    if not native_kernels() or length > max(1, SCORES_BLOCK_BYTES // (4 * batch * heads * keys[0].shape[2])):
+    if not native_kernels() or length > _rows_a_block(batch, heads, keys[0].shape[2]):
         return None
-    if isinstance(mask, mx.array) and mask.ndim == 2 and mask.dtype == mx.bool_:
-        mask = mask[None, None]
+    mask = _four_axes(mask)
     if isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[2] == 1 < length:  # one row for every query
         mask = mx.broadcast_to(mask, (*mask.shape[:2], length, mask.shape[3]))
     return graph_ops.quantized_attention(queries, keys, values, scale, mask, group, bits)
+
+
+def _four_axes(mask):
+    """A sliding window's (L, S) boolean mask as (1, 1, L, S): the shape the
+    native softmax folds in; any other mask as it is."""
+    if isinstance(mask, mx.array) and mask.ndim == 2 and mask.dtype == mx.bool_:
+        return mask[None, None]
+    return mask
+
+
+def _rows_a_block(batch: int, heads: int, span: int) -> int:
+    """Queries whose scores (every row and head, over `span` keys) fit SCORES_BLOCK_BYTES."""
+    return max(1, SCORES_BLOCK_BYTES // (4 * batch * heads * span))
 
 
 def _attention(queries, keys, values, scale: float, mask, native: bool) -> mx.array:
@@ -237,16 +248,14 @@ def _wrap_attention(original):
         if sinks is not None or queries.dtype != mx.float32 or isinstance(mask, str) and mask != "causal" \
                 or hasattr(cache, "bits") and not dequantize.kv_takes(cache):
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        calls["attention"] += 1
         if hasattr(cache, "bits"):  # KV kept at 8 or 4 bits (engine.quantized_kv): read as float32 here
             if getattr(keys, "key_scales", None) is not None:  # keys kept divided by them (engine.key_scaling)
                 queries = keys.key_scales.queries(queries)
             calls["quantized_kv"] += 1
-            calls["attention"] += 1
             if (out := quantized_attention(queries, keys, values, scale, mask, cache.group_size, cache.bits)) is not None:
                 return out
             keys, values = (dequantize.kv_float32(t, cache.group_size, cache.bits) for t in (keys, values))
-            return attention(queries, keys, values, scale, mask)
-        calls["attention"] += 1
         return attention(queries, keys, values, scale, mask)
 
     scaled_dot_product_attention.original = original

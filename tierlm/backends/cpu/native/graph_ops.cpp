@@ -534,6 +534,13 @@ std::shared_ptr<Primitive> quantized_matmul_primitive(Stream stream, int group, 
 // a float32 array of at least one axis
 bool float32_array(const array *a) { return a != nullptr && a->dtype() == float32 && a->ndim() >= 1; }
 
+// an attention mask the native softmax reads: booleans (B or 1, 1, L, S) for
+// queries q (B, H, L, D) over `span` keys
+bool takes_mask(const array &mask, const array &q, int span) {
+  return mask.dtype() == bool_ && mask.ndim() == 4 && (mask.shape(0) == 1 || mask.shape(0) == q.shape(0)) &&
+         mask.shape(1) == 1 && mask.shape(2) == q.shape(2) && mask.shape(3) == span;
+}
+
 // a float32 array of `shape` that an Operation(this thread's default stream,
 // args...) computes from `inputs`, lazy, into *out: 0, or 2 where MLX refused
 template <class Operation, class... Args>
@@ -639,9 +646,7 @@ int tierlm_graph_attention(void *q_object, void *k_object, void *v_object, void 
     return 1;
   std::vector<array> inputs = {*q, *k, *v};
   if (mask) {
-    if (mask->dtype() != bool_ || mask->ndim() != 4 || (mask->shape(0) != 1 && mask->shape(0) != q->shape(0)) ||
-        mask->shape(1) != 1 || mask->shape(2) != q->shape(2) || mask->shape(3) != k->shape(2))
-      return 1;
+    if (!takes_mask(*mask, *q, k->shape(2))) return 1;
     inputs.push_back(*mask);
   }
   Shape shape = q->shape();
@@ -677,9 +682,7 @@ int tierlm_graph_quantized_attention(void *q_object, void *const *keys_objects, 
   }
   if (inputs[1].shape() != inputs[4].shape()) return 1;
   if (mask) {
-    if (mask->dtype() != bool_ || mask->ndim() != 4 || (mask->shape(0) != 1 && mask->shape(0) != q->shape(0)) ||
-        mask->shape(1) != 1 || mask->shape(2) != q->shape(2) || mask->shape(3) != inputs[1].shape(2))
-      return 1;
+    if (!takes_mask(*mask, *q, inputs[1].shape(2))) return 1;
     inputs.push_back(*mask);
   }
   return lazy<QuantizedKVAttention>(out, q->shape(), std::move(inputs), scale, causal != 0 && !mask, group, bits);
