@@ -39,3 +39,20 @@ def test_rounds_of_two_trees_give_medians_and_each_rounds_ratio():
     text = streaming.markdown(doc)
     assert "round 1 (base first): 1.20 / 1.10; round 2 (this first): 0.82 / 0.91" in text
     assert "| 1 | 50.0 | 50.0 | 1.00 | 10.0 | 50.0 | 50.0 | 1.00 | 11.0 | 1.10 |" in text
+
+
+def test_a_cold_start_counts_the_kernels_compiled_after_ready(tmp_path):
+    """The kernel folder is listed at ready and after each run (nested names
+    too); the table shows how many the first run compiled, '-' for results
+    from before it was recorded."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.cubin").write_bytes(b"x")
+    ready = streaming._kernel_files(tmp_path)
+    (tmp_path / "sub" / "b.cubin").write_bytes(b"y")
+    assert ready == {"a.cubin"} and streaming._kernel_files(tmp_path) - ready == {"sub/b.cubin"}
+    assert streaming._kernel_files(tmp_path / "absent") == set()
+    row = _rows([10])[0]
+    cold = {"concurrency": 8, "kernels": "fresh", "first": row, "second": row, "ratio": 1.0,
+            "warmup_at_ready": {"seconds": 8.0, "shapes_left": 0}}
+    text = streaming.markdown({"cold_start": [dict(cold, kernels_compiled_in_first=["sub/b.cubin"]), cold]})
+    assert "| 8.0 s | 0 | 1 |" in text and "| 8.0 s | 0 | - |" in text
