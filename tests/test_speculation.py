@@ -495,6 +495,26 @@ def test_answers_of_the_default_model_equal_with_and_without_speculation(loaded,
     assert len({tuple(a.token_ids) for a in on[-3:]}) > 1  # the seeds do sample
 
 
+@pytest.mark.slow  # two engines keeping KV at 8 bits, six answers
+def test_answers_over_8_bit_kv_equal_with_and_without_speculation(loaded, drafts_every_step):
+    """`batch_kv_bits` 8: rows whose drafts are partly rejected keep their KV
+    quantized as a plain batch's (engine.ragged_quantized_kv), greedy and
+    seeded, alone and batched, a second turn of the edits hitting the first's
+    blocks."""
+    if not backends.describe(loaded[0]).batch_invariant:
+        pytest.skip("this backend's products are not batch-invariant: batching itself moves rounding")
+    sampled = {"max_tokens": 40, "temperature": 0.3, "top_p": 0.95, "seed": 2}
+    batches = [[(SHORT_EDIT, {"max_tokens": 48})],
+               [(SHORT_EDIT, {"max_tokens": 40, "logprobs": 2}), (PROSE, {"max_tokens": 30}),
+                (SHORT_EDIT, sampled), (SHORT_EDIT, {"max_tokens": 40, "stop": ["0.30*r"]})]]
+    on, counters = run(_answers(loaded, batches, batch_kv_bits=8))
+    off, _ = run(_answers(loaded, batches, batch_kv_bits=8, speculation="off"))
+    assert 0 < counters.accepted_tokens < counters.proposed_tokens
+    for a, b in zip(on, off):
+        assert (a.token_ids, a.text, a.finish_reason, a.logprobs) == (b.token_ids, b.text, b.finish_reason, b.logprobs)
+    assert on[1].cached_tokens > 700  # the first edit's blocks
+
+
 @pytest.mark.slow  # Gemma 3 270M loaded, two engines
 def test_gemma_answers_equal_with_and_without_speculation_past_its_sliding_window(gemma_path, drafts_every_step):
     """Gemma 3's local layers see 512 tokens; these prompts are ~900 tokens

@@ -197,8 +197,8 @@ class Settings:
     batch_kv_bits: int = setting(16, "bits a KV value keeps in the running batch: 16 (as computed), 8 or 4 "
                                      "(quantized in groups of 64 along a head's vector, keys scaled per "
                                      "channel from a calibration prompt at load: about 1.9x or 3.5x the "
-                                     "tokens memory holds, answers approximate; no speculation then; on a "
-                                     "CPU decode at ~0.95x float32 KV's speed, without float32's prompt-lookup drafts)",
+                                     "tokens memory holds, answers approximate; on a CPU decode at ~1.0x "
+                                     "float32 KV's speed, prompt-lookup drafts included)",
                                  per_model=True, check=lambda v: _one_of(str(v), ("16", "8", "4")))
     hot_cache_size: str = setting("10%", "memory for cached blocks (bytes, 4GB, or 10% of memory)",
                                   per_model=True)

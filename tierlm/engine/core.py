@@ -207,7 +207,7 @@ class EngineCore:
         on a GPU prompt lookup alone does not pay yet (docs/speculation.md);
         and wherever a draft model is named. Never over several ranks (yet):
         a rank's drafts would have to be every rank's."""
-        if self.lockstep is not None or self.kv_bits != 16:  # quantized KV: ragged_kv keeps 16 bits
+        if self.lockstep is not None:
             return False
         setting = self.config.speculation
         if setting == "auto" and self.config.draft_model:
@@ -224,7 +224,7 @@ class EngineCore:
         if why:
             log.warning("engine %s: KV kept at 16 bits in the batch, not %d: %s", self.name, bits, why)
             return 16
-        log.info("engine %s: KV kept at %d bits in the batch (no speculation)", self.name, bits)
+        log.info("engine %s: KV kept at %d bits in the batch", self.name, bits)
         return bits
 
     def _key_scales(self) -> list | None:

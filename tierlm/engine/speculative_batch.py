@@ -5,7 +5,7 @@ a step may feed every sequence its last sampled token followed by draft tokens
 (drafts.PromptLookup): one forward pass scores all of them, each sequence keeps
 the longest prefix of its draft that its own sampling agrees with, and the KV of
 the tokens it rejected is taken back out of the batch's cache (each row ends
-where it ends: ragged_kv) before anything, the prefix cache included, can read
+where it ends: ragged_kv, ragged_quantized_kv) before anything, the prefix cache included, can read
 it. A sequence without a draft takes part in the same pass with its one token.
 
 This module and ragged_kv are where tierlm reaches inside mlx-lm's batch
@@ -27,7 +27,9 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from tierlm.engine.draft_model import DraftModelSource
 from tierlm.engine.drafts import Acceptance, PromptLookup
+from tierlm.engine.quantized_kv import QuantizedBatchKVCache
 from tierlm.engine.ragged_kv import RaggedBatchKVCache, RaggedWindowKVCache
+from tierlm.engine.ragged_quantized_kv import RaggedQuantizedBatchKVCache
 from tierlm.engine.sampling import RandomSampler
 from tierlm.engine.speculation_switch import SpeculationSwitch
 
@@ -459,12 +461,13 @@ def padded_width(width: int, most: int) -> int:
 
 
 def ragged(cache):
-    """A layer's batch cache as ragged rows (the same if it is already, or if its
-    rows cannot be: quantized KV)."""
+    """A layer's batch cache as ragged rows (the same if it is already)."""
     if type(cache) is BatchKVCache:
         return RaggedBatchKVCache.of(cache)
     if type(cache) is BatchRotatingKVCache:
         return RaggedWindowKVCache.of(cache)
+    if type(cache) is QuantizedBatchKVCache:
+        return RaggedQuantizedBatchKVCache.of(cache)
     return cache
 
 
