@@ -276,6 +276,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cold-kernels", default="fresh,kept", help="fresh and/or kept: the kernel folder per start")
     p.add_argument("--cold-repeats", type=int, default=3, help="cold starts per concurrency and kernel folder")
     p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --base-tree: each tree served this many times, the order turned each round")
     add_load_args(p, default_concurrency="1,4,32")
     return p
 

@@ -56,3 +56,9 @@ def test_a_cold_start_counts_the_kernels_compiled_after_ready(tmp_path):
             "warmup_at_ready": {"seconds": 8.0, "shapes_left": 0}}
     text = streaming.markdown({"cold_start": [dict(cold, kernels_compiled_in_first=["sub/b.cubin"]), cold]})
     assert "| 8.0 s | 0 | 1 |" in text and "| 8.0 s | 0 | - |" in text
+
+
+def test_the_command_line_takes_a_base_tree_and_its_rounds():
+    """A before/after reads `rounds` (a run on an H100 stopped there once)."""
+    assert streaming.parser().parse_args(["--base-tree", "/tmp/x"]).rounds == 1
+    assert streaming.parser().parse_args(["--base-tree", "/tmp/x", "--rounds", "3"]).rounds == 3
