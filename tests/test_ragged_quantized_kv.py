@@ -60,43 +60,54 @@ class _Spoiled(PromptLookup):
         return draft
 
 
-def _run(gen, model, bits: int, scales) -> dict:
+def _run(gen, model, bits: int, scales, alternate: bool = False) -> dict:
     """Every row's finished response (greedy but the last, seeded at a
-    temperature), drafting 6 tokens a step where `gen` drafts."""
+    temperature), drafting 6 tokens a step where `gen` drafts (`alternate`:
+    every other step, a plain step after each verification)."""
     slots = lambda: quantized_slots(make_prompt_cache(model), bits, scales)  # noqa: E731
     sampled = RandomSampler(SamplingParams(temperature=0.8, top_k=20, seed=3), print)
     uids = gen.insert(PROMPTS, max_tokens=LIMITS, caches=[slots() for _ in PROMPTS],
                       samplers=[None, None, sampled])
+    drafting = isinstance(gen, SpeculativeGenerator)
+    if drafting:
+        gen.speculation.draft_alternately() if alternate else gen.speculation.draft_always()
     ended, steps = {}, 0
     while len(ended) < len(PROMPTS) + 1:
         steps += 1
         if steps == 5:
             uids += gen.insert([JOINING], max_tokens=[30], caches=[slots()])
-        if isinstance(gen, SpeculativeGenerator):
-            gen.speculation.draft_always()
-            for uid in uids:
-                gen.speculation.limits[uid] = 6
+        for uid in uids if drafting else ():
+            gen.speculation.limits[uid] = 6
         for r in gen.next()[1]:
             if r.finish_reason is not None:
                 ended[r.uid] = r
     return {i: ended[uid] for i, uid in enumerate(uids)}
 
 
-@pytest.mark.parametrize("bits, scaled", [(8, False), (4, False), (8, True)])
-def test_drafting_over_quantized_kv_gives_the_tokens_and_kv_of_plain_batching(bits, scaled, monkeypatch):
+@pytest.mark.parametrize("bits, scaled, align", [(8, False, False), (4, False, False), (8, True, False),
+                                                (8, False, True)], ids=["8", "4", "8-scaled-keys", "8-aligned"])
+def test_drafting_over_quantized_kv_gives_the_tokens_and_kv_of_plain_batching(bits, scaled, align, monkeypatch):
+    """`aligned`: plain steps move ragged rows to one end first, as on a GPU."""
     model = _model()
     scales = key_scaling.calibrate(model, list(range(3, 300))) if scaled else None
     ragged_writes = []
     write = RaggedQuantizedBatchKVCache.update_and_fetch
     monkeypatch.setattr(RaggedQuantizedBatchKVCache, "update_and_fetch",
                         lambda c, k, v: ragged_writes.append(len(set(c.ends)) > 1) or write(c, k, v))
+    moved = []
+    align_rows = RaggedQuantizedBatchKVCache.align
+    monkeypatch.setattr(RaggedQuantizedBatchKVCache, "align",
+                        lambda c: moved.append(len(set(c.ends)) > 1) or align_rows(c))
 
     speculative = SpeculativeGenerator(model, lookup=_Spoiled)
-    drafted = _run(speculative, model, bits, scales)
+    speculative.speculation.align_plain = align
+    drafted = _run(speculative, model, bits, scales, alternate=align)
     plain = _run(BatchGenerator(model), model, bits, scales)
 
     counters = speculative.speculation.counters
-    assert 0 < counters.accepted_tokens < counters.proposed_tokens and sum(ragged_writes) > 10
+    assert 0 < counters.accepted_tokens < counters.proposed_tokens
+    # rows that ended apart were written where they end, or moved to one end first
+    assert sum(moved) > 0 if align else sum(ragged_writes) > 10
     assert [r.all_tokens for r in drafted.values()] == [r.all_tokens for r in plain.values()]
     for r in drafted.values():
         fed = r.prompt_cache[0].offset  # the last token too, where a verification kept it
