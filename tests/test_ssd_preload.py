@@ -1,17 +1,20 @@
 """After a start, the SSD tier's most recently used blocks of the model are read
-back into memory while the engine is idle (`ssd_preload`): a restarted server
-serves the prompts it served before as hot hits."""
+back into memory, before the engine reports ready and then while it is idle
+(`ssd_preload`): a restarted server serves the prompts it served before as hot
+hits."""
 
 from __future__ import annotations
 
 import asyncio
 
 import mlx.core as mx
+import pytest
 from engine_testing import run
 
 from tierlm.cache.hot_tier import Block
 from tierlm.cache.ssd_tier import SSDTier
 from tierlm.config import Settings
+from tierlm.engine import core
 from tierlm.engine.core import EngineCore
 from tierlm.engine.request import Request, SamplingParams
 
@@ -53,25 +56,32 @@ def _seed(loaded, folder) -> tuple:
     return first, (first.prompt_tokens - 1) // BLOCK * BLOCK
 
 
-def test_a_restart_serves_what_it_served_before_from_memory(loaded, tmp_path):
+@pytest.mark.parametrize("before_ready", [True, False], ids=["before-ready", "while-idle"])
+def test_a_restart_serves_what_it_served_before_from_memory(loaded, tmp_path, monkeypatch, before_ready):
+    """The blocks are read back before the engine reports ready (for up to
+    PRELOAD_BEFORE_READY_S: all of these), or, past that time, while it is idle."""
+    if not before_ready:
+        monkeypatch.setattr(core, "PRELOAD_BEFORE_READY_S", 0.0)
     first, whole = _seed(loaded, tmp_path)
 
     async def restart(**settings):
         engine = await _engine(loaded, tmp_path, **settings)
-        await _idle(engine)
         cache = engine.scheduler.cache
+        at_ready = cache.stats.preloaded_blocks
+        await _idle(engine)
         preloaded = cache.stats.preloaded_blocks
         again = await _ask(engine, loaded, DOC)
         stats = cache.snapshot_stats()
         await engine.close()
-        return preloaded, again, stats
+        return at_ready, preloaded, again, stats
 
     files = len(list(tmp_path.rglob("*.safetensors")))  # the prompt's blocks and the answer's
-    preloaded, again, stats = run(restart())
+    at_ready, preloaded, again, stats = run(restart())
     assert files >= whole // BLOCK and preloaded == files and stats["preloaded_bytes"] > 0
+    assert at_ready == (files if before_ready else 0)
     assert again.cached_tokens == whole and stats["ssd_hit_tokens"] == 0  # every block from memory
     assert again.token_ids == first.token_ids
-    preloaded, again, stats = run(restart(ssd_preload=False))
+    _, preloaded, again, stats = run(restart(ssd_preload=False))
     assert preloaded == 0 and again.cached_tokens == whole and stats["ssd_hit_tokens"] == whole
     assert again.token_ids == first.token_ids
 

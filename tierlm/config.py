@@ -206,7 +206,8 @@ class Settings:
     ssd_cache_dir: str = setting(str(HOME / "cache"), "folder of the SSD tier")
     ssd_cache_size: str = setting("10%", "disk for cached blocks (bytes, 50GB, or 10% of the disk)")
     ssd_preload: bool = setting(True, "after a start, read this model's most recently used blocks back from the SSD "
-                                      "tier into memory while idle (up to half the hot tier)", per_model=True)
+                                      "tier into memory (up to half the hot tier; for up to 2 s before the model "
+                                      "reports ready, the rest while idle)", per_model=True)
     ssd_write_through: bool = setting(False, "write every block to SSD at once instead of when it leaves "
                                              "memory", per_model=True)
     # ---- MLX's CPU backend
