@@ -136,7 +136,7 @@ tierlm bench compare --model qwen2.5-coder-0.5b --servers tierlm,llama --workloa
   tokens, one at a time (TTFT p50). Every prompt is its own from the chat
   template's fourth token on (its first 16 tokens are a system message):
   `llama-server` reuses the longest prefix a prompt shares with a slot's last
-  one (or with its RAM prompt cache), tierlm's cache only whole 256-token blocks;
+  one (or with its RAM prompt cache), tierlm's cache only whole blocks (256 tokens in these runs);
   the *cached tokens* column shows what each server says it reused
   (`llama-server`: the 3 tokens of `<|im_start|>system\\n`).
 - Threads: `--threads N` (default: the CPUs the bench may run on) for both:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import mlx.core as mx
 import pytest
 from engine_testing import request, run, started
 
@@ -543,3 +544,25 @@ def test_a_hit_whose_remainder_fits_one_chunk_is_prefilled_in_one_pass(tokenizer
     assert [o.token_ids for o in (out1, out2)] == [o.token_ids for o in plain]
     snapshot_cuts, _, _ = run(go("qwen3_next", cache_block_size=16, prefill_step_size=64))
     assert snapshot_cuts == [[16] * 9 + [6], [16, 16, 10], [16] * 9 + [8]]
+
+
+def test_a_chats_next_turn_computes_at_most_a_cpu_blocks_worth_of_the_last_one(loaded):
+    """Blocks of 64 tokens on a CPU by default (backends.cache_block_for): a
+    turn that extends the last one (its prompt and answer, then a new message)
+    hits all but the tokens after the last whole block, 63 at most (with
+    blocks of 256, up to 255, ~0.6 s more a turn of the default model here)."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the default block size asked about is the CPU's")
+
+    async def go():
+        engine = await started(loaded)
+        first = request(loaded, engine, max_tokens=20)
+        out = await engine.generate(first)
+        turn = first.prompt_tokens + out.token_ids + loaded[1].encode("\nAnd in winter?")
+        again = await engine.generate(Request(engine.new_request_id(), turn, SamplingParams(max_tokens=1)))
+        block = engine.scheduler.cache.block_size
+        await engine.close()
+        return len(first.prompt_tokens + out.token_ids), again.cached_tokens, block
+
+    seen, cached, block = run(go())
+    assert block == 64 and seen - 63 <= cached <= seen

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 DEFAULT_PREFILL_STEP = 2048
+DEFAULT_CACHE_BLOCK = 256  # tokens per prefix-cache block (cache_block_for)
+CPU_CACHE_BLOCK = 64
 
 
 @dataclass(frozen=True)
@@ -116,3 +118,13 @@ def prefill_step_for(device) -> int:
 
         return cpu.PREFILL_STEP
     return DEFAULT_PREFILL_STEP
+
+
+def cache_block_for(device) -> int:
+    """Tokens per prefix-cache block on `device`. A hit recomputes the tokens
+    after its last whole block (the end of the previous turn's answer, in a
+    chat): on a CPU that is the slowest part of a hot turn (the default model,
+    2k tokens on 2 cores: 1.04 s with blocks of 256, 0.41 s with 64)."""
+    import mlx.core as mx
+
+    return CPU_CACHE_BLOCK if device == mx.cpu else DEFAULT_CACHE_BLOCK

@@ -40,7 +40,7 @@ from pathlib import Path
 
 DISK_CHUNK = 16 * 2**20
 FRESH_PIECE = 8 * 2**20  # a block of a 1B model's KV
-BLOCK = 256  # the default cache block size, which the engines here use
+BLOCK = 256  # prefixes are whole multiples of it: whole blocks at either default block size (64 or 256)
 
 
 def drop_page_cache(paths: list[Path]) -> str:
@@ -384,7 +384,7 @@ def table(result: dict) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder (default: the default model)")
     p.add_argument("--prefix", type=int, nargs="+", default=[8192, 20480, 61440],
-                   help="prompt sizes, tokens (rounded down to whole 256-token blocks)")
+                   help="prompt sizes, tokens (rounded down to a multiple of 256: whole blocks)")
     p.add_argument("--ssd-dir", default=None, help="a folder on the disk to measure (default: the temp folder)")
     p.add_argument("--hot-cache-size", default="8GiB", help="hot tier size: the largest prompt's KV must fit")
     p.add_argument("--ssd-cache-size", default="16GiB")

@@ -383,7 +383,8 @@ class EngineCore:
         root = hashlib.sha256(self.fingerprint + parameter_layout(self.model)).digest()
         c = self.config
         hot_bytes, (ssd_dir, ssd_bytes) = c.hot_cache_bytes(), c.ssd_tier()
-        cache = PrefixCache(root, codecs, c.cache_block_size, hot_bytes, ssd_dir, ssd_bytes, c.ssd_write_through,
+        block = c.cache_block_size or backends.cache_block_for(mx.default_device())
+        cache = PrefixCache(root, codecs, block, hot_bytes, ssd_dir, ssd_bytes, c.ssd_write_through,
                             c.cache_kv_bits, self.key_scales)
         ssd = "off" if cache.ssd is None else f"{ssd_dir} ({ssd_bytes / 2**30:.1f} GiB, " + (
             "write-through)" if c.ssd_write_through else "write-back)")
