@@ -17,8 +17,9 @@ turn of an agent meets a new number of keys, and a new graph cost the turn
 60-90 ms on an H100. A decode step's one query counts as such (queries after
 cached keys) and runs as products too: at batch 32 on an H100 (random
 Llama-3.2-1B shapes) MLX's own vector kernel decoded 2,524 tok/s over 2k-token
-contexts and 755 over 8k, the products 5,400-6,100 and ~2,100. Longer prefill chunks keep cuDNN, whose
-graph for a full chunk is built once and whose kernels those chunks need.
+contexts and 755 over 8k, the products 5,400-6,100 and ~2,100. Longer prefill
+chunks keep cuDNN, whose graph for a full chunk is built once and whose
+kernels those chunks need.
 The scores stay in the activations' type (the matmul's output: rounded there
 either way); the softmax sums them in float32.
 

@@ -14,7 +14,7 @@ Decode steps are not kept in a 16-bit tail here (the GPU's kernel reads one
 tail position for every row): the tail is quantized when rows become ragged.
 
 This class reaches into BatchKVCache's and QuantizedBatchKVCache's fields, as
-those modules do; tests/test_speculation.py fails loudly if they change.
+those modules do; tests/test_ragged_quantized_kv.py fails loudly if they change.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ a step may feed every sequence its last sampled token followed by draft tokens
 (drafts.PromptLookup): one forward pass scores all of them, each sequence keeps
 the longest prefix of its draft that its own sampling agrees with, and the KV of
 the tokens it rejected is taken back out of the batch's cache (each row ends
-where it ends: ragged_kv, ragged_quantized_kv) before anything, the prefix cache included, can read
-it. A sequence without a draft takes part in the same pass with its one token.
+where it ends: ragged_kv, and ragged_quantized_kv for KV kept at 8 or 4 bits)
+before anything, the prefix cache included, can read it. A sequence without a
+draft takes part in the same pass with its one token.
 
 This module and ragged_kv are where tierlm reaches inside mlx-lm's batch
 generation (the generation batch's fields, BatchKVCache's buffers);
