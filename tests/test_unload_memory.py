@@ -55,7 +55,8 @@ def greedy(engine: EngineCore, text: str, max_tokens: int = 2) -> Request:
 def test_an_unloaded_models_hot_blocks_are_on_ssd_and_a_reload_starts_warm(tmp_path):
     """Write-back mode: while the engine runs, its blocks stay in memory (none on
     SSD); close() writes every one of them; a new engine on the same model and
-    folder takes the prompt's whole blocks from the SSD tier."""
+    folder takes the prompt's whole blocks from the SSD tier (read back before
+    it reports ready: `ssd_preload`)."""
     path = model_folder(TWO_MODELS[0])
     ssd = tmp_path / "ssd"
     settings = Settings(cache_block_size=BLOCK, ssd_cache_dir=str(ssd), ssd_write_through=False)
@@ -86,7 +87,7 @@ def test_an_unloaded_models_hot_blocks_are_on_ssd_and_a_reload_starts_warm(tmp_p
     assert on_ssd_while_running == 0  # nothing left memory before close: the write below is close's
     assert written == stats["blocks"]
     assert warm.cached_tokens == (n - 1) // BLOCK * BLOCK
-    assert again["ssd_hit_tokens"] == warm.cached_tokens and again["ssd"]["errors"] == 0
+    assert again["preloaded_blocks"] == written and again["ssd"]["errors"] == 0
     assert warm.token_ids == cold.token_ids
 
 
