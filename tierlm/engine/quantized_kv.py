@@ -165,15 +165,21 @@ class QuantizedBatchKVCache(BatchKVCache):
     def _store(self, keys, values, at: int) -> None:
         """`keys` and `values` quantized into the buffers at positions at, at + 1, ..."""
         n = keys.shape[2]
+        new_keys, new_values = self._quantized_from(keys, values, at)
+        for part in range(3):
+            self.keys[part][..., at : at + n, :] = new_keys[part]
+            self.values[part][..., at : at + n, :] = new_values[part]
+
+    def _quantized_from(self, keys, values, at: int) -> tuple:
+        """`keys` (divided by `key_scales`) and `values` quantized, with room
+        made in the buffers for them from position `at` on."""
+        n = keys.shape[2]
         if self.keys is None or at + n > self.keys[0].shape[2]:
             self._grow(keys, values, at, n)
         if self.key_scales is not None:
             keys = self.key_scales.divide(keys)
-        new_keys = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
-        new_values = mx.quantize(values, group_size=self.group_size, bits=self.bits)
-        for part in range(3):
-            self.keys[part][..., at : at + n, :] = new_keys[part]
-            self.values[part][..., at : at + n, :] = new_values[part]
+        return (mx.quantize(keys, group_size=self.group_size, bits=self.bits),
+                mx.quantize(values, group_size=self.group_size, bits=self.bits))
 
     def trim(self, n):
         n = super().trim(n)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import threading
 
 import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache, dynamic_roll
 
 from tierlm.engine.request import MAX_DRAFT_TOKENS
@@ -128,9 +129,8 @@ class RaggedBatchKVCache(BatchKVCache):
         if not any(shifts):
             return
         by = mx.array(shifts)
-        if self.keys is not None:
-            self.keys = dynamic_roll(self.keys, by[:, None], axis=2)
-            self.values = dynamic_roll(self.values, by[:, None], axis=2)
+        if self.keys is not None:  # arrays, or quantized (values, scales, biases) triples (ragged_quantized_kv)
+            self.keys, self.values = tree_map(lambda x: dynamic_roll(x, by[:, None], axis=2), (self.keys, self.values))
         self.left_padding = self.left_padding + by
         self._set_ends([self._idx] * len(self.ends))
 

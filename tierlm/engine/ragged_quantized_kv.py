@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models.cache import dynamic_roll
 
 from tierlm.engine.key_scaling import scaled_keys
 from tierlm.engine.quantized_kv import QuantizedBatchKVCache, QuantizedSlot
@@ -32,10 +31,12 @@ class RaggedQuantizedBatchKVCache(QuantizedBatchKVCache):
     """QuantizedBatchKVCache with a per-row end (`ends`: the buffer index after
     each row's last token); `_idx` is the furthest end."""
 
-    # what a row's end means is ragged_kv's: the same offsets, mask and giving back
+    # what a row's end means is ragged_kv's: the same offsets, mask, giving back and moving rows
     _set_ends = RaggedBatchKVCache._set_ends
     make_mask = RaggedBatchKVCache.make_mask
     drop = RaggedBatchKVCache.drop
+    trim = RaggedBatchKVCache.trim
+    align = RaggedBatchKVCache.align
     size = RaggedBatchKVCache.size
 
     @classmethod
@@ -55,39 +56,16 @@ class RaggedQuantizedBatchKVCache(QuantizedBatchKVCache):
             self.ends = [self._idx] * len(self.ends)
             return out
         width = keys.shape[2]
-        top = max(self.ends)
-        if self.keys is None or top + width > self.keys[0].shape[2]:
-            self._grow(keys, values, top, width)
-        if self.key_scales is not None:
-            keys = self.key_scales.divide(keys)
-        self.keys, self.values = (self._written(buffers, new) for buffers, new in ((self.keys, keys),
-                                                                                   (self.values, values)))
+        new = self._quantized_from(keys, values, max(self.ends))
+        self.keys, self.values = (self._written(buffers, parts) for buffers, parts in zip((self.keys, self.values), new))
         self._set_ends([e + width for e in self.ends])
         keys, values = self.keys_and_values()
         return scaled_keys(keys, self.key_scales), values
 
-    def _written(self, buffers: tuple, new: mx.array) -> tuple:
-        """`buffers` with `new` quantized and written at each row's end."""
-        parts = mx.quantize(new, group_size=self.group_size, bits=self.bits)
-        return tuple(mx.put_along_axis(buffer, _write_positions(self.ends, new.shape[2], part.shape), part, axis=2)
+    def _written(self, buffers: tuple, parts: tuple) -> tuple:
+        """`buffers` with the quantized `parts` of new tokens written at each row's end."""
+        return tuple(mx.put_along_axis(buffer, _write_positions(self.ends, part.shape[2], part.shape), part, axis=2)
                      for buffer, part in zip(buffers, parts))
-
-    def trim(self, n: int) -> int:
-        self.drop([n] * len(self.ends))
-        return n
-
-    def align(self) -> None:
-        """Every row moved to end at the furthest end, its padding grown by as
-        much: a step then writes as the aligned batch does."""
-        shifts = [self._idx - e for e in self.ends]
-        if not any(shifts):
-            return
-        by = mx.array(shifts)
-        if self.keys is not None:
-            self.keys, self.values = tree_map(lambda x: dynamic_roll(x, by[:, None], axis=2),
-                                              (self.keys, self.values))
-        self.left_padding = self.left_padding + by
-        self._set_ends([self._idx] * len(self.ends))
 
     def filter(self, batch_indices) -> None:
         rows = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
