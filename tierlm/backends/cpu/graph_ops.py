@@ -287,11 +287,16 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     or a boolean (B or 1, 1, L, S) array. None for anything else."""
     if _lib is None or isinstance(mask, str) and mask != "causal":
         return None
-    array_mask = mask if isinstance(mask, mx.array) else None
+    array_mask, causal = _mask_args(mask)
     out = mx.array(0.0)
-    code = _lib.tierlm_graph_attention(id(queries), id(keys), id(values), id(array_mask) if array_mask is not None
-                                       else None, id(out), scale, int(mask == "causal" if isinstance(mask, str) else 0))
-    return _result(code, out)
+    return _result(_lib.tierlm_graph_attention(id(queries), id(keys), id(values), array_mask, id(out), scale, causal),
+                   out)
+
+
+def _mask_args(mask) -> tuple:
+    """An attention mask as the native attentions take it: the array's object
+    (None: no array), and whether it is "causal"."""
+    return (id(mask), 0) if isinstance(mask, mx.array) else (None, int(mask == "causal"))
 
 
 def quantized_attention(queries: mx.array, keys: tuple, values: tuple, scale: float, mask, group: int,
@@ -303,13 +308,11 @@ def quantized_attention(queries: mx.array, keys: tuple, values: tuple, scale: fl
     context. None for anything it does not take."""
     if _lib is None or isinstance(mask, str) and mask != "causal":
         return None
-    array_mask = mask if isinstance(mask, mx.array) else None
     triples = [(ctypes.c_void_p * 3)(*(id(a) for a in t)) for t in (keys, values)]
+    array_mask, causal = _mask_args(mask)
     out = mx.array(0.0)
-    code = _lib.tierlm_graph_quantized_attention(id(queries), *triples, id(array_mask) if array_mask is not None
-                                                 else None, id(out), scale,
-                                                 int(mask == "causal" if isinstance(mask, str) else 0), group, bits)
-    return _result(code, out)
+    return _result(_lib.tierlm_graph_quantized_attention(id(queries), *triples, array_mask, id(out), scale, causal,
+                                                         group, bits), out)
 
 
 class NativeRMSNorm(nn.RMSNorm):
