@@ -331,11 +331,10 @@ class EngineCore:
         while self._preloading and time.monotonic() < deadline:
             self._preload_next(cache)
 
-    def _preload_next(self, cache=None) -> None:
+    def _preload_next(self, cache) -> None:
         """Worker thread, at start and then while idle: a preload step
-        (PrefixCache.preload_step) of `cache` (the scheduler's), filling up to
+        (PrefixCache.preload_step) of the scheduler's `cache`, filling up to
         PRELOAD_SHARE of the hot tier; a failing one ends preloading."""
-        cache = cache if cache is not None else self.scheduler.cache
         try:
             more = cache.preload_step(int(cache.hot.capacity * PRELOAD_SHARE))
         except Exception:
@@ -565,7 +564,7 @@ class EngineCore:
                         await loop.run_in_executor(self._worker, self._warm_next, self.scheduler)
                         continue
                     if self._preloading:  # likewise, a few files a step
-                        await loop.run_in_executor(self._worker, self._preload_next)
+                        await loop.run_in_executor(self._worker, self._preload_next, self.scheduler.cache)
                         continue
                     self._wake.clear()
                     if not self.scheduler.has_work() and not self._closed:
