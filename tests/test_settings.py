@@ -195,6 +195,8 @@ def test_lists_and_tables_from_every_layer(clean_env, tmp_path):
     ('[models."m"]\ndefault_top_p = 1.5\n', r'\[models."m"\]: default_top_p = 1.5'),
     ('[models."m"]\ndefault_temperature = -1\n', "default_temperature"),
     ('[models."m"]\ncontext_limit = 0\n', "context_limit"),
+    ('[models."m"]\ncache_block_size = 0\n', "cache_block_size = 0: expected at least 1"),
+    ('cache_block_size = -64\n', "cache_block_size = -64"),
     ('[models."m"]\naliases = "a, b"\npinned = "perhaps"\n', "pinned = 'perhaps'"),
     ('[models."m"]\naliases = [1, 2]\n', "aliases .* list of strings"),
     ('[models."m"]\nchat_template_kwargs = "x"\n', "chat_template_kwargs"),
