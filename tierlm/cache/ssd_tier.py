@@ -145,6 +145,13 @@ class _Ahead:
     gone: bool = False  # its file went away before MLX could load it
 
 
+def _could_not_open(path: Path, e: Exception) -> bool:
+    """Whether loading a block file failed because it could not be opened: it was
+    evicted by another process sharing the folder (and may be there again,
+    written anew by it, when we look): a miss, not a file that failed a check."""
+    return not path.exists() or "Failed to open" in str(e)
+
+
 class SSDTier:
     def __init__(self, directory: Path, capacity_bytes: int, fingerprint: bytes, signature: str,
                  max_pending_bytes: int = 2**30, min_free_bytes: int = 2 * 2**30):
@@ -174,6 +181,12 @@ class SSDTier:
 
     def path_for(self, hex_key: str) -> Path:
         return self.dir / hex_key[:2] / hex_key[2:4] / f"{hex_key}{SUFFIX}"
+
+    def indexed(self, key: bytes) -> bool:
+        """Whether the block is in the index (no look at the folder: for probing
+        many keys at once)."""
+        with self._lock:
+            return key.hex() in self._index
 
     def contains(self, key: bytes) -> bool:
         """Whether the block is on disk: in the index, or a file that another process
@@ -359,7 +372,8 @@ class SSDTier:
             mx.eval(block.arrays["tokens"])
             block.tokens = tuple(int(t) for t in np.asarray(block.arrays["tokens"]))
         except (KeyError, RuntimeError, ValueError) as e:
-            block.error = f"unreadable: {e}"
+            block.gone = _could_not_open(self.path_for(block.key.hex()), e)
+            block.error = None if block.gone else f"unreadable: {e}"
             return False
         return self._begin_check(block)
 
@@ -375,7 +389,8 @@ class SSDTier:
             mx.eval(list(block.arrays.values()))
             parts, stored = block_file.loaded_parts(header, block.arrays)
         except (block_file.BlockFileError, RuntimeError, ValueError) as e:
-            block.error = str(e)
+            block.gone = _could_not_open(self.path_for(block.key.hex()), e)
+            block.error = None if block.gone else str(e)
             return False
         block.check = self._readers.submit(block_file.check_data, header, parts, stored, block.tokens)
         return True
@@ -400,7 +415,7 @@ class SSDTier:
         try:
             block.arrays = mx.load(str(path), stream=mx.cpu)
         except (RuntimeError, ValueError) as e:
-            block.gone = not path.exists()  # evicted by another process since its header was read
+            block.gone = _could_not_open(path, e)  # evicted by another process since its header was read
             block.error = None if block.gone else f"unreadable: {e}"
             return False
         mx.async_eval(list(block.arrays.values()))
