@@ -66,8 +66,13 @@ def test_a_blocks_keys_divided_by_their_factors_come_back_closer_and_only_with_t
     assert len(tags) == 3 and len({kv_root(b"model", 8, tag) for tag in tags}) == 3
 
 
-def test_a_block_whose_heads_do_not_fill_whole_groups_is_kept_as_computed():
-    assert kv_quant.fits(mx.zeros((2, 1, 4, 32)), 8) and not kv_quant.fits(mx.zeros((2, 1, 4, 24)), 8)
+def test_a_block_is_quantized_in_the_largest_group_its_heads_fill_or_kept_as_computed():
+    assert kv_quant.group_for(mx.zeros((2, 1, 4, 32)), 8) == 128  # whole groups of 128
+    assert kv_quant.group_for(mx.zeros((2, 1, 3, 64)), 8) == 64  # a part block of three tokens
+    assert kv_quant.group_for(mx.zeros((2, 1, 5, 32)), 4) == 32
+    assert kv_quant.group_for(mx.zeros((2, 1, 1, 24)), 8) is None
+    part = mx.random.normal((2, 1, 3, 64))
+    assert float(mx.abs(kv_quant.dequantize(kv_quant.quantize(part, 8, group=64)) - part).max()) < 0.05
 
 
 async def _engine(loaded, **settings) -> EngineCore:

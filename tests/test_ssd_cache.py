@@ -161,7 +161,7 @@ def test_size_cap_holds_under_a_stream_of_new_prompts(model_path, tmp_path):
         # every stored block written (each store is enqueued; none is on disk already)
         # and the writer idle; stores land a step after the answer, so both are needed
         wait_until(lambda: (s := stats(srv))["ssd"]["pending_bytes"] == 0
-                   and s["ssd"]["writes"] + s["ssd"]["write_drops"] == s["stored_blocks"])
+                   and s["ssd"]["writes"] + s["ssd"]["write_drops"] == s["stored_blocks"] + s["stored_parts"])
         s = stats(srv)["ssd"]
         on_disk = sum(f.stat().st_size for f in block_files(tmp_path / "ssd"))
         assert s["writes"] > 0 and s["evictions"] > 0
@@ -308,7 +308,7 @@ def test_a_replica_serves_from_ssd_what_another_replica_computed(model_path, tmp
     try:
         assert ask(a, prompt(3)).choices[0].message.content == reference[3]
         wait_until(lambda: (s := stats(a))["ssd"]["pending_bytes"] == 0
-                   and s["ssd"]["writes"] == s["stored_blocks"] > 0)
+                   and s["ssd"]["writes"] == s["stored_blocks"] + s["stored_parts"] > 0)
         answer = ask(b, prompt(3))
         assert answer.choices[0].message.content == reference[3]
         assert answer.usage.prompt_tokens_details.cached_tokens == stats(a)["stored_blocks"] * int(BLOCK) > 0

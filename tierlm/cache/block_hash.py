@@ -27,6 +27,20 @@ def block_keys(root: bytes, tokens: list[int], block_size: int, extra: bytes = b
     return keys
 
 
+def part_keys(parent: bytes, tokens, shortest: int, extra: bytes) -> list[tuple[int, bytes]]:
+    """(n, `block_key(parent, tokens[:n], extra)`) for n from len(tokens) down to
+    `shortest`: the keys a part block of the prompt's next tokens could have."""
+    data = np.asarray(tokens, dtype=np.uint32).tobytes()
+    start = hashlib.sha256(parent)
+    out = []
+    for n in range(len(tokens), shortest - 1, -1):
+        h = start.copy()
+        h.update(data[: 4 * n])
+        h.update(extra)
+        out.append((n, h.digest()))
+    return out
+
+
 def model_fingerprint(model_path: Path, runtime: dict) -> bytes:
     """What makes two models' KV interchangeable: the config, the weight files'
     headers (names, shapes, dtypes) and sizes, and how the weights run here

@@ -35,9 +35,13 @@ def group_size(bits: int) -> int:
     return 128 if bits == 8 else 64
 
 
-def fits(packed: mx.array, bits: int) -> bool:
-    """Whether a head's values in the block fill whole groups (else it is kept as is)."""
-    return packed.shape[2] * packed.shape[3] % group_size(bits) == 0
+def group_for(packed: mx.array, bits: int) -> int | None:
+    """The group a block is quantized in: `group_size(bits)` where a head's values
+    in the block fill whole groups of it, else the largest smaller group MLX
+    quantizes that they fill (a part block of an odd number of tokens: one
+    token's head vector a group); None: kept as is."""
+    values = packed.shape[2] * packed.shape[3]
+    return next((g for g in (group_size(bits), 64, 32) if g <= group_size(bits) and values % g == 0), None)
 
 
 def packed_factors(key_scales: list) -> mx.array | None:
@@ -57,12 +61,13 @@ def factors_tag(factors: mx.array | None) -> str:
     return "keys-" + hashlib.sha256(memoryview(factors.astype(mx.float32))).hexdigest()[:16]
 
 
-def quantize(packed: mx.array, bits: int, factors: mx.array | None = None) -> tuple:
+def quantize(packed: mx.array, bits: int, factors: mx.array | None = None, group: int | None = None) -> tuple:
     """(MARK, bits, group size, shape, dtype, quantized values, scales, biases) of
-    a packed block; SCALED, its keys divided by `factors` first, where given."""
+    a packed block; SCALED, its keys divided by `factors` first, where given.
+    `group`: `group_size(bits)` unless given (`group_for`)."""
     if factors is not None:
         packed = packed / factors.astype(packed.dtype)
-    group = group_size(bits)
+    group = group or group_size(bits)
     flat = packed.reshape(*packed.shape[:2], -1, group)
     values, scales, biases = mx.quantize(flat, group_size=group, bits=bits)
     dtype = mx.float16 if packed.dtype == mx.float32 else packed.dtype

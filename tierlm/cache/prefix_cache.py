@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from tierlm.cache import kv_quant
-from tierlm.cache.block_hash import block_keys
+from tierlm.cache.block_hash import block_key, block_keys, part_keys
 from tierlm.cache.codecs import KVCodec, kv_cache, signature
 from tierlm.cache.hot_tier import Block, HotTier, materialize, payload_bytes
 from tierlm.cache.ssd_tier import SSDTier
@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 
 WRITE_BACK_TIMEOUT_S = 30.0  # at close, for writing the hot tier to SSD
 PRELOAD_FILES = 8  # block files a preload step reads: a request that comes meanwhile waits for one step at most
+# fewer tokens of a part block are computed again: a few shared tokens (a chat
+# template's start) are no hit worth a rebuild and an entry in the statistics
+MIN_PART_TOKENS = 16
+PART = b"part"  # in a part block's key: never a full block's, whatever its tokens
 PRELOAD_SCAN_WAIT_S = 0.1  # a preload step's wait for the SSD tier's index at start
 
 
@@ -42,10 +46,30 @@ class Lookup:
     keys: list[bytes]  # every full block of the prompt
     blocks: list[Block]  # the cached run from the start, verified token by token
     diverged_at: int | None = None  # on a partial hit: first token that differs
+    # a cached block after the run (a part block a request ended in, or a sibling
+    # that leaves the prompt inside) whose first `part_tokens` tokens continue it
+    part: Block | None = None
+    part_tokens: int = 0
 
     @property
     def tokens(self) -> int:
-        return sum(len(b.tokens) for b in self.blocks)
+        return sum(len(b.tokens) for b in self.blocks) + self.part_tokens
+
+    @property
+    def held(self) -> list[Block]:
+        """The blocks a request built on this hit holds while it runs."""
+        return self.blocks if self.part is None else [*self.blocks, self.part]
+
+    def cut(self, tokens: int, block_size: int) -> None:
+        """Keep at most `tokens` of the hit (the shortest of several ranks')."""
+        if self.tokens <= tokens:
+            return
+        full = tokens // block_size
+        if full < len(self.blocks):
+            self.blocks, self.part, self.part_tokens = self.blocks[:full], None, 0
+        else:
+            self.part_tokens = tokens - full * block_size
+            self.part = self.part if self.part_tokens else None
 
 
 @dataclass
@@ -56,6 +80,8 @@ class PrefixCacheStats:
     hit_tokens: int = 0
     lookup_tokens: int = 0
     stored_blocks: int = 0
+    stored_parts: int = 0  # blocks of the tokens after a sequence's last full one (Lookup.part)
+    part_hit_tokens: int = 0  # of hit_tokens, those from such blocks
     collisions: int = 0
     ssd_hit_tokens: int = 0
     preloaded_blocks: int = 0  # read back from SSD before any prompt asked (preload_step)
@@ -80,6 +106,11 @@ def _copied_on_device(packed):
     copies = [a + mx.zeros((), a.dtype) for a in (kv_quant.arrays(packed) if quantized else [packed])]
     mx.async_eval(copies)
     return kv_quant.with_arrays(packed, copies) if quantized else copies[0]
+
+
+def _packed_layers(p: mx.array) -> list:
+    """A packed block's per-layer payloads, as views of its array."""
+    return [(p[2 * i : 2 * i + 1], p[2 * i + 1 : 2 * i + 2]) for i in range(p.shape[0] // 2)]
 
 
 def rebuild_packed(packed: list) -> list:
@@ -149,12 +180,36 @@ class PrefixCache:
             if reads is not None:
                 reads.close()  # cancels the reads no longer needed
             self.release(pinned)
-        self.release(blocks)
-        self.hot.touch(blocks)
         result = Lookup(keys, blocks)
+        nearest, common = self._nearest(tokens, keys, len(blocks))
         if len(blocks) < usable:
-            result.diverged_at = self._divergence(tokens, keys, len(blocks))
+            result.diverged_at = len(blocks) * self.block_size + common
+        # the part of a block that continues the run, leaving one token to compute
+        room = min(len(tokens) - 1 - len(blocks) * self.block_size, self.block_size)
+        if min(common, room) >= MIN_PART_TOKENS and nearest.packed is not None and self.sliceable:
+            result.part, result.part_tokens = nearest, min(common, room)
+        elif self.ssd is not None and self.sliceable and room >= MIN_PART_TOKENS:
+            self._part_from_ssd(result, tokens, min(room, self.block_size - 1))  # the run still held
+        self.release(blocks)
+        self.hot.touch(result.held)
         return result
+
+    def _part_from_ssd(self, result: Lookup, tokens: list[int], room: int) -> None:
+        """The longest part block in the SSD tier's index that the prompt continues
+        its run with, whole (a part block's key names all of its tokens), read into
+        the hot tier: after a restart, or one another replica wrote."""
+        start = len(result.blocks) * self.block_size
+        parent = result.keys[len(result.blocks) - 1] if result.blocks else self.root
+        for n, key in part_keys(parent, tokens[start : start + room], MIN_PART_TOKENS, PART):
+            if self.ssd.indexed(key):
+                reads = self.ssd.read_chain([(key, tuple(tokens[start : start + n]))])
+                try:
+                    block = self._promote(next(reads, None), key)
+                finally:
+                    reads.close()
+                if block is not None and block.packed is not None:
+                    result.part, result.part_tokens = block, n
+                return
 
     def _promote(self, block: Block | None, key: bytes) -> Block | None:
         """A verified block read from SSD, into the hot tier."""
@@ -197,16 +252,19 @@ class PrefixCache:
                 self.stats.preloaded_bytes += block.nbytes
         return bool(self._preload_keys)
 
-    def _divergence(self, tokens: list[int], keys: list[bytes], i: int) -> int:
-        """Where the prompt leaves the nearest cached prefix: the longest common
-        start of block i's tokens with any cached sibling."""
+    def _nearest(self, tokens: list[int], keys: list[bytes], i: int) -> tuple[Block | None, int]:
+        """The cached block in memory after block i-1 of the prompt (a full block or
+        a part one) whose tokens share the longest start with the prompt's from
+        block i on, and how many they share."""
         parent = keys[i - 1] if i else self.root
         mine = tokens[i * self.block_size : (i + 1) * self.block_size]
-        best = 0
+        best, nearest = 0, None
         for sibling in self.hot.children(parent):
-            common = next((j for j, (a, b) in enumerate(zip(mine, sibling.tokens)) if a != b), len(mine))
-            best = max(best, common)
-        return i * self.block_size + best
+            common = next((j for j, (a, b) in enumerate(zip(mine, sibling.tokens)) if a != b),
+                          min(len(mine), len(sibling.tokens)))
+            if common > best:
+                best, nearest = common, sibling
+        return nearest, best
 
     def record(self, result: Lookup, prompt_len: int) -> None:
         """Count a lookup that a request was served with (not one it waited on)."""
@@ -214,7 +272,8 @@ class PrefixCache:
         s.lookups += 1
         s.lookup_tokens += prompt_len
         s.hit_tokens += result.tokens
-        if result.blocks:
+        s.part_hit_tokens += result.part_tokens
+        if result.tokens:
             s.hits += 1
         else:
             s.misses += 1
@@ -227,21 +286,17 @@ class PrefixCache:
         for b in blocks:
             b.users -= 1
 
-    def rebuild(self, blocks: list[Block]) -> list:
-        """The model's per-layer cache objects holding these blocks' tokens."""
+    def rebuild(self, blocks: list[Block], part: Block | None = None, part_tokens: int = 0) -> list:
+        """The model's per-layer cache objects holding these blocks' tokens, then
+        the first `part_tokens` of `part` (a packed block)."""
         packed = [self._unpacked(b.packed) for b in blocks]
+        if part is not None:
+            packed.append(self._unpacked(part.packed)[:, :, :part_tokens])
         if mx.default_device() == mx.gpu and packed and all(p is not None for p in packed) \
                 and len({(p.shape[:2], p.shape[3:], p.dtype) for p in packed}) == 1:
             return rebuild_packed(packed)
-        layers = [self._layers(b) for b in blocks]
+        layers = [b.layers if p is None else _packed_layers(p) for b, p in zip([*blocks, part], packed)]
         return [codec.rebuild([b[i] for b in layers]) for i, codec in enumerate(self.codecs)]
-
-    def _layers(self, block: Block) -> list:
-        """A block's per-layer payloads (a packed block's as views of its array)."""
-        if block.packed is None:
-            return block.layers
-        p = self._unpacked(block.packed)
-        return [(p[2 * i : 2 * i + 1], p[2 * i + 1 : 2 * i + 2]) for i in range(p.shape[0] // 2)]
 
     def _unpacked(self, packed):
         """A packed block's array, dequantized if it was kept quantized."""
@@ -266,7 +321,10 @@ class PrefixCache:
         materialize(self.codecs, blocks.values())
         for block in blocks.values():
             self.hot.put(block)
-            self.stats.stored_blocks += 1
+            if len(block.tokens) < self.block_size:
+                self.stats.stored_parts += 1
+            else:
+                self.stats.stored_blocks += 1
             if self.ssd is not None and self.write_through:
                 self.ssd.enqueue(block)
         return counts
@@ -287,8 +345,22 @@ class PrefixCache:
             return first_block
         for i in wanted:
             if keys[i] not in self.hot and keys[i] not in blocks:
-                blocks[keys[i]] = self._block(i, tokens, keys, layer_caches)
+                blocks[keys[i]] = self._block(keys[i], keys[i - 1] if i else self.root, tokens,
+                                              i * self.block_size, (i + 1) * self.block_size, layer_caches)
+        self._add_part(tokens, keys[:full], layer_caches, blocks)
         return full
+
+    def _add_part(self, tokens, keys, layer_caches, blocks: dict) -> None:
+        """The tokens after the last full block, as a part block: the next turn of a
+        chat starts with them, and a hit then leaves only its new tokens to compute,
+        not up to a block's worth more (`Lookup.part`)."""
+        start = len(keys) * self.block_size
+        if start == len(tokens) or not self.sliceable or not self._packable(layer_caches):
+            return
+        parent = keys[-1] if keys else self.root
+        key = block_key(parent, tokens[start:], PART)
+        if key not in self.hot and key not in blocks:
+            blocks[key] = self._block(key, parent, tokens, start, len(tokens), layer_caches)
 
     def _consistent(self, tokens: list[int], layer_caches: list) -> bool:
         for codec, cache in zip(self.codecs, layer_caches):
@@ -297,20 +369,19 @@ class PrefixCache:
                 return False
         return True
 
-    def _block(self, i: int, tokens: list[int], keys: list[bytes], layer_caches: list) -> Block:
-        start, end = i * self.block_size, (i + 1) * self.block_size
-        parent = keys[i - 1] if i else self.root
+    def _block(self, key: bytes, parent: bytes, tokens: list[int], start: int, end: int,
+               layer_caches: list) -> Block:
         if self._packable(layer_caches):
             packed = mx.concatenate([a[..., start:end, :] for c in layer_caches for a in (c.keys, c.values)])
-            if self.kv_bits != 16 and kv_quant.fits(packed, self.kv_bits):
-                packed = kv_quant.quantize(packed, self.kv_bits, self.key_factors)
-            return Block(keys[i], parent, tuple(tokens[start:end]), None, payload_bytes(self.codecs, packed),
+            if self.kv_bits != 16 and (group := kv_quant.group_for(packed, self.kv_bits)):
+                packed = kv_quant.quantize(packed, self.kv_bits, self.key_factors, group)
+            return Block(key, parent, tuple(tokens[start:end]), None, payload_bytes(self.codecs, packed),
                          packed=packed)
         layers = [
             codec.slice(cache, start, end) if codec.sliceable else codec.snapshot(cache)
             for codec, cache in zip(self.codecs, layer_caches)
         ]
-        return Block(keys[i], parent, tuple(tokens[start:end]), layers, payload_bytes(self.codecs, layers))
+        return Block(key, parent, tuple(tokens[start:end]), layers, payload_bytes(self.codecs, layers))
 
     def _packable(self, layer_caches: list) -> bool:
         """Whether every layer is plain KV of one sequence, with keys and values of
@@ -375,6 +446,8 @@ class PrefixCache:
             "tokens_saved": s.hit_tokens,
             "hit_rate_tokens": s.hit_tokens / s.lookup_tokens if s.lookup_tokens else 0.0,
             "stored_blocks": s.stored_blocks,
+            "stored_parts": s.stored_parts,
+            "part_hit_tokens": s.part_hit_tokens,
             "evictions": self.hot.stats.evictions,
             "collisions": s.collisions,
             "hot_hit_tokens": s.hit_tokens - s.ssd_hit_tokens,

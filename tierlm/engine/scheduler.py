@@ -269,8 +269,8 @@ class Scheduler:
             return chosen
         agreed = self.lockstep.agree_min([lookup.tokens if lookup else 0 for _, lookup in chosen])
         for (_, lookup), tokens in zip(chosen, agreed):
-            if lookup is not None and lookup.tokens > tokens:
-                lookup.blocks = lookup.blocks[: tokens // self.cache.block_size]
+            if lookup is not None:
+                lookup.cut(tokens, self.cache.block_size)
         return chosen
 
     def _drop(self, request_id: str) -> None:
@@ -489,7 +489,7 @@ class Scheduler:
             stop_ids = self._stop_ids(params)
             sampler = self._sampler(params, on_fault)
             processors = [] if self.following else make_request_processors(params, on_fault)
-            caches = [self.cache.rebuild(lookup.blocks)] if hit else None
+            caches = [self.cache.rebuild(lookup.blocks, lookup.part, lookup.part_tokens)] if hit else None
             if self.config.kv_bits != 16:
                 caches = [quantized_slots(caches[0] if caches else make_prompt_cache(self.model), self.config.kv_bits,
                                           self.config.key_scales, self.config.kv_tail)]
@@ -516,8 +516,8 @@ class Scheduler:
         if limit := self._draft_limit(params):
             self._gen.speculation.limits[uid] = limit
         if lookup:
-            state.keys, state.stored_blocks, state.hit_blocks = lookup.keys, len(lookup.blocks), lookup.blocks
-            self.cache.acquire(lookup.blocks)
+            state.keys, state.stored_blocks, state.hit_blocks = lookup.keys, len(lookup.blocks), lookup.held
+            self.cache.acquire(lookup.held)
             self.cache.record(lookup, len(prompt))
             for key in lookup.keys[len(lookup.blocks) :]:
                 self._inflight.setdefault(key, request.request_id)
