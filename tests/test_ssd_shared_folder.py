@@ -112,3 +112,29 @@ def test_a_scan_over_the_cap_evicts_the_least_recently_used_files(tmp_path):
     kept = {k for k in range(6) if second.path_for(key_of(k).hex()).exists()}
     assert kept == {3, 4, 5}
     second.close()
+
+
+def test_a_file_that_cannot_be_opened_at_load_is_a_miss_and_is_kept(tmp_path, monkeypatch):
+    """The race the two processes above run into now and then: the other process
+    evicts a file after this one read its header, and writes it again before this
+    one looks whether it is gone. MLX's load then fails to open it, though a
+    whole file is there: a miss, not a damaged file to delete. The race cannot
+    be timed for real, so the load fails here as it did there."""
+    tier = SSDTier(tmp_path, 10 * block_bytes(), FINGERPRINT, SIGNATURE)
+    tier.scanned.wait()
+    tier.enqueue(Block(key_of(1), b"", tokens_of(1), None, nbytes=0, packed=mx.array(kv_of(1))))
+    assert tier.close()
+    tier = SSDTier(tmp_path, 10 * block_bytes(), FINGERPRINT, SIGNATURE)
+    tier.scanned.wait()
+    real_load = mx.load
+
+    def evicted_meanwhile(path, *args, **kwargs):
+        raise RuntimeError(f"[load_safetensors] Failed to open file {path}")
+
+    monkeypatch.setattr(mx, "load", evicted_meanwhile)
+    assert list(tier.read_chain([(key_of(1), tokens_of(1))])) == []
+    assert tier.snapshot_stats()["errors"] == 0 and tier.path_for(key_of(1).hex()).exists()
+    monkeypatch.setattr(mx, "load", real_load)
+    (got,) = tier.read_chain([(key_of(1), tokens_of(1))])
+    assert np.array_equal(np.array(got.packed), kv_of(1))
+    tier.close()
