@@ -66,13 +66,14 @@ def test_a_prompt_leaving_a_cached_block_inside_it_hits_up_to_where_it_leaves():
     assert continues_as_computed(model, pc, lookup, edited)
 
 
-def test_fewer_shared_tokens_than_the_minimum_are_computed_again():
+def test_after_full_blocks_any_shared_token_counts_and_alone_a_part_needs_the_minimum():
     model = tiny_model("llama")
     earlier = list(range(1, 97))
     pc = new_cache(model)
     pc.store(earlier, [], computed(model, earlier), 0)
-    edited = earlier[: 64 + MIN_PART_TOKENS - 1] + [250] * 10
-    assert pc.lookup(edited).tokens == 64
+    assert pc.lookup(earlier[:66] + [250] * 10).tokens == 66
+    assert pc.lookup(earlier[: MIN_PART_TOKENS - 1] + [250] * 10).tokens == 0  # a template's start, say
+    assert pc.lookup(earlier[:MIN_PART_TOKENS] + [250] * 10).tokens == MIN_PART_TOKENS
 
 
 def test_a_cut_hit_keeps_the_part_only_while_the_run_is_whole():

@@ -74,7 +74,7 @@ def test_kv_blocks_are_sliced_from_any_position():
     model = tiny_model("llama")
     tokens = list(range(40))
     assert new_cache(model).store(tokens, [], computed(model, tokens), 0) == 2  # two full blocks of 16
-    assert filled(model, tokens).lookup(tokens + [1]).tokens == 32
+    assert filled(model, tokens).lookup(tokens + [1]).tokens == 40  # and the part block of the last 8
 
 
 def test_store_many_stores_a_shared_prefix_once_and_every_tail():
@@ -95,7 +95,7 @@ def test_store_many_stores_a_shared_prefix_once_and_every_tail():
 def test_a_hit_always_leaves_one_token_to_compute():
     tokens = list(range(32))
     pc = filled(tiny_model("llama"), tokens)
-    assert pc.lookup(tokens).tokens == 16  # both blocks cached, only one usable
+    assert pc.lookup(tokens).tokens == 31  # both blocks cached: the first, then 15 of the second
     assert pc.lookup(tokens + [7]).tokens == 32
 
 
@@ -147,7 +147,7 @@ def test_divergence_point_is_reported():
     pc = filled(tiny_model("llama"), tokens)
     other = tokens[:21] + [200] * 19
     lookup = pc.lookup(other)
-    assert lookup.tokens == 16 and lookup.diverged_at == 21
+    assert lookup.diverged_at == 21 and lookup.tokens == 21  # the second block's first 5 tokens too
 
 
 def test_ssd_clear_also_drops_blocks_still_queued_for_the_writer(tmp_path, monkeypatch):

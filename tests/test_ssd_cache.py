@@ -100,16 +100,18 @@ def restarted(model_path, tmp_path_factory, seeded, tokenizer):
         stop_server(second)
 
 
-def test_restart_hits_ssd_and_computes_only_the_last_partial_block(restarted, reference, seeded):
+def test_restart_hits_ssd_and_computes_only_the_last_token(restarted, reference, seeded):
+    """Its full blocks and, after them, a part block found on SSD by its key."""
     second, _ = restarted  # on the first server's blocks, flushed at its graceful stop
     cold, hot = seeded[1]
 
     before = stats(second)
     after = ask(second, prompt(0))
     n = after.usage.prompt_tokens
-    assert after.usage.prompt_tokens_details.cached_tokens == (n - 1) // 32 * 32
+    assert after.usage.prompt_tokens_details.cached_tokens == n - 1
     s = stats(second)
-    assert s["ssd_hit_tokens"] - before["ssd_hit_tokens"] == (n - 1) // 32 * 32
+    assert s["ssd_hit_tokens"] - before["ssd_hit_tokens"] == n - 1
+    assert s["part_hit_tokens"] - before["part_hit_tokens"] == (n - 1) % 32 > 0
     assert s["ssd"]["errors"] == before["ssd"]["errors"]  # prompt 0's files all passed their checks
     texts = {cold, hot, after.choices[0].message.content}
     assert texts == {reference[0]}  # cold, hot hit and SSD hit all agree with no cache

@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 WRITE_BACK_TIMEOUT_S = 30.0  # at close, for writing the hot tier to SSD
 PRELOAD_FILES = 8  # block files a preload step reads: a request that comes meanwhile waits for one step at most
-# fewer tokens of a part block are computed again: a few shared tokens (a chat
-# template's start) are no hit worth a rebuild and an entry in the statistics
+# a hit of a part block alone (no full block before it) takes at least this many
+# of its tokens: a few shared ones (a chat template's start, which every prompt
+# has) are no hit worth a rebuild and an entry in the statistics
 MIN_PART_TOKENS = 16
 PART = b"part"  # in a part block's key: never a full block's, whatever its tokens
 PRELOAD_SCAN_WAIT_S = 0.1  # a preload step's wait for the SSD tier's index at start
@@ -186,21 +187,22 @@ class PrefixCache:
             result.diverged_at = len(blocks) * self.block_size + common
         # the part of a block that continues the run, leaving one token to compute
         room = min(len(tokens) - 1 - len(blocks) * self.block_size, self.block_size)
-        if min(common, room) >= MIN_PART_TOKENS and nearest.packed is not None and self.sliceable:
+        least = 1 if blocks else MIN_PART_TOKENS
+        if min(common, room) >= least and nearest.packed is not None and self.sliceable:
             result.part, result.part_tokens = nearest, min(common, room)
-        elif self.ssd is not None and self.sliceable and room >= MIN_PART_TOKENS:
-            self._part_from_ssd(result, tokens, min(room, self.block_size - 1))  # the run still held
+        elif self.ssd is not None and self.sliceable and room >= least:
+            self._part_from_ssd(result, tokens, min(room, self.block_size - 1), least)  # the run still held
         self.release(blocks)
         self.hot.touch(result.held)
         return result
 
-    def _part_from_ssd(self, result: Lookup, tokens: list[int], room: int) -> None:
+    def _part_from_ssd(self, result: Lookup, tokens: list[int], room: int, least: int) -> None:
         """The longest part block in the SSD tier's index that the prompt continues
         its run with, whole (a part block's key names all of its tokens), read into
         the hot tier: after a restart, or one another replica wrote."""
         start = len(result.blocks) * self.block_size
         parent = result.keys[len(result.blocks) - 1] if result.blocks else self.root
-        for n, key in part_keys(parent, tokens[start : start + room], MIN_PART_TOKENS, PART):
+        for n, key in part_keys(parent, tokens[start : start + room], least, PART):
             if self.ssd.indexed(key):
                 reads = self.ssd.read_chain([(key, tuple(tokens[start : start + n]))])
                 try:
