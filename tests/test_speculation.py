@@ -595,15 +595,16 @@ def test_the_prefix_cache_holds_only_accepted_tokens(loaded, drafts_every_step):
                                               SamplingParams(max_tokens=1, temperature=0)))
         cache = engine.scheduler.cache
         lookup = cache.lookup(tokens + [0])
-        stored = [c.state[0] for c in cache.rebuild(lookup.blocks)]
+        stored = [c.state[0] for c in cache.rebuild(lookup.blocks, lookup.part, lookup.part_tokens)]
         counters = engine.scheduler.counters
         await engine.close()
         return tokens, again.cached_tokens, lookup, stored, counters
 
     tokens, cached, lookup, stored, counters = run(go())
     assert 0 < counters.accepted_tokens < counters.proposed_tokens
-    n = len(tokens) // 16 * 16
-    assert cached == n and len(lookup.blocks) * 16 == n  # the answer's blocks too
+    n = len(tokens)
+    # the answer's blocks too, and its part block
+    assert cached == n == lookup.tokens and len(lookup.blocks) == n // 16
     for kept, fresh in zip(stored, _fresh_keys(loaded[0], tokens[:n])):
         assert mx.allclose(kept[..., :n, :], fresh, atol=1e-3).item()
 
