@@ -189,8 +189,8 @@ class Settings:
                                               "(llama.cpp's default; small models repeat a call)", per_model=True)
     prefix_cache: bool = setting(True, "reuse the KV of prompt prefixes seen before", per_model=True)
     cache_block_size: int | None = setting(None, "tokens per prefix-cache block (default 64 on MLX's CPU backend, "
-                                                 "where a hit recomputes the tokens after its last whole block "
-                                                 "slowest, 256 on a GPU)", per_model=True, check=_at_least(1))
+                                                 "256 on a GPU); a hit goes on into a block's first tokens "
+                                                 "(part blocks)", per_model=True, check=_at_least(1))
     cache_kv_bits: int = setting(16, "bits a KV value keeps in the cache tiers: 16 (as computed), 8 or 4 "
                                      "(quantized in groups, keys scaled per channel as in the batch: about "
                                      "2x or 3.5x the tokens a GB holds, a hit's KV approximate; models of "
