@@ -13,12 +13,13 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 import numpy as np
 from safetensors.numpy import load as st_load
 
 from tierlm.cache import block_file
 from tierlm.cache.hot_tier import Block
-from tierlm.cache.ssd_tier import SSDTier
+from tierlm.cache.ssd_tier import COULD_NOT_OPEN, SSDTier
 
 FINGERPRINT = hashlib.sha256(b"shared-folder-test-model").digest()
 SIGNATURE = "test"
@@ -129,7 +130,7 @@ def test_a_file_that_cannot_be_opened_at_load_is_a_miss_and_is_kept(tmp_path, mo
     real_load = mx.load
 
     def evicted_meanwhile(path, *args, **kwargs):
-        raise RuntimeError(f"[load_safetensors] Failed to open file {path}")
+        raise RuntimeError(f"[load_safetensors] {COULD_NOT_OPEN} file {path}")
 
     monkeypatch.setattr(mx, "load", evicted_meanwhile)
     assert list(tier.read_chain([(key_of(1), tokens_of(1))])) == []
@@ -138,3 +139,9 @@ def test_a_file_that_cannot_be_opened_at_load_is_a_miss_and_is_kept(tmp_path, mo
     (got,) = tier.read_chain([(key_of(1), tokens_of(1))])
     assert np.array_equal(np.array(got.packed), kv_of(1))
     tier.close()
+
+
+def test_mlx_says_it_could_not_open_a_file_that_is_not_there(tmp_path):
+    """ssd_tier tells a file gone from a bad one by MLX's words for a failed open."""
+    with pytest.raises((RuntimeError, ValueError), match=COULD_NOT_OPEN):
+        mx.load(str(tmp_path / "gone.safetensors"), stream=mx.cpu)

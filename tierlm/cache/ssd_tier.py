@@ -145,11 +145,14 @@ class _Ahead:
     gone: bool = False  # its file went away before MLX could load it
 
 
+COULD_NOT_OPEN = "Failed to open"  # in MLX's error from a load whose open(2) failed (a test holds MLX to it)
+
+
 def _could_not_open(path: Path, e: Exception) -> bool:
     """Whether loading a block file failed because it could not be opened: it was
     evicted by another process sharing the folder (and may be there again,
     written anew by it, when we look): a miss, not a file that failed a check."""
-    return not path.exists() or "Failed to open" in str(e)
+    return not path.exists() or COULD_NOT_OPEN in str(e)
 
 
 class SSDTier:
@@ -191,10 +194,9 @@ class SSDTier:
     def contains(self, key: bytes) -> bool:
         """Whether the block is on disk: in the index, or a file that another process
         (or a model sharing the folder) wrote since the last walk, indexed from now."""
+        if self.indexed(key):
+            return True
         hex_key = key.hex()
-        with self._lock:
-            if hex_key in self._index:
-                return True
         path = self.path_for(hex_key)
         if not path.is_file():
             return False
