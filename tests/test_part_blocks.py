@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
+from test_prefix_cache_unit import computed
 
 from tierlm.cache.codecs import codecs_for
 from tierlm.cache.prefix_cache import MIN_PART_TOKENS, PrefixCache
@@ -16,12 +17,6 @@ BLOCK = 32
 
 def new_cache(model, **kwargs) -> PrefixCache:
     return PrefixCache(b"fingerprint", codecs_for(make_prompt_cache(model)), BLOCK, 2**30, **kwargs)
-
-
-def computed(model, tokens) -> list:
-    live = make_prompt_cache(model)
-    model(mx.array([tokens]), cache=live)
-    return live
 
 
 def continues_as_computed(model, pc, lookup, prompt) -> bool:
