@@ -25,6 +25,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from tierlm.cache.hot_tier import Block
 from tierlm.cache.prefix_cache import PrefixCache
 from tierlm.engine.detokenizer import IncrementalText, byte_level_table
+from tierlm.engine.folded_prompt import can_fold
 from tierlm.engine.lockstep import Lockstep, StepPlan
 from tierlm.engine.memory_guard import MemoryGuard
 from tierlm.engine.quantized_kv import dequantized, quantized_slots
@@ -167,11 +168,20 @@ class Scheduler:
         gen = SpeculativeGenerator(self.model, draft_model=draft,
                                    vocab_size=len(self.tokenizer.vocab) if draft is not None else None, **options)
         gen.speculation.counters = self.counters
+        gen.fold_limit = self._fold_limit()
         if not self.config.speculative_tokens:  # off for this model: plain steps, mlx-lm's own KV layout
             gen.speculation.enabled = False
         if os.environ.get("TIERLM_TEST_DRAFT_ALWAYS"):  # tests only: drafts that do not depend on the clock
             gen.speculation.draft_always()
         return gen
+
+    def _fold_limit(self) -> int:
+        """The longest prompt end computed in one pass with its last token. With a
+        prefix cache, less than a block: a longer end would complete blocks that
+        the prompt batch stores for concurrent requests as soon as it has them."""
+        if not can_fold(self.model):
+            return 0
+        return self.config.prefill_step_size if self.cache is None else self.cache.block_size
 
     def _draft_limit(self, params) -> int:
         """Draft tokens the request's sequence may verify a step (0: none): its

@@ -9,9 +9,10 @@ where it ends: ragged_kv, and ragged_quantized_kv for KV kept at 8 or 4 bits)
 before anything, the prefix cache included, can read it. A sequence without a
 draft takes part in the same pass with its one token.
 
-This module and ragged_kv are where tierlm reaches inside mlx-lm's batch
-generation (the generation batch's fields, BatchKVCache's buffers);
-tests/test_speculation.py fails loudly if they change.
+This module, ragged_kv and folded_prompt are where tierlm reaches inside mlx-lm's
+batch generation (the generation batch's fields, BatchKVCache's buffers, the
+prompt batch's hand-over); tests/test_speculation.py and
+tests/test_folded_prompt.py fail loudly if they change.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from tierlm.engine.draft_model import DraftModelSource
 from tierlm.engine.drafts import Acceptance, PromptLookup
+from tierlm.engine.folded_prompt import FoldedEnds, FoldingPromptBatch
 from tierlm.engine.quantized_kv import QuantizedBatchKVCache
 from tierlm.engine.ragged_kv import RaggedBatchKVCache, RaggedWindowKVCache
 from tierlm.engine.ragged_quantized_kv import RaggedQuantizedBatchKVCache
@@ -495,14 +497,30 @@ class SpeculativeGenerator(BatchGenerator):
         if (why := rollback_supported(model)) is not None:
             self._generation_batch.enabled = False
             log.info("speculation off for this model: %s", why)
+        # a prompt end of at most this many tokens runs with its last token in one
+        # pass (folded_prompt); 0: never. The scheduler sets it.
+        self.fold_limit = 0
+        self.folds = FoldedEnds()
+        self._prompt_batch = FoldingPromptBatch.empty_with(self.folds, self.model, self.sampler,
+                                                           self.prefill_step_size)
 
     @property
     def speculation(self) -> SpeculativeBatch:
         return self._generation_batch
 
+    def insert_segments(self, segments, *args, **kwargs):
+        uids = super().insert_segments(segments, *args, **kwargs)
+        if self.fold_limit:
+            self.folds.hold(list(self._unprocessed_sequences)[-len(uids):], self.fold_limit)
+        return uids
+
+    def remove(self, uids, return_prompt_caches=False):
+        self.folds.drop(uids)
+        return super().remove(uids, return_prompt_caches)
+
     def _next(self):
-        prefilled = self._counters.prompt_tokens
+        prefilled = self._counters.prompt_tokens + self.folds.computed
         responses = super()._next()
-        if self._counters.prompt_tokens != prefilled:  # this step's time holds a prefill chunk too
+        if self._counters.prompt_tokens + self.folds.computed != prefilled:  # a prefill in this step's time
             self._generation_batch.switch.interrupted()
         return responses

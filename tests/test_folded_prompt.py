@@ -1,0 +1,117 @@
+"""A short prompt end runs with its last token in one pass (folded_prompt).
+
+- The model's logits at chosen positions, its head applied there only, equal its
+  full call's (tiny models of each cache type, and the default model as loaded
+  with its CPU backend): this fails loudly if a model stops holding its backbone
+  as `model.model`.
+- The generator: rows folded, ragged, beside a row that is not, give the tokens
+  and log-probabilities of the same rows unfolded (this also fails loudly if
+  mlx-lm's prompt batch changes what folded_prompt reaches into).
+- The engine on the default model: a chat's next turn runs one model call before
+  its first token's step (not two) and takes no copy of the cache, and answers as
+  it did unfolded.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from engine_testing import request, run, started
+from mlx_lm.models.cache import make_prompt_cache
+
+from tierlm.engine.folded_prompt import can_fold, last_position_logits
+from tierlm.engine.request import Request, SamplingParams
+from tierlm.engine.speculative_batch import SpeculativeGenerator
+from tierlm.models.random_model import TINY, tiny_model
+
+
+def logits_at_positions_match(model, inputs: mx.array, positions: list[int]) -> bool:
+    full = model(inputs, cache=make_prompt_cache(model))[mx.arange(inputs.shape[0]), mx.array(positions)]
+    cut = last_position_logits(model, inputs, make_prompt_cache(model), mx.array(positions))
+    assert cut.shape == (inputs.shape[0], 1, full.shape[-1])
+    return mx.allclose(full, cut[:, 0], atol=1e-4).item()
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_the_head_at_chosen_positions_gives_the_full_calls_logits_there(name):
+    model = tiny_model(name)
+    assert can_fold(model)
+    backbone = model.model
+    inputs = mx.random.randint(1, 250, (2, 9), key=mx.random.key(1))
+    assert logits_at_positions_match(model, inputs, [8, 3])
+    assert model.model is backbone  # put back after the call
+
+
+def test_the_default_models_head_at_chosen_positions_gives_its_full_calls_logits(loaded):
+    model, tokenizer = loaded
+    inputs = mx.array([tokenizer.encode("The leaves fall in autumn, red and gold.")[:9]])
+    assert logits_at_positions_match(model, inputs, [8])
+
+
+def generated(model, prompts, hits, fold_limit: int) -> tuple[list, int]:
+    """Each prompt's tokens and log-probabilities (5 greedy tokens), its first
+    `hits[i]` tokens prefilled into its cache beforehand as a cache hit would be."""
+    gen = SpeculativeGenerator(model, completion_batch_size=4, prefill_batch_size=4, prefill_step_size=64)
+    gen.fold_limit = fold_limit
+    caches = []
+    for prompt, hit in zip(prompts, hits):
+        cache = make_prompt_cache(model)
+        if hit:
+            model(mx.array([prompt[:hit]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        caches.append(cache)
+    uids = gen.insert_segments([[p[h:]] for p, h in zip(prompts, hits)], max_tokens=[5] * len(prompts),
+                               caches=caches, all_tokens=[p[:h] for p, h in zip(prompts, hits)])
+    out = {uid: [] for uid in uids}
+    while any(len(v) < 5 for v in out.values()):
+        _, responses = gen.next()
+        for r in responses:
+            out[r.uid].append((r.token, r.logprobs))
+    assert not gen.folds.by_uid
+    return [out[uid] for uid in uids], gen.folds.computed
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
+def test_folded_rows_answer_as_unfolded_ones(name):
+    model = tiny_model(name)
+    prompts = [list(range(10, 60)), list(range(30, 50)), list(range(5, 105))]
+    hits = [40, 0, 0]  # a hit's next turn (10 tokens), a short cold prompt, a long one (not folded)
+    folded, computed = generated(model, prompts, hits, fold_limit=32)
+    plain, none = generated(model, prompts, hits, fold_limit=0)
+    assert (computed, none) == (9 + 19, 0)
+    for row_folded, row_plain in zip(folded, plain):
+        assert [t for t, _ in row_folded] == [t for t, _ in row_plain]
+        for (_, a), (_, b) in zip(row_folded, row_plain):
+            assert mx.allclose(a, b, atol=1e-4).item()
+
+
+def test_a_chats_next_turn_runs_one_model_call_before_its_first_token(loaded, monkeypatch):
+    model = loaded[0]
+    calls, copies = [], []
+
+    async def go(fold: bool):
+        engine = await started(loaded)
+        gen = engine.scheduler._gen
+        if not fold:
+            gen.fold_limit = 0
+        real_extract = gen.extract_cache
+        monkeypatch.setattr(gen, "extract_cache", lambda uids: copies.append(uids) or real_extract(uids))
+        first = request(loaded, engine, max_tokens=12)
+        out = await engine.generate(first)
+        turn = first.prompt_tokens + out.token_ids + loaded[1].encode("\nAnd in winter?")
+        real_call = type(model).__call__
+        monkeypatch.setattr(type(model), "__call__", lambda self, x, **k: calls.append(x.shape) or real_call(self, x, **k))
+        calls.clear(), copies.clear()
+        again = await engine.generate(Request(engine.new_request_id(), turn, SamplingParams(max_tokens=1, temperature=0)))
+        monkeypatch.undo()
+        await engine.close()
+        return len(turn), again, list(calls), list(copies)
+
+    length, folded, folded_calls, folded_copies = run(go(fold=True))
+    _, plain, plain_calls, plain_copies = run(go(fold=False))
+    remainder = length - folded.cached_tokens
+    assert 1 < remainder <= 64
+    # the first token comes out as the step after it is computed (mlx-lm's pipelining)
+    assert folded_calls == [(1, remainder), (1, 1)] and folded_copies == []
+    assert plain_calls == [(1, remainder - 1), (1, 1), (1, 1)] and len(plain_copies) == 1
+    assert folded.token_ids == plain.token_ids
