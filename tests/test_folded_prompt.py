@@ -71,7 +71,7 @@ def generated(model, prompts, hits, fold_limit: int) -> tuple[list, int]:
     return [out[uid] for uid in uids], gen.folds.computed
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("name", sorted(TINY))
 def test_folded_rows_answer_as_unfolded_ones(name):
     model = tiny_model(name)
     prompts = [list(range(10, 60)), list(range(30, 50)), list(range(5, 105))]
