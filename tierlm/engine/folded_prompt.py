@@ -5,8 +5,9 @@ that token alone as the generation batch's first step: two model calls before
 the first token is sampled, the second one over the whole context (on the CPU,
 a 2k-token hit's next turn: 45-50 ms of ~0.3 s). The split exists so the model's
 head multiplies one position, not every prompt position. Here the uncached end
-of a prompt, when it is short, is held back from the prompt batch (`fold`) and
-computed in the generation batch's first step together with the last token; the
+of a prompt, when it is short, is held back from the prompt batch
+(`FoldedEnds.hold`) and computed in the generation batch's first step together
+with the last token; the
 backbone's hidden states are cut to each row's last position before the head
 (`_AtPositions`), so the head still multiplies one position a row.
 

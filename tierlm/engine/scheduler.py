@@ -177,8 +177,8 @@ class Scheduler:
 
     def _fold_limit(self) -> int:
         """The longest prompt end computed in one pass with its last token. With a
-        prefix cache, less than a block: a longer end would complete blocks that
-        the prompt batch stores for concurrent requests as soon as it has them."""
+        prefix cache, a block: a longer end completes blocks that the prompt batch
+        stores as soon as it has them, for requests that arrive meanwhile."""
         if not can_fold(self.model):
             return 0
         return self.config.prefill_step_size if self.cache is None else self.cache.block_size
