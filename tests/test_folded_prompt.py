@@ -19,7 +19,7 @@ import pytest
 from engine_testing import request, run, started
 from mlx_lm.models.cache import make_prompt_cache
 
-from tierlm.engine.folded_prompt import can_fold, last_position_logits
+from tierlm.engine.folded_prompt import FoldedEnds, can_fold, last_position_logits
 from tierlm.engine.request import Request, SamplingParams
 from tierlm.engine.speculative_batch import SpeculativeGenerator
 from tierlm.models.random_model import TINY, tiny_model
@@ -46,6 +46,16 @@ def test_the_default_models_head_at_chosen_positions_gives_its_full_calls_logits
     model, tokenizer = loaded
     inputs = mx.array([tokenizer.encode("The leaves fall in autumn, red and gold.")[:9]])
     assert logits_at_positions_match(model, inputs, [8])
+
+
+def test_only_a_prompt_whose_uncached_tokens_are_one_short_end_is_held_back():
+    """A longer prompt's last segment stays in the prompt batch: its blocks are
+    stored where its prefill ends (test_engine's requests extending it)."""
+    folds = FoldedEnds()
+    pending = [(0, [[1] * 10, [2]]), (1, [[1] * 64, [1] * 10, [2]]), (2, [[1] * 70, [2]]), (3, [[2]])]
+    folds.hold(pending, 64)
+    assert folds.by_uid == {0: [1] * 10}
+    assert [len(entry[1]) for entry in pending] == [1, 3, 2, 1]
 
 
 def generated(model, prompts, hits, fold_limit: int) -> tuple[list, int]:

@@ -31,13 +31,16 @@ class FoldedEnds:
         self.computed = 0
 
     def hold(self, pending, limit: int) -> None:
-        """Take the last segment before the final token out of each newly inserted
-        sequence (BatchGenerator's `(uid, segments, ...)` entries) when it has at
-        most `limit` tokens: its first step computes it."""
+        """Take the prompt end out of each newly inserted sequence
+        (BatchGenerator's `(uid, segments, ...)` entries) whose uncached tokens
+        are that end, of at most `limit` tokens, and the final token: its first
+        step computes it. A longer prompt keeps its prompt batch segments to the
+        end: where its prefill ends, the blocks it made are stored for requests
+        that came meanwhile with the same start (they wait for it)."""
         for entry in pending:
             uid, segments = entry[0], entry[1]
-            if len(segments) >= 2 and len(segments[-1]) == 1 and 0 < len(segments[-2]) <= limit:
-                self.by_uid[uid] = segments.pop(-2)
+            if len(segments) == 2 and len(segments[-1]) == 1 and 0 < len(segments[0]) <= limit:
+                self.by_uid[uid] = segments.pop(0)
 
     def drop(self, uids) -> None:
         for uid in uids:
