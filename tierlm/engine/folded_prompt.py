@@ -7,9 +7,9 @@ a 2k-token hit's next turn: 45-50 ms of ~0.3 s). The split exists so the model's
 head multiplies one position, not every prompt position. Here the uncached end
 of a prompt, when it is short, is held back from the prompt batch
 (`FoldedEnds.hold`) and computed in the generation batch's first step together
-with the last token; the
-backbone's hidden states are cut to each row's last position before the head
-(`_AtPositions`), so the head still multiplies one position a row.
+with the last token; the backbone's hidden states are cut to each row's last
+position before the head (`_AtPositions`), so the head still multiplies one
+position a row.
 
 This module reaches inside mlx-lm's PromptProcessingBatch (its `generate`, its
 `_copy`, the BatchGenerator's unprocessed sequences) and into a model's backbone
