@@ -12,14 +12,15 @@ position before the head (`_AtPositions`), so the head still multiplies one
 position a row.
 
 This module reaches inside mlx-lm's PromptProcessingBatch (its `generate`, its
-`_copy`, the BatchGenerator's unprocessed sequences) and into a model's backbone
-attribute; tests/test_folded_prompt.py fails loudly if either changes.
+`_copy`, the padding it feeds ragged rows with, the BatchGenerator's unprocessed
+sequences) and into a model's backbone attribute; tests/test_folded_prompt.py
+fails loudly if either changes.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.generate import PromptProcessingBatch
+from mlx_lm.generate import PromptProcessingBatch, _right_pad_prompts
 
 
 class FoldedEnds:
@@ -90,14 +91,13 @@ class _FirstStep:
 
     def __call__(self, last_tokens: mx.array, cache):
         lengths = [len(row) for row in self.rows]
-        width = max(lengths)
-        padding = [width - n for n in lengths]
-        inputs = mx.array([row + [0] * pad for row, pad in zip(self.rows, padding)])
-        if max(padding):
+        padding = [max(lengths) - n for n in lengths]
+        ragged = max(padding) > 0
+        if ragged:
             for c in cache:
                 c.prepare(lengths=lengths, right_padding=padding)
-        logits = last_position_logits(self.model, inputs, cache, mx.array(lengths) - 1)
-        if max(padding):
+        logits = last_position_logits(self.model, _right_pad_prompts(self.rows), cache, mx.array(lengths) - 1)
+        if ragged:
             for c in cache:
                 c.finalize()
         return logits
