@@ -1,8 +1,8 @@
 """A short prompt end runs with its last token in one pass (folded_prompt).
 
 - The model's logits at chosen positions, its head applied there only, equal its
-  full call's (tiny models of each cache type, and the default model as loaded
-  with its CPU backend): this fails loudly if a model stops holding its backbone
+  full call's (tiny models of each cache type, the default model as loaded with
+  its CPU backend, and Qwen2.5-Coder in the full run): this fails loudly if a model stops holding its backbone
   as `model.model`.
 - The generator: rows folded, ragged, beside a row that is not, give the tokens
   and log-probabilities of the same rows unfolded (this also fails loudly if
@@ -46,6 +46,17 @@ def test_the_default_models_head_at_chosen_positions_gives_its_full_calls_logits
     model, tokenizer = loaded
     inputs = mx.array([tokenizer.encode("The leaves fall in autumn, red and gold.")[:9]])
     assert logits_at_positions_match(model, inputs, [8])
+
+
+@pytest.mark.slow  # loads Qwen2.5-Coder-0.5B
+def test_qwen_coders_head_at_chosen_positions_gives_its_full_calls_logits(qwen_path):
+    """The model agents are pointed at (qwen2, untied head, as imported from its GGUF)."""
+    from tierlm.models.loader import load_model
+
+    model, tokenizer = load_model(qwen_path)
+    assert can_fold(model)
+    inputs = mx.array([tokenizer.encode("def add(a, b):\n    return a + b\n")[:9]] * 2)
+    assert logits_at_positions_match(model, inputs, [8, 4])
 
 
 def test_only_a_prompt_whose_uncached_tokens_are_one_short_end_is_held_back():
