@@ -414,10 +414,12 @@ def test_each_destination_of_the_route_counts_what_it_takes():
 
 @needs_route
 @pytest.mark.skipif(not STATE.exact_attention.on, reason="no exact attention products here")
-@pytest.mark.parametrize("rows,keys,width", [(1024, 4096, 256), (768, 700, 64), (13, 300, 100)])
+@pytest.mark.parametrize("rows,keys,width", [(1024, 4096, 256), (768, 700, 64), (13, 300, 100), (7, 2000, 64),
+                                             (3, 77, 64)])
 def test_big_attention_products_are_row_by_row_bit_for_bit(rows, keys, width, float_width):
-    """A long prompt's attention products run tiled, keys in blocks, over every
-    core (exact_gemm.c, threads.c); a decode step's few rows run one at a time.
+    """Attention's products run tiled (up to 6 rows by a tile of keys or
+    columns, keys in blocks), a long prompt's over every core (exact_gemm.c,
+    threads.c); a decode step's few rows (7: a tile and a row) the same way.
     Each element must still be summed in the one order: the whole product equals
     its rows computed alone, bit for bit, causal zeros included."""
     rng = np.random.default_rng(rows)
@@ -652,7 +654,8 @@ def test_native_logsumexp_matches_mlx_and_serves_mlx_lms_batch_step(float_width)
         while pending:
             pending -= {r.uid for r in gen.next()[1] if r.finish_reason is not None}
         gen.close()
-        mx.synchronize()  # the log-sum-exp is in the step's graph: the last step may still be running
+        # the log-sum-exp is in the step's graph: the last step may still be running on mlx-lm's stream
+        mx.synchronize(generate.generation_stream)
         steps = ran(before)
         assert steps.get("kernel_logsumexp", 0) >= 2 and steps.get("logsumexp") == steps["kernel_logsumexp"]
     finally:

@@ -78,13 +78,18 @@ def test_rope_at_long_positions_and_batches_is_mx_fast_ropes_bits(scale, offset)
     assert mx.array_equal(got, want).item()
 
 
-@pytest.mark.parametrize("length,mask", [(1, None), (1, "batched"), (5, "causal"), (5, "batched"), (5, "shared")])
-def test_attention_is_kernels_attention_bit_for_bit(length, mask):
-    keys = _random((2, 30, 2, 64), 7).transpose(0, 2, 1, 3)  # (B, KV, S, D) strided, as a cache's slice is
-    values = _random((2, 2, 40, 64), 8)[:, :, :30]
+@pytest.mark.parametrize("length,mask,span", [(1, None, 30), (1, "batched", 30), (5, "causal", 30),
+                                              (5, "batched", 30), (5, "shared", 30), (1, None, 1500),
+                                              (1, "batched", 1500), (12, "causal", 1500)])
+def test_attention_is_kernels_attention_bit_for_bit(length, mask, span):
+    """The graph's attention shares a decode step's (sequence, KV head) pairs
+    over the cores, a long context's keys and values fetched ahead; kernels'
+    computes them one after another on this thread: the same bits."""
+    keys = _random((2, span, 2, 64), 7).transpose(0, 2, 1, 3)  # (B, KV, S, D) strided, as a cache's slice is
+    values = _random((2, 2, span + 10, 64), 8)[:, :, :span]
     queries = _random((2, length, 14, 64), 9).transpose(0, 2, 1, 3)
-    masks = {"batched": mx.random.uniform(shape=(2, 1, length, 30), key=mx.random.key(10)) > 0.2,
-             "shared": mx.arange(30)[None, None, None] < 25 + mx.arange(length)[None, None, :, None]}
+    masks = {"batched": mx.random.uniform(shape=(2, 1, length, span), key=mx.random.key(10)) > 0.2,
+             "shared": mx.arange(span)[None, None, None] < span - 5 + mx.arange(length)[None, None, :, None]}
     mask = masks.get(mask, mask)
     got = graph_ops.attention(queries, keys, values, 0.125, mask)
     want = kernels._attention(queries, keys, values, 0.125, mask, True)

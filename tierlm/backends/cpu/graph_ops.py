@@ -95,7 +95,7 @@ def _load() -> ctypes.CDLL:
     lib.tierlm_graph_rope.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
     lib.tierlm_graph_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float, ctypes.c_int]
     lib.tierlm_graph_quantized_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_int] * 3
-    lib.tierlm_graph_set_kernels.argtypes = [ctypes.c_void_p] * 3
+    lib.tierlm_graph_set_kernels.argtypes = [ctypes.c_void_p] * 4
     lib.tierlm_graph_ran.restype = ctypes.c_ulong
     lib.tierlm_graph_qmm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
     lib.tierlm_graph_set_elementwise.argtypes = [ctypes.c_void_p] * 3
@@ -117,7 +117,7 @@ def _install() -> Feature:
     if state is None or state.lib is None or not state.native_kernels.on:
         return Feature(False, "the native kernels are off")
     lib.tierlm_graph_set_kernels(*(native.function_address(state.lib, name) for name in (
-        "cblas_sgemm", "tierlm_softmax_rows", "tierlm_softmax_rows_masked")))
+        "cblas_sgemm", "tierlm_softmax_rows", "tierlm_softmax_rows_masked", "tierlm_parallel_chunks")))
     lib.tierlm_graph_set_elementwise(*(native.function_address(state.lib, name) for name in (
         "tierlm_swiglu", "tierlm_gelu_approx", "tierlm_logsumexp_rows")))
     _lib = lib

@@ -16,16 +16,15 @@
  *   key in order, so leading zero weights add exact zeros.
  * sgemm_route.c sends products of these shapes here (B not a packed weight).
  *
- * A long prompt's products (a chunk's queries against every key before them)
- * are blocked for the registers and the cache (6 rows by TILE_VECS vectors of
- * keys or columns: 64 with AVX-512's 32 registers, 16 with AVX2's 16) and
- * shared over the cores (threads.c); a decode step's few rows take the
- * row-at-a-time kernels. Either way each element is the same chain, so the
- * tiling and the threads change no bit. The weighted sums once ran a row at a
+ * The products are blocked for the registers and the cache (up to 6 rows by
+ * TILE_VECS vectors of keys or columns: 64 with AVX-512's 32 registers, 16
+ * with AVX2's 16; the keys of a tile transposed in registers) and a long
+ * prompt's are shared over the cores (threads.c; a decode step's are shared
+ * a KV head each, by graph_ops.cpp). Either way each element is the same
+ * chain, so the tiling and the threads change no bit. The weighted sums once ran a row at a
  * time over every key for Gemma's 256-wide heads, ~5-15 GFLOP/s, which made
  * attention most of a 20k-token prefill. */
 #include <stdlib.h>
-#include <string.h>
 
 #include "threads.h"
 
@@ -41,54 +40,96 @@ static void store(float *dst, vf acc, float alpha, float beta, vmask lanes) {
   vf_store_masked(dst, lanes, out);
 }
 
+/* How far ahead the products fetch the keys and values they read next: a
+ * decode step reads a long context's KV once, from memory, and the hardware's
+ * prefetcher alone left its loads waiting (~5 GB/s a core). */
+#define KEYS_AHEAD TILE_COLS /* the next tile's keys */
+#define VALUES_AHEAD 32      /* rows of values */
+
+/* bt[d * stride + j] = b[j * ldb + d], keys j < cols (at most VL) by d < k,
+ * lanes past cols 0: VL keys at a time through a transpose in registers (copied
+ * element by element, this was most of a decode step's scores, ~2.5 cycles a
+ * key's value). The same values, so no bit of the products moves. Each load
+ * fetches the same place KEYS_AHEAD keys on (a prefetch past the end never faults). */
+static void transpose_keys(const float *b, int ldb, int cols, int k, float *bt, int stride) {
+  for (int d0 = 0; d0 < k; d0 += VL) {
+    int dims = k - d0 < VL ? k - d0 : VL;
+    vmask lanes = vmask_first(dims);
+    vf r[VL];
+    for (int j = 0; j < VL; j++) {
+      _mm_prefetch((const char *)(b + (size_t)(j + KEYS_AHEAD) * ldb + d0), _MM_HINT_T0);
+      r[j] = j < cols ? vf_load_masked(lanes, b + (size_t)j * ldb + d0) : vf_zero();
+    }
+    vf_transpose(r);
+    for (int d = 0; d < dims; d++) vf_store(bt + (size_t)(d0 + d) * stride, r[d]);
+  }
+}
+
 /* Products big enough to share out: below this many multiply-adds a helper
  * thread's wake-up costs more than it saves (decode's products stay on the
  * caller's thread). */
 #define PARALLEL_MIN_FMAS (1L << 21)
 
-/* scores, TILE_COLS keys x 6 rows at a time: bt holds the keys transposed
- * (bt[d * TILE_COLS + lane]); each lane's sum runs the head dimension in order
- * from 0, as every path here does, so tiling and threads change no bit. */
+/* The lanes of each of a tile's TILE_VECS vectors that hold one of its `cols` columns. */
+static void tile_lanes(int cols, vmask lanes[TILE_VECS]) {
+  for (int v = 0; v < TILE_VECS; v++) lanes[v] = vmask_first(cols - VL * v > 0 ? cols - VL * v : 0);
+}
+
+/* `rows` (at most 6) rows of scores against a tile of keys transposed in bt
+ * (bt[d * TILE_COLS + lane]): rows x TILE_VECS independent chains at once,
+ * unrolled where `rows` is a constant. Each lane's sum runs the head dimension
+ * in order from 0, as every path here does, so tiling and threads change no bit. */
+static inline __attribute__((always_inline)) void scores_rows(int rows, int k, float alpha, const float *a, int lda,
+                                                              const float *bt, float beta, float *c, int ldc,
+                                                              const vmask lanes[TILE_VECS]) {
+  vf acc[6][TILE_VECS];
+#pragma GCC unroll 6
+  for (int r = 0; r < rows; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < TILE_VECS; v++) acc[r][v] = vf_zero();
+  for (int d = 0; d < k; d++) {
+    vf keys[TILE_VECS];
+#pragma GCC unroll 4
+    for (int v = 0; v < TILE_VECS; v++) keys[v] = vf_load(bt + d * TILE_COLS + VL * v);
+#pragma GCC unroll 6
+    for (int r = 0; r < rows; r++) {
+      vf q = vf_set1(a[(size_t)r * lda + d]);
+#pragma GCC unroll 4
+      for (int v = 0; v < TILE_VECS; v++) acc[r][v] = vf_fmadd(q, keys[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < rows; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < TILE_VECS; v++) store(c + (size_t)r * ldc + VL * v, acc[r][v], alpha, beta, lanes[v]);
+}
+
+/* scores, TILE_COLS keys by 6 rows at a time, then the last 1-5 rows together
+ * (one chain at a time, a decode step's seventh query row of a group waited on
+ * each multiply-add in turn). A last block narrower than the tile runs with
+ * its missing keys zero and their lanes not stored. */
 static void scores_block(int m, int cols, int k, float alpha, const float *a, int lda, const float *b, int ldb,
                          float beta, float *c, int ldc, float *bt) {
-  int vecs = (cols + VL - 1) / VL;
-  vmask last = vmask_first(cols - VL * (vecs - 1));
-  memset(bt, 0, sizeof(float) * k * TILE_COLS);
-  for (int j = 0; j < cols; j++)
-    for (int d = 0; d < k; d++) bt[d * TILE_COLS + j] = b[(size_t)j * ldb + d];
+  vmask lanes[TILE_VECS];
+  tile_lanes(cols, lanes);
+  for (int v = 0; v < TILE_VECS; v++) {
+    int keys = cols - VL * v < VL ? cols - VL * v : VL;
+    if (keys > 0) transpose_keys(b + (size_t)VL * v * ldb, ldb, keys, k, bt + VL * v, TILE_COLS);
+    else
+      for (int d = 0; d < k; d++) vf_store(bt + (size_t)d * TILE_COLS + VL * v, vf_zero());
+  }
   int i = 0;
-  if (vecs == TILE_VECS)
-    for (; i + 6 <= m; i += 6) {
-      const float *a0 = a + (size_t)i * lda;
-      vf acc[6][TILE_VECS];
-#pragma GCC unroll 6
-      for (int r = 0; r < 6; r++)
-#pragma GCC unroll 4
-        for (int v = 0; v < TILE_VECS; v++) acc[r][v] = vf_zero();
-      for (int d = 0; d < k; d++) {
-        vf keys[TILE_VECS];
-#pragma GCC unroll 4
-        for (int v = 0; v < TILE_VECS; v++) keys[v] = vf_load(bt + d * TILE_COLS + VL * v);
-#pragma GCC unroll 6
-        for (int r = 0; r < 6; r++) {
-          vf q = vf_set1(a0[(size_t)r * lda + d]);
-#pragma GCC unroll 4
-          for (int v = 0; v < TILE_VECS; v++) acc[r][v] = vf_fmadd(q, keys[v], acc[r][v]);
-        }
-      }
-#pragma GCC unroll 6
-      for (int r = 0; r < 6; r++)
-#pragma GCC unroll 4
-        for (int v = 0; v < TILE_VECS; v++)
-          store(c + (size_t)(i + r) * ldc + VL * v, acc[r][v], alpha, beta, v == TILE_VECS - 1 ? last : vmask_all());
-    }
-  for (; i < m; i++) /* the same chains, one row at a time */
-    for (int v = 0; v < vecs; v++) {
-      vf s = vf_zero();
-      for (int d = 0; d < k; d++)
-        s = vf_fmadd(vf_set1(a[(size_t)i * lda + d]), vf_load(bt + d * TILE_COLS + VL * v), s);
-      store(c + (size_t)i * ldc + VL * v, s, alpha, beta, v == vecs - 1 ? last : vmask_all());
-    }
+  for (; i + 6 <= m; i += 6)
+    scores_rows(6, k, alpha, a + (size_t)i * lda, lda, bt, beta, c + (size_t)i * ldc, ldc, lanes);
+  const float *ai = a + (size_t)i * lda;
+  float *ci = c + (size_t)i * ldc;
+  switch (m - i) { /* a constant each, so each is unrolled into registers */
+    case 1: scores_rows(1, k, alpha, ai, lda, bt, beta, ci, ldc, lanes); break;
+    case 2: scores_rows(2, k, alpha, ai, lda, bt, beta, ci, ldc, lanes); break;
+    case 3: scores_rows(3, k, alpha, ai, lda, bt, beta, ci, ldc, lanes); break;
+    case 4: scores_rows(4, k, alpha, ai, lda, bt, beta, ci, ldc, lanes); break;
+    case 5: scores_rows(5, k, alpha, ai, lda, bt, beta, ci, ldc, lanes); break;
+  }
 }
 
 typedef struct {
@@ -109,38 +150,6 @@ static void scores_part(void *arg, int part, int parts) {
     int n0 = nb * TILE_COLS, cols = p->n - n0 < TILE_COLS ? p->n - n0 : TILE_COLS;
     scores_block(p->m, cols, p->k, p->alpha, p->a, p->lda, p->b + (size_t)n0 * p->ldb, p->ldb, p->beta,
                  p->c + n0, p->ldc, bt);
-  }
-}
-
-/* C (m x n) = alpha * A (m x k) . B^T (B is n x k) + beta * C, for k <= MAX_SMALL. */
-static void scores(int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb,
-                   float beta, float *c, int ldc) {
-  float bt[MAX_SMALL * VL] __attribute__((aligned(64))); /* VL keys, transposed: bt[d * VL + lane] */
-  for (int n0 = 0; n0 < n; n0 += VL) {
-    int cols = n - n0 < VL ? n - n0 : VL;
-    vmask lanes = vmask_first(cols);
-    memset(bt, 0, sizeof(float) * k * VL);
-    for (int j = 0; j < cols; j++)
-      for (int d = 0; d < k; d++) bt[d * VL + j] = b[(size_t)(n0 + j) * ldb + d];
-    int i = 0;
-    for (; i + 8 <= m; i += 8) { /* eight rows: eight independent chains */
-      const float *a0 = a + (size_t)i * lda;
-      vf acc[8];
-#pragma GCC unroll 8
-      for (int r = 0; r < 8; r++) acc[r] = vf_zero();
-      for (int d = 0; d < k; d++) {
-        vf keys = vf_load(bt + d * VL);
-#pragma GCC unroll 8
-        for (int r = 0; r < 8; r++) acc[r] = vf_fmadd(vf_set1(a0[(size_t)r * lda + d]), keys, acc[r]);
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < 8; r++) store(c + (size_t)(i + r) * ldc + n0, acc[r], alpha, beta, lanes);
-    }
-    for (; i < m; i++) { /* the same chain, one row at a time */
-      vf s = vf_zero();
-      for (int d = 0; d < k; d++) s = vf_fmadd(vf_set1(a[(size_t)i * lda + d]), vf_load(bt + d * VL), s);
-      store(c + (size_t)i * ldc + n0, s, alpha, beta, lanes);
-    }
   }
 }
 
@@ -234,44 +243,50 @@ static void weighted_sum(int m, int n, int k, float alpha, const float *a, int l
  * weighted_row's, bit for bit. Needs beta == 0 (MLX's matmuls pass 0). */
 #define KEY_BLOCK 256
 
+/* `rows` (at most 6) rows by a tile of columns (`lanes` of each vector), keys
+ * [j0, j1): rows x TILE_VECS chains at once, unrolled where `rows` is a constant. */
+static inline __attribute__((always_inline)) void weighted_rows(int rows, const float *a, int lda, const float *b,
+                                                                int ldb, float *c, int ldc, int j0, int j1,
+                                                                const vmask lanes[TILE_VECS]) {
+  vf acc[6][TILE_VECS];
+#pragma GCC unroll 6
+  for (int r = 0; r < rows; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < TILE_VECS; v++) acc[r][v] = vf_load_masked(lanes[v], c + (size_t)r * ldc + VL * v);
+  for (int j = j0; j < j1; j++) {
+    const float *row = b + (size_t)j * ldb;
+    vf vals[TILE_VECS];
+#pragma GCC unroll 4
+    for (int v = 0; v < TILE_VECS; v++) {
+      _mm_prefetch((const char *)(row + (size_t)VALUES_AHEAD * ldb + VL * v), _MM_HINT_T0);
+      vals[v] = vf_load_masked(lanes[v], row + VL * v);
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < rows; r++) {
+      vf p = vf_set1(a[(size_t)r * lda + j]);
+#pragma GCC unroll 4
+      for (int v = 0; v < TILE_VECS; v++) acc[r][v] = vf_fmadd(p, vals[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < rows; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < TILE_VECS; v++) vf_store_masked(c + (size_t)r * ldc + VL * v, lanes[v], acc[r][v]);
+}
+
 static void weighted_tile(const float *a, int lda, const float *b, int ldb, float *c, int ldc, int rows, int j0,
                           int j1, int c0, int cols) {
-  int vecs = (cols + VL - 1) / VL;
-  vmask mask[TILE_VECS];
-  for (int v = 0; v < TILE_VECS; v++) mask[v] = vmask_first(cols - VL * v > 0 ? cols - VL * v : 0);
-  if (rows == 6 && vecs == TILE_VECS) {
-    vf acc[6][TILE_VECS];
-#pragma GCC unroll 6
-    for (int r = 0; r < 6; r++)
-#pragma GCC unroll 4
-      for (int v = 0; v < TILE_VECS; v++) acc[r][v] = vf_load_masked(mask[v], c + (size_t)r * ldc + c0 + VL * v);
-    for (int j = j0; j < j1; j++) {
-      const float *row = b + (size_t)j * ldb + c0;
-      vf vals[TILE_VECS];
-#pragma GCC unroll 4
-      for (int v = 0; v < TILE_VECS; v++) vals[v] = vf_load_masked(mask[v], row + VL * v);
-#pragma GCC unroll 6
-      for (int r = 0; r < 6; r++) {
-        vf p = vf_set1(a[(size_t)r * lda + j]);
-#pragma GCC unroll 4
-        for (int v = 0; v < TILE_VECS; v++) acc[r][v] = vf_fmadd(p, vals[v], acc[r][v]);
-      }
-    }
-#pragma GCC unroll 6
-    for (int r = 0; r < 6; r++)
-#pragma GCC unroll 4
-      for (int v = 0; v < TILE_VECS; v++) vf_store_masked(c + (size_t)r * ldc + c0 + VL * v, mask[v], acc[r][v]);
-    return;
+  vmask lanes[TILE_VECS];
+  tile_lanes(cols, lanes);
+  b += c0, c += c0;
+  switch (rows) { /* a constant each, so each is unrolled into registers */
+    case 1: weighted_rows(1, a, lda, b, ldb, c, ldc, j0, j1, lanes); break;
+    case 2: weighted_rows(2, a, lda, b, ldb, c, ldc, j0, j1, lanes); break;
+    case 3: weighted_rows(3, a, lda, b, ldb, c, ldc, j0, j1, lanes); break;
+    case 4: weighted_rows(4, a, lda, b, ldb, c, ldc, j0, j1, lanes); break;
+    case 5: weighted_rows(5, a, lda, b, ldb, c, ldc, j0, j1, lanes); break;
+    case 6: weighted_rows(6, a, lda, b, ldb, c, ldc, j0, j1, lanes); break;
   }
-  for (int r = 0; r < rows; r++)
-    for (int v = 0; v < vecs; v++) {
-      float *out = c + (size_t)r * ldc + c0 + VL * v;
-      vf acc = vf_load_masked(mask[v], out);
-      for (int j = j0; j < j1; j++)
-        acc = vf_fmadd(vf_set1(a[(size_t)r * lda + j]), vf_load_masked(mask[v], b + (size_t)j * ldb + c0 + VL * v),
-                       acc);
-      vf_store_masked(out, mask[v], acc);
-    }
 }
 
 /* Part `part` of `parts` of the weighted sums: a share of the 6-row groups. */
@@ -312,16 +327,12 @@ int SIMD_NAME(tierlm_exact_sgemm)(int trans_b, int m, int n, int k, float alpha,
                                   const float *b, int ldb, float beta, float *c, int ldc) {
   int big = (long)m * n * k >= PARALLEL_MIN_FMAS;
   if (trans_b && k <= MAX_SMALL) {
-    if (m < 6) {
-      scores(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-      return 1;
-    }
     product_t p = {m, n, k, lda, ldb, ldc, alpha, beta, a, b, c, 0, 0};
     tierlm_parallel(scores_part, &p, big ? (n + TILE_COLS - 1) / TILE_COLS : 1);
     return 1;
   }
   if (!trans_b && n <= MAX_SMALL) {
-    if (m < 6 || beta != 0.0f || !(alpha == alpha)) {
+    if (beta != 0.0f || !(alpha == alpha)) {
       weighted_sum(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
       return 1;
     }

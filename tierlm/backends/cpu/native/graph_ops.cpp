@@ -20,6 +20,7 @@
 // Built against the headers and library of the installed mlx package
 // (graph_ops.py), with floating-point contraction off: RoPE's products and sums
 // are rounded one by one, as MLX's separate operations round them.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -232,9 +233,12 @@ using Sgemm = void (*)(int, int, int, int, int, int, float, const float *, int, 
                        int);
 using SoftmaxRows = void (*)(float *, long, long, long);
 using SoftmaxRowsMasked = void (*)(float *, long, long, const unsigned char *, long, long, long);
+using PartFn = void (*)(void *arg, int part, int parts);
+using ParallelChunks = void (*)(PartFn fn, void *arg, int chunks);
 Sgemm sgemm = nullptr;
 SoftmaxRows softmax_rows = nullptr;
 SoftmaxRowsMasked softmax_rows_masked = nullptr;
+ParallelChunks parallel_chunks = nullptr;  // threads.c's: each chunk whole on whichever core is free
 
 // ... and its element-wise kernels (set by tierlm_graph_set_elementwise):
 // SwiGLU in place into the gate, GELU (tanh approximation) into an output that
@@ -370,6 +374,44 @@ class Attention : public NativeOperation {
   bool causal_;
 };
 
+// Products of fewer multiply-adds than this exact_gemm.c computes on one core
+// (its PARALLEL_MIN_FMAS).
+constexpr int64_t SHARED_PRODUCT_FMAS = int64_t{1} << 21;
+// Below this many query rows a pair (a decode step's, a draft's check's) does
+// not share well inside: exact_gemm.c shares the weighted sums by groups of 6
+// rows, so a group of 7 query heads ran 6 rows on one core and 1 on the
+// other, both reading all the values.
+constexpr int FEW_ROWS = 64;
+// ... and below this many a pair is done before another core would start on one.
+constexpr int64_t SHARED_PAIR_MIN_FMAS = int64_t{1} << 15;
+
+// Whether attention shares its (sequence, KV head) pairs over the cores (else
+// each pair's products share themselves where they are big): for few query
+// rows or small products, not tiny ones, and only where the route sends them to
+// exact_gemm.c (head and value widths it takes), so no other BLAS is called
+// from several threads.
+bool shares_pairs(int rows, int span, int width) {
+  int64_t fmas = static_cast<int64_t>(rows) * span * width;
+  return parallel_chunks != nullptr && width <= 512 && fmas >= SHARED_PAIR_MIN_FMAS &&
+         (rows < FEW_ROWS || fmas < SHARED_PRODUCT_FMAS);
+}
+
+// The KV rows one pair's product reads where they must be copied first (a
+// strided cache, KV kept at 8 or 4 bits): one buffer a thread, kept, since a
+// fresh one each product was a page fault a page.
+thread_local std::vector<float> pair_scratch;
+
+// body(pair) for pair in [0, pairs): over the cores when `share` (each pair
+// whole on one thread, its products in their one order: no bit moves), else in order here.
+void for_each_pair(int pairs, bool share, const std::function<void(int)> &body) {
+  if (!share || pairs < 2) {
+    for (int pair = 0; pair < pairs; pair++) body(pair);
+    return;
+  }
+  parallel_chunks([](void *arg, int chunk, int) { (*static_cast<const std::function<void(int)> *>(arg))(chunk); },
+                  const_cast<std::function<void(int)> *>(&body), pairs);
+}
+
 // Attention as above, the keys and values of each (sequence, KV head) read
 // through `keys_at` and `values_at` (`width` values a row), under `mask` (a
 // boolean (B or 1, 1, L, S) array), or causal, or neither.
@@ -388,16 +430,16 @@ void attend(std::vector<array> &inputs, array &out, float scale, bool causal, in
     for (int d = 0; d < dim; d++) queries[r * dim + d] = row[d * q.strides()[3]] * scale;
   }
   std::unique_ptr<float[]> scores(new float[static_cast<size_t>(batch) * heads * length * span]);
-  std::vector<float> scratch;
-  int64_t ld;
   int m = group * length;
-  for (int b = 0; b < batch; b++)
-    for (int h = 0; h < kv_heads; h++) {
-      const float *keys = keys_at(b, h, scratch, &ld);
-      size_t first = (static_cast<size_t>(b) * heads + h * group) * length;
-      sgemm(ROW_MAJOR, NO_TRANS, TRANS, m, span, dim, 1.0f, queries.get() + first * dim, dim, keys,
-            static_cast<int>(ld), 0.0f, scores.get() + first * span, span);
-    }
+  bool share = shares_pairs(m, span, std::max(dim, width));
+  for_each_pair(batch * kv_heads, share, [&](int pair) {
+    int b = pair / kv_heads, h = pair % kv_heads;
+    int64_t ld;
+    const float *keys = keys_at(b, h, pair_scratch, &ld);
+    size_t first = (static_cast<size_t>(b) * heads + h * group) * length;
+    sgemm(ROW_MAJOR, NO_TRANS, TRANS, m, span, dim, 1.0f, queries.get() + first * dim, dim, keys,
+          static_cast<int>(ld), 0.0f, scores.get() + first * span, span);
+  });
   long rows = static_cast<long>(batch) * heads * length;
   if (mask_array != nullptr) {
     const array &mask = *mask_array;
@@ -413,13 +455,14 @@ void attend(std::vector<array> &inputs, array &out, float scale, bool causal, in
     softmax_rows(scores.get(), rows, span, causal ? length : 0);
   }
   float *to = out.data<float>();
-  for (int b = 0; b < batch; b++)
-    for (int h = 0; h < kv_heads; h++) {
-      const float *values = values_at(b, h, scratch, &ld);
-      size_t first = (static_cast<size_t>(b) * heads + h * group) * length;
-      sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, m, width, span, 1.0f, scores.get() + first * span, span, values,
-            static_cast<int>(ld), 0.0f, to + first * width, width);
-    }
+  for_each_pair(batch * kv_heads, share, [&](int pair) {
+    int b = pair / kv_heads, h = pair % kv_heads;
+    int64_t ld;
+    const float *values = values_at(b, h, pair_scratch, &ld);
+    size_t first = (static_cast<size_t>(b) * heads + h * group) * length;
+    sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, m, width, span, 1.0f, scores.get() + first * span, span, values,
+          static_cast<int>(ld), 0.0f, to + first * width, width);
+  });
 }
 
 // One group of 64 codes (`bytes`, MLX's packing: code e in the lowest bits
@@ -597,10 +640,11 @@ int tierlm_graph_rope(void *x_object, void *inverse_object, void *offsets_object
   return lazy<Rope>(out, x->shape(), std::move(inputs), dims, traditional != 0, scale, offset);
 }
 
-void tierlm_graph_set_kernels(void *route_sgemm, void *rows, void *rows_masked) {
+void tierlm_graph_set_kernels(void *route_sgemm, void *rows, void *rows_masked, void *chunks) {
   sgemm = reinterpret_cast<Sgemm>(route_sgemm);
   softmax_rows = reinterpret_cast<SoftmaxRows>(rows);
   softmax_rows_masked = reinterpret_cast<SoftmaxRowsMasked>(rows_masked);
+  parallel_chunks = reinterpret_cast<ParallelChunks>(chunks);
 }
 
 void tierlm_graph_set_elementwise(void *swiglu, void *gelu_approx, void *logsumexp_rows) {

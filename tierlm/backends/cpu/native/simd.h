@@ -60,6 +60,28 @@ static inline unsigned vf_differs_bits(vf v, float x) {
   return _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_NEQ_UQ);
 }
 static inline vf vf_times_power_of_two(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+/* r[i] lane j becomes r[j] lane i: sixteen rows of sixteen, in registers */
+static inline void vf_transpose(vf r[16]) {
+  vf t[16], u[16];
+  for (int i = 0; i < 8; i++) { /* rows 2i, 2i+1 interleaved: pairs of columns within each 128-bit lane */
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) { /* u[4i + c]: rows 4i..4i+3 of column c + 4 * (128-bit lane) */
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 2])));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 2])));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 3])));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 3])));
+  }
+  for (int c = 0; c < 4; c++) { /* gather each column's four 128-bit lanes */
+    vf x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+    vf y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88), y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+    r[c + 4] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+    r[c + 8] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+    r[c + 12] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+  }
+}
 
 #elif SIMD_WIDTH == 8
 
@@ -117,6 +139,24 @@ static inline unsigned vf_differs_bits(vf v, float x) {
 static inline vf vf_times_power_of_two(vf p, vf n) {
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+/* r[i] lane j becomes r[j] lane i: eight rows of eight, in registers */
+static inline void vf_transpose(vf r[8]) {
+  vf t[8], u[8];
+  for (int i = 0; i < 4; i++) { /* rows 2i, 2i+1 interleaved: pairs of columns within each 128-bit lane */
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; i++) { /* u[4i + c]: rows 4i..4i+3 of column c + 4 * (128-bit lane) */
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; c++) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[c + 4] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
 }
 
 #else
