@@ -510,8 +510,9 @@ class SpeculativeGenerator(BatchGenerator):
 
     def insert_segments(self, segments, *args, **kwargs):
         uids = super().insert_segments(segments, *args, **kwargs)
-        if self.fold_limit:
-            self.folds.hold(list(self._unprocessed_sequences)[-len(uids):], self.fold_limit)
+        if self.fold_limit:  # the entries just added, from the deque's end (not a copy of all of it)
+            pending = self._unprocessed_sequences
+            self.folds.hold([pending[-i] for i in range(len(uids), 0, -1)], self.fold_limit)
         return uids
 
     def remove(self, uids, return_prompt_caches=False):
