@@ -21,9 +21,9 @@
  * with AVX2's 16; the keys of a tile transposed in registers) and a long
  * prompt's are shared over the cores (threads.c; a decode step's are shared
  * a KV head each, by graph_ops.cpp). Either way each element is the same
- * chain, so the tiling and the threads change no bit. The weighted sums once ran a row at a
- * time over every key for Gemma's 256-wide heads, ~5-15 GFLOP/s, which made
- * attention most of a 20k-token prefill. */
+ * chain, so the tiling and the threads change no bit. The weighted sums once
+ * ran a row at a time over every key for Gemma's 256-wide heads, ~5-15
+ * GFLOP/s, which made attention most of a 20k-token prefill. */
 #include <stdlib.h>
 
 #include "threads.h"
@@ -66,8 +66,8 @@ static void transpose_keys(const float *b, int ldb, int cols, int k, float *bt, 
 }
 
 /* Products big enough to share out: below this many multiply-adds a helper
- * thread's wake-up costs more than it saves (decode's products stay on the
- * caller's thread). */
+ * thread's wake-up costs more than it saves (a decode step's products stay
+ * on one thread; graph_ops.cpp shares its KV heads instead). */
 #define PARALLEL_MIN_FMAS (1L << 21)
 
 /* The lanes of each of a tile's TILE_VECS vectors that hold one of its `cols` columns. */
@@ -105,9 +105,9 @@ static inline __attribute__((always_inline)) void scores_rows(int rows, int k, f
 }
 
 /* scores, TILE_COLS keys by 6 rows at a time, then the last 1-5 rows together
- * (one chain at a time, a decode step's seventh query row of a group waited on
- * each multiply-add in turn). A last block narrower than the tile runs with
- * its missing keys zero and their lanes not stored. */
+ * (run a chain at a time, the seventh query row of a decode step's group of 7
+ * waited on each multiply-add in turn). A last block narrower than the tile
+ * runs with its missing keys zero and their lanes not stored. */
 static void scores_block(int m, int cols, int k, float alpha, const float *a, int lda, const float *b, int ldb,
                          float beta, float *c, int ldc, float *bt) {
   vmask lanes[TILE_VECS];
@@ -234,7 +234,7 @@ static void weighted_sum(int m, int n, int k, float alpha, const float *a, int l
   for (; i < m; i++) weighted_row(a + (size_t)i * lda, k, b, ldb, n, alpha, beta, c + (size_t)i * ldc);
 }
 
-/* Weighted sums, 6 rows x TILE_COLS columns at a time, keys in blocks of
+/* Weighted sums, up to 6 rows x TILE_COLS columns at a time, keys in blocks of
  * KEY_BLOCK so that a block of B stays in cache while every row passes over
  * it; the sums wait in C between blocks (a float32 stored and loaded back is
  * the same float32). Each element still adds p_j * v_j for j in order from its
