@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -397,19 +398,37 @@ bool shares_pairs(int rows, int span, int width) {
 }
 
 // The KV rows one pair's product reads where they must be copied first (a
-// strided cache, KV kept at 8 or 4 bits): one buffer a thread, kept, since a
-// fresh one each product was a page fault a page.
+// strided cache, KV kept at 8 or 4 bits): one buffer a thread, kept between
+// calls (a fresh one the size of a long context's KV head would fault its
+// pages in anew each time); it holds one KV head of the longest context seen.
 thread_local std::vector<float> pair_scratch;
 
 // body(pair) for pair in [0, pairs): over the cores when `share` (each pair
-// whole on one thread, its products in their one order: no bit moves), else in order here.
+// whole on one thread, its products in their one order: no bit moves), else
+// in order here. An exception in any pair (the scratch's allocation) is thrown
+// here once every pair is done, not on a helper thread.
 void for_each_pair(int pairs, bool share, const std::function<void(int)> &body) {
   if (!share || pairs < 2) {
     for (int pair = 0; pair < pairs; pair++) body(pair);
     return;
   }
-  parallel_chunks([](void *arg, int chunk, int) { (*static_cast<const std::function<void(int)> *>(arg))(chunk); },
-                  const_cast<std::function<void(int)> *>(&body), pairs);
+  struct Job {
+    const std::function<void(int)> &body;
+    std::mutex lock;
+    std::exception_ptr failed;
+  } job{body, {}, nullptr};
+  parallel_chunks(
+      [](void *arg, int chunk, int) {
+        auto *job = static_cast<Job *>(arg);
+        try {
+          job->body(chunk);
+        } catch (...) {
+          std::lock_guard<std::mutex> hold(job->lock);
+          if (!job->failed) job->failed = std::current_exception();
+        }
+      },
+      &job, pairs);
+  if (job.failed) std::rethrow_exception(job.failed);
 }
 
 // Attention as above, the keys and values of each (sequence, KV head) read
