@@ -68,6 +68,7 @@ def reload_settings(srv, text: str, check) -> None:
 def test_every_model_is_listed_with_its_state(pool_server):
     listed = models(pool_server)
     assert set(listed) == {"tiny0", "tiny1", "tiny2", "huge"}
+    assert list(listed) == ["tiny0", "huge", "tiny1", "tiny2"]  # the default first ("huge" sorts first by name)
     assert listed["tiny0"]["state"] == "pinned"  # the default: loaded at start, kept
     assert listed["tiny1"]["state"] in ("available", "loaded")
     assert listed["tiny1"]["max_model_len"] == 131072 and listed["tiny1"]["size_bytes"] > 0

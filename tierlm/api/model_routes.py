@@ -22,7 +22,11 @@ def _pool(http: HTTPRequest) -> ModelPool:
 async def list_models(http: HTTPRequest):
     pool = _pool(http)
     pool.refresh()  # a model pulled, copied in or deleted since
-    return {"object": "list", "data": [_card(pool, slot) for _, slot in sorted(pool.slots.items())]}
+    # the default (`--model`) first, then by name: a client that takes the first
+    # model listed (a load generator, a chat UI's preselection) gets the one the
+    # server was started for, not whichever model of its folder sorts first
+    slots = sorted(pool.slots.items(), key=lambda item: (item[0] != pool.default, item[0]))
+    return {"object": "list", "data": [_card(pool, slot) for _, slot in slots]}
 
 
 @router.post("/models/{model_id:path}/load")
