@@ -212,8 +212,8 @@ def test_llama_servers_build_switches_are_read_from_its_cmake_cache(tmp_path):
 
 
 def test_requests_name_the_model_tierlm_was_started_with(tmp_path):
-    """tierlm's /v1/models lists every model in its folders, the one it serves not
-    necessarily first: the bench names the one its /health names."""
+    """tierlm's /v1/models lists every model in its folders (its default first):
+    the bench names the one its /health names, whatever a listing's order."""
 
     class Health(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
