@@ -100,11 +100,20 @@ def smoothness(args, tree: Path | None, concurrencies: list[int], tokenizer: str
     with servers.RunningServer(spec) as server:
         console.print(f"  warmed after {wait_warm(server):.1f} s more")
         for c in concurrencies:
-            row = _row(runs.run_one(args, server.base_url, tokenizer, c, label=spec.name))
+            row = _row(runs.run_one(naming(args, server), server.base_url, tokenizer, c, label=spec.name))
             rows.append(row)
             console.print(f"  c={c}: ITL p50 {ms(row['itl_p50'])} ms, TPOT p50 {ms(row['tpot_p50'])} ms, "
                           f"{num(row['output_tok_s'])} out tok/s")
     return rows
+
+
+def naming(args, server):
+    """`args` with the model the server was started with named for its requests:
+    an older tree's /v1/models lists its folder's models by name, the default
+    not first, and the load generator would take whichever sorts first."""
+    named = copy.copy(args)
+    named.model_id = server.served_model_id()
+    return named
 
 
 def median_rows(rounds: list[list[dict]]) -> list[dict]:
@@ -130,9 +139,11 @@ def cold_start(args, concurrency: int, kernels: str, tokenizer: str, seeds: iter
     folder = Path(fresh.name) if fresh else Path(Settings().kernel_cache_dir).expanduser()
     with fresh or contextlib.nullcontext(), servers.RunningServer(spec) as server:
         at_ready, ready_kernels = _warmup_of(server), _kernel_files(folder)
-        first = runs.run_one(new_prompts(args, seeds), server.base_url, tokenizer, concurrency, label="first")
+        first = runs.run_one(naming(new_prompts(args, seeds), server), server.base_url, tokenizer, concurrency,
+                             label="first")
         first_kernels = _kernel_files(folder)
-        second = runs.run_one(new_prompts(args, seeds), server.base_url, tokenizer, concurrency, label="second")
+        second = runs.run_one(naming(new_prompts(args, seeds), server), server.base_url, tokenizer, concurrency,
+                              label="second")
         after, second_kernels = _warmup_of(server), _kernel_files(folder)
     result = {"concurrency": concurrency, "kernels": kernels, "first": _row(first), "second": _row(second),
               "ratio": ratio(first["summary"]["output_tok_s"], second["summary"]["output_tok_s"]),
@@ -161,7 +172,8 @@ def prime_kernels(args, concurrency: int, tokenizer: str, seeds: itertools.count
     warms and runs the workload once, as the run before a restart would have."""
     with servers.RunningServer(_spec(args, None, concurrency, None)) as server:
         wait_warm(server)
-        runs.run_one(new_prompts(args, seeds), server.base_url, tokenizer, concurrency, label="prime kernels")
+        runs.run_one(naming(new_prompts(args, seeds), server), server.base_url, tokenizer, concurrency,
+                     label="prime kernels")
 
 
 def run_streaming(args, save=lambda result: None) -> dict:
