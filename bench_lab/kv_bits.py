@@ -41,8 +41,8 @@ def measure(model, tokenizer, batch: int, context: int, tokens: int, bits: int, 
     from tierlm.bench.engine_overhead import EngineRunner, random_prompts
 
     prompts = random_prompts(vocab, batch, context, seed=context)
-    runners = {b: EngineRunner(model, tokenizer, batch, 2048, batch_kv_bits=b, prefix_cache=False,
-                               speculation=speculation) for b in (16, bits)}
+    runners = {b: EngineRunner(model, tokenizer, batch, 2048, batch_kv_bits=None if b == 16 else b,  # 16: as computed
+                               prefix_cache=False, speculation=speculation) for b in (16, bits)}
     try:
         assert runners[bits].engine.kv_bits == bits, "the model's KV cannot be quantized (see the log)"
         for runner in runners.values():  # compiles, and the first allocation of this size

@@ -1,11 +1,12 @@
-"""Greedy answers with the running batch's KV at 8 and 4 bits against 16, on a
-fixed prompt set, in process: how many answers stay the same, where the others
+"""Greedy answers with the running batch's KV at 8 and 4 bits (`--bits`)
+against 16, on a fixed prompt set, in process: how many answers stay the same, where the others
 leave, and how far the chosen tokens' log-probabilities move while they agree.
 
 Every prompt is asked alone (batch 1) and all of them together (one batch), so
 that rows of different lengths share the quantized batch; each answer ends at
 the model's end of turn or at --max-tokens. "16" is the KV as computed (float32
-on the CPU, bfloat16 on a GPU).
+on the CPU, bfloat16 on a GPU); `--bits 16` on a CPU measures the batch's KV
+kept at float16 (engine.half_kv) against it.
 
 `--tiers`: the cache tiers' bits instead (`cache_kv_bits`), the batch's KV as
 computed. Every prompt comes after one long system message (a ~1,500-token
@@ -46,7 +47,8 @@ PROMPTS = [
 
 def title(result: dict) -> str:
     where = "a hit's blocks in the tiers after a shared system message" if result.get("tiers") else "the batch's KV"
-    return f"Greedy answers with {where} at 8 and 4 bits against 16: {Path(result['model']).name}"
+    kept = " and ".join("16 (float16)" if b == "16" else b for b in result["bits"])
+    return f"Greedy answers with {where} at {kept} bits against 16: {Path(result['model']).name}"
 
 
 def system_message() -> str:
@@ -74,12 +76,13 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
-async def _answers(loaded, bits: int, max_tokens: int, tiers: bool = False) -> tuple[list, list]:
+async def _answers(loaded, bits: int | None, max_tokens: int, tiers: bool = False) -> tuple[list, list]:
+    """Each prompt's answer alone and all in one batch, with KV at `bits` (None: as computed)."""
     from tierlm.config import Settings
     from tierlm.engine.core import EngineCore
     from tierlm.engine.request import Request, SamplingParams
 
-    settings = Settings(ssd_cache=False, cache_kv_bits=bits, cache_block_size=64) if tiers else \
+    settings = Settings(ssd_cache=False, cache_kv_bits=bits or 16, cache_block_size=64) if tiers else \
         Settings(ssd_cache=False, prefix_cache=False, batch_kv_bits=bits)
     engine = EngineCore(f"kv-quality-{bits}", lambda: loaded, settings)
     await engine.start()
@@ -130,6 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="model folder (default: the built-in default model)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--tiers", action="store_true", help="the cache tiers' bits, on hits of a shared system message")
+    p.add_argument("--bits", type=int, nargs="+", default=[8, 4], choices=(16, 8, 4),
+                   help="the KV widths compared with the KV as computed (16: float16, a CPU's batch only)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import statistics
@@ -139,10 +144,12 @@ def main(argv=None) -> int:
 
     path = Path(args.model).expanduser() if args.model else default_model_folder()
     loaded = load_model(path)
-    full = asyncio.run(_answers(loaded, 16, args.max_tokens, args.tiers))
+    if args.tiers and 16 in args.bits:
+        p.error("--bits 16 is the batch's (the tiers keep 16-bit KV as computed)")
+    full = asyncio.run(_answers(loaded, None, args.max_tokens, args.tiers))
     result = {"model": str(path), "max_tokens": args.max_tokens, "prompts": PROMPTS, "tiers": args.tiers,
               "bits": {}}
-    for bits in (8, 4):
+    for bits in args.bits:
         alone, batched = asyncio.run(_answers(loaded, bits, args.max_tokens, args.tiers))
         a, b = compare(alone, full[0]), compare(batched, full[1])
         firsts = a["first_differences"] + b["first_differences"]

@@ -98,6 +98,31 @@ def test_attention_is_kernels_attention_bit_for_bit(length, mask, span):
                        rtol=1e-4, atol=1e-5).item()
 
 
+WIDTHS = [w for w in (16, 8) if STATE.lib.tierlm_float_select(w) == w]
+STATE.lib.tierlm_float_select(-1)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("length,mask,span,dim", [(1, None, 4000, 64), (1, "batched", 777, 64), (7, "causal", 300, 64),
+                                                  (1, None, 129, 128), (33, "causal", 200, 80), (3, None, 50, 24)])
+def test_attention_over_float16_kv_has_the_bits_of_the_same_values_as_float32(width, length, mask, span, dim):
+    """A KV cache kept at float16 (engine.half_kv) is read as it is, half the
+    bytes, with each build of the kernels (AVX-512 and AVX2; head widths
+    whole vectors or not): the bits of the same attention over those values
+    as float32, for a cache's strided slice as for a contiguous buffer."""
+    try:
+        assert STATE.lib.tierlm_float_select(width) == width
+        keys = _random((2, span + 3, 2, dim), 11).astype(mx.float16).transpose(0, 2, 1, 3)[:, :, :span]
+        values = _random((2, 2, span, dim), 12).astype(mx.float16)
+        queries = _random((2, 14, length, dim), 13)
+        mask = mx.random.uniform(shape=(2, 1, length, span), key=mx.random.key(14)) > 0.2 if mask == "batched" else mask
+        got = graph_ops.attention(queries, keys, values, 0.125, mask)
+        want = graph_ops.attention(queries, keys.astype(mx.float32), values.astype(mx.float32), 0.125, mask)
+        assert got is not None and got.dtype == mx.float32 and mx.array_equal(got, want).item()
+    finally:
+        STATE.lib.tierlm_float_select(-1)
+
+
 def test_they_stay_lazy_until_evaluated():
     x, weight = _random((2, 16), 11), _random((16,), 12)
     mx.eval(x, weight)

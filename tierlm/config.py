@@ -196,12 +196,16 @@ class Settings:
                                      "2x or 3.5x the tokens a GB holds, a hit's KV approximate; models of "
                                      "plain attention layers)",
                                  per_model=True, check=lambda v: _one_of(str(v), ("16", "8", "4")))
-    batch_kv_bits: int = setting(16, "bits a KV value keeps in the running batch: 16 (as computed), 8 or 4 "
-                                     "(quantized in groups of 64 along a head's vector, keys scaled per "
-                                     "channel from a calibration prompt at load: about 1.9x or 3.5x the "
-                                     "tokens memory holds, answers approximate; on a CPU decode at ~1.0x "
-                                     "float32 KV's speed, prompt-lookup drafts included)",
-                                 per_model=True, check=lambda v: _one_of(str(v), ("16", "8", "4")))
+    batch_kv_bits: int | None = setting(None, "bits a KV value keeps in the running batch: as computed by "
+                                              "default (float32 on MLX's CPU backend, the model's 16 bits on a "
+                                              "GPU); 16 (on a CPU float16, as llama.cpp keeps it: half the "
+                                              "bytes a decode step reads over a long context and twice the "
+                                              "tokens memory and the cache tiers hold, answers approximate), "
+                                              "8 or 4 (quantized in groups of 64 along a head's vector, keys "
+                                              "scaled per channel from a calibration prompt at load: about 1.9x "
+                                              "or 3.5x the tokens of 16-bit KV, answers approximate; on a CPU "
+                                              "decode at ~1.0x float32 KV's speed, prompt-lookup drafts included)",
+                                        per_model=True, check=lambda v: _one_of(str(v), ("16", "8", "4")))
     hot_cache_size: str = setting("10%", "memory for cached blocks (bytes, 4GB, or 10% of memory)",
                                   per_model=True)
     ssd_cache: bool = setting(True, "keep blocks on disk too, across restarts", per_model=True)

@@ -27,7 +27,7 @@ from tierlm import backends
 from tierlm.cache.codecs import codecs_for
 from tierlm.cache.prefix_cache import PrefixCache
 from tierlm.config import Settings
-from tierlm.engine import allocator, key_scaling, ownership, warmup, workers
+from tierlm.engine import allocator, half_kv, key_scaling, ownership, warmup, workers
 from tierlm.engine.collector import OutputCollector
 from tierlm.engine.lockstep import Lockstep
 from tierlm.engine.draft_model import load_draft_model
@@ -83,6 +83,7 @@ class EngineCore:
         self.config = settings or Settings()
         self.profile: ModelProfile | None = None
         self.kv_bits = 16  # what the batch keeps attention KV at, once loaded (`batch_kv_bits`)
+        self.kv_half = False  # ... and at 16 bits on a CPU: float16, not float32 as computed (engine.half_kv)
         self.key_scales: list | None = None  # per layer, what quantized keys are divided by (engine.key_scaling)
         # warming before ready, where `warmup_wait_s` is not set: a model loaded on
         # request has one waiting; the default model at a server's start has none,
@@ -147,8 +148,10 @@ class EngineCore:
         ownership.claim(self.model, self.name)
         with mx.stream(stream):
             self.kv_bits = self._batch_kv_bits()
+            self.kv_half = self._batch_kv_half()
             self.key_scales = self._key_scales()
-            self.profile = profile_model(self.model, self.kv_bits, backends.describe(self.model).kv_tail)
+            self.profile = profile_model(self.model, self.kv_bits, backends.describe(self.model).kv_tail,
+                                         self.kv_half)
         draft = self._load_draft()
         limit = self.config.memory_limit_bytes() or default_memory_limit()
         prefill_step = self.config.prefill_step_size or prefill_step_for(mx.default_device())
@@ -160,6 +163,7 @@ class EngineCore:
             speculative_tokens=self.config.speculative_tokens if self._speculates() else 0,
             draft_model=draft,
             kv_bits=self.kv_bits,
+            kv_half=self.kv_half,
             key_scales=self.key_scales,
             kv_tail=backends.describe(self.model).kv_tail,
         )
@@ -225,7 +229,7 @@ class EngineCore:
         """Worker thread: the bits the batch keeps attention KV at: `batch_kv_bits`
         where the model's layers allow it (else 16, and the log says why)."""
         bits = self.config.batch_kv_bits
-        if bits == 16:
+        if bits in (None, 16):
             return 16
         why = "not over several ranks (yet)" if self.lockstep is not None else why_not_quantized(self.model)
         if why:
@@ -233,6 +237,19 @@ class EngineCore:
             return 16
         log.info("engine %s: KV kept at %d bits in the batch", self.name, bits)
         return bits
+
+    def _batch_kv_half(self) -> bool:
+        """Worker thread: whether the batch keeps attention KV at float16 where
+        the model computes it at float32 (`batch_kv_bits` 16 on a CPU; on a GPU
+        16 bits is as computed). Where it cannot, float32, and the log says why."""
+        if self.config.batch_kv_bits != 16 or mx.default_device().type != mx.DeviceType.cpu:
+            return False
+        why = "not over several ranks (yet)" if self.lockstep is not None else half_kv.why_not_half(self.model)
+        if why:
+            log.warning("engine %s: KV kept as computed in the batch, not at float16: %s", self.name, why)
+            return False
+        log.info("engine %s: KV kept at float16 in the batch", self.name)
+        return True
 
     def _key_scales(self) -> list | None:
         """Worker thread: per layer, the factors quantized keys are kept divided
@@ -379,7 +396,9 @@ class EngineCore:
             kinds = sorted({type(c).__name__ for c in layers})
             log.info("prefix cache off for %s: no codec for cache type(s) %s", self.name, ", ".join(kinds))
             return None
-        root = hashlib.sha256(self.fingerprint + parameter_layout(self.model)).digest()
+        # blocks of float16 KV (engine.half_kv) are another computation's: keys of their own
+        root = hashlib.sha256(self.fingerprint + parameter_layout(self.model)
+                              + (b";kv=float16" if self.kv_half else b"")).digest()
         c = self.config
         hot_bytes, (ssd_dir, ssd_bytes) = c.hot_cache_bytes(), c.ssd_tier()
         block = c.cache_block_size or backends.cache_block_for(mx.default_device())
@@ -771,7 +790,8 @@ class EngineCore:
             "request_stages": self.scheduler.stage_log.summary(),
             "warmup": {"shapes_left": len(self._warm_jobs), "seconds": round(self.warm_seconds, 3)},
             # what the running batch keeps attention KV at, and its bytes a token (batch_kv_bits)
-            "kv": {"batch_bits": self.kv_bits, "bytes_per_token": self.profile.kv_bytes_per_token,
+            "kv": {"batch_bits": self.kv_bits, "batch_float16": self.kv_half,
+                   "bytes_per_token": self.profile.kv_bytes_per_token,
                    "keys_scaled": self.key_scales is not None},
             # MLX's allocator counters (no array is touched): what the memory guard holds to its limit
             "memory_active_bytes": mx.get_active_memory(),

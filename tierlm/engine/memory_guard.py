@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from tierlm.backends import describe
+from tierlm.engine.half_kv import half_slots
 from tierlm.engine.quantized_kv import quantized_slots
 from tierlm.engine.request import MemoryGuardError
 
@@ -45,15 +46,16 @@ def _arg(model, *names: str, default: int = 0) -> int:
     return default
 
 
-def profile_model(model, kv_bits: int = 16, kv_tail: int = 0) -> ModelProfile:
+def profile_model(model, kv_bits: int = 16, kv_tail: int = 0, kv_half: bool = False) -> ModelProfile:
     """Measure the model on its own worker thread: one token through a fresh
     cache (its attention KV quantized where the batch keeps it at `kv_bits`,
-    besides up to `kv_tail` decode steps at 16 bits)."""
+    besides up to `kv_tail` decode steps at 16 bits; at float16 where
+    `kv_half`: engine.half_kv)."""
     from mlx.utils import tree_flatten
 
     native_bytes = describe(model).extra_bytes
     weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) + native_bytes
-    per_token, fixed = _kv_bytes(model, kv_bits)
+    per_token, fixed = _kv_bytes(model, kv_bits, kv_half)
     tail_bytes = _kv_bytes(model, 16)[0] * kv_tail if kv_bits != 16 and kv_tail else 0
     hidden = _arg(model, "hidden_size", "d_model", default=4096)
     return ModelProfile(
@@ -68,11 +70,13 @@ def profile_model(model, kv_bits: int = 16, kv_tail: int = 0) -> ModelProfile:
     )
 
 
-def _kv_bytes(model, kv_bits: int) -> tuple[int, int]:
+def _kv_bytes(model, kv_bits: int, kv_half: bool = False) -> tuple[int, int]:
     """The KV bytes a token adds, and those of state that does not grow."""
     cache = make_prompt_cache(model)
     if kv_bits != 16:
         cache = quantized_slots(cache, kv_bits)
+    elif kv_half:
+        cache = half_slots(cache)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
     per_token, fixed = 0, 0

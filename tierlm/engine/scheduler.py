@@ -28,6 +28,7 @@ from tierlm.engine.detokenizer import IncrementalText, byte_level_table
 from tierlm.engine.folded_prompt import can_fold
 from tierlm.engine.lockstep import Lockstep, StepPlan
 from tierlm.engine.memory_guard import MemoryGuard
+from tierlm.engine.half_kv import half_slots
 from tierlm.engine.quantized_kv import dequantized, quantized_slots
 from tierlm.engine.request import FinishReason, MemoryGuardError, Request, RequestOutput
 from tierlm.engine.sampling import make_request_processors, make_request_sampler, repair_random_state
@@ -55,6 +56,7 @@ class SchedulerConfig:
     speculative_tokens: int = 0  # draft tokens a sequence verifies a step at most by default (0: no drafting)
     draft_model: Any = None  # a smaller model of the same tokenizer drafting too (engine.draft_model)
     kv_bits: int = 16  # what the batch keeps attention KV at (engine.quantized_kv)
+    kv_half: bool = False  # ... and at 16, float16 where computed as float32 (engine.half_kv)
     key_scales: list | None = None  # per layer, what quantized keys are kept divided by (engine.key_scaling)
     kv_tail: int = 0  # decode steps quantized KV may hold at 16 bits (backends.Backend.kv_tail)
 
@@ -503,6 +505,8 @@ class Scheduler:
             if self.config.kv_bits != 16:
                 caches = [quantized_slots(caches[0] if caches else make_prompt_cache(self.model), self.config.kv_bits,
                                           self.config.key_scales, self.config.kv_tail)]
+            elif self.config.kv_half:
+                caches = [half_slots(caches[0] if caches else make_prompt_cache(self.model))]
             text = IncrementalText(self.tokenizer.detokenizer, params.stop, self._bytes_table,
                                    params.keep_leading_space)
         except Exception as e:

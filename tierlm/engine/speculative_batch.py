@@ -31,6 +31,7 @@ from tierlm.engine.draft_model import DraftModelSource
 from tierlm.engine.drafts import Acceptance, PromptLookup
 from tierlm.engine.folded_prompt import FoldedEnds, FoldingPromptBatch
 from tierlm.engine.quantized_kv import QuantizedBatchKVCache
+from tierlm.engine.half_kv import HalfBatchKVCache, RaggedHalfBatchKVCache
 from tierlm.engine.ragged_kv import RaggedBatchKVCache, RaggedWindowKVCache
 from tierlm.engine.ragged_quantized_kv import RaggedQuantizedBatchKVCache
 from tierlm.engine.sampling import RandomSampler
@@ -471,6 +472,8 @@ def ragged(cache):
         return RaggedWindowKVCache.of(cache)
     if type(cache) is QuantizedBatchKVCache:
         return RaggedQuantizedBatchKVCache.of(cache)
+    if type(cache) is HalfBatchKVCache:
+        return RaggedHalfBatchKVCache.of(cache)
     return cache
 
 

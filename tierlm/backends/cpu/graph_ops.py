@@ -95,7 +95,7 @@ def _load() -> ctypes.CDLL:
     lib.tierlm_graph_rope.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
     lib.tierlm_graph_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float, ctypes.c_int]
     lib.tierlm_graph_quantized_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_int] * 3
-    lib.tierlm_graph_set_kernels.argtypes = [ctypes.c_void_p] * 4
+    lib.tierlm_graph_set_kernels.argtypes = [ctypes.c_void_p] * 5
     lib.tierlm_graph_ran.restype = ctypes.c_ulong
     lib.tierlm_graph_qmm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
     lib.tierlm_graph_set_elementwise.argtypes = [ctypes.c_void_p] * 3
@@ -116,8 +116,10 @@ def _install() -> Feature:
     state = route.current()
     if state is None or state.lib is None or not state.native_kernels.on:
         return Feature(False, "the native kernels are off")
+    # attention over float16 KV only where its float32 products go to exact_gemm.c too (same bits)
+    exact_half = native.function_address(state.lib, "tierlm_exact_sgemm_half") if state.exact_attention.on else None
     lib.tierlm_graph_set_kernels(*(native.function_address(state.lib, name) for name in (
-        "cblas_sgemm", "tierlm_softmax_rows", "tierlm_softmax_rows_masked", "tierlm_parallel_chunks")))
+        "cblas_sgemm", "tierlm_softmax_rows", "tierlm_softmax_rows_masked", "tierlm_parallel_chunks")), exact_half)
     lib.tierlm_graph_set_elementwise(*(native.function_address(state.lib, name) for name in (
         "tierlm_swiglu", "tierlm_gelu_approx", "tierlm_logsumexp_rows")))
     _lib = lib
@@ -284,7 +286,10 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     """softmax(q kᵀ · scale + mask) v of float32 (B, H, L, D) queries and (B,
     KV, S, D) keys and values as one operation, bit for bit what
     kernels.attention computes with the native kernels; `mask` None, "causal"
-    or a boolean (B or 1, 1, L, S) array. None for anything else."""
+    or a boolean (B or 1, 1, L, S) array. Keys and values may both be float16
+    (a KV cache kept at float16) where attention's products run in
+    exact_gemm.c: read as they are, with the bits of the same attention over
+    them as float32. None for anything else."""
     if _lib is None or isinstance(mask, str) and mask != "causal":
         return None
     array_mask, causal = _mask_args(mask)

@@ -105,6 +105,8 @@ def attention(queries, keys, values, scale: float, mask, native: bool | None = N
     rows = _rows_a_block(batch, heads, span)
     if native and length <= rows and (out := graph_ops.attention(queries, keys, values, scale, mask)) is not None:
         return out  # one operation in MLX's graph (graph_ops.py), the same bits as _attention's
+    if keys.dtype == mx.float16:  # a KV cache kept at float16: its values as float32 are exact
+        keys, values = keys.astype(mx.float32), values.astype(mx.float32)
     if native and length > rows and _foldable(mask, batch, length, span):
         # each query's scores, softmax and sum are its own: blocks give the same bits
         return mx.concatenate([_attention(queries[:, :, i : i + rows], keys, values, scale,

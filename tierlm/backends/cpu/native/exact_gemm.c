@@ -14,7 +14,9 @@
  *   of a vector holds one key and runs the head dimension in order;
  * - out = P . V (V as "B", k = the keys): each output row adds p_k * v_k key by
  *   key in order, so leading zero weights add exact zeros.
- * sgemm_route.c sends products of these shapes here (B not a packed weight).
+ * sgemm_route.c sends products of these shapes here (B not a packed weight);
+ * graph_ops.cpp calls tierlm_exact_sgemm_half for attention over KV kept at
+ * float16, which reads B as float16 and sums the same chains.
  *
  * The products are blocked for the registers and the cache (up to 6 rows by
  * TILE_VECS vectors of keys or columns: 64 with AVX-512's 32 registers, 16
@@ -46,19 +48,48 @@ static void store(float *dst, vf acc, float alpha, float beta, vmask lanes) {
 #define KEYS_AHEAD TILE_COLS /* the next tile's keys */
 #define VALUES_AHEAD 32      /* rows of values */
 
+/* B of a product (the keys or the values): float32 (`f`) or float16 (`h`),
+ * exactly one of them set. A KV cache kept at float16 is read here as it is,
+ * half the bytes of float32 (a long context's decode step is bound by reading
+ * them); a float16 read as a float32 is exact, so a product over float16 B has
+ * the bits of the same product over those values held as float32. */
+typedef struct {
+  const float *f;
+  const uint16_t *h;
+} operand_t;
+
+static inline operand_t operand_at(operand_t b, size_t at) {
+  if (b.h) b.h += at;
+  else b.f += at;
+  return b;
+}
+
+/* The n (at most VL) values at b + at as float32, lanes from n on 0 (`lanes`:
+ * the first n). `half` says which of b's pointers is set: the callers pass a
+ * constant, so each loop is compiled for one type, without a test per load. */
+static inline __attribute__((always_inline)) vf operand_load(operand_t b, size_t at, long n, vmask lanes, int half) {
+  return half ? vf_load_half_first(n, b.h + at) : vf_load_masked(lanes, b.f + at);
+}
+
+/* a prefetch never faults, past the end or not */
+static inline __attribute__((always_inline)) void operand_prefetch(operand_t b, size_t at, int half) {
+  _mm_prefetch(half ? (const char *)(b.h + at) : (const char *)(b.f + at), _MM_HINT_T0);
+}
+
 /* bt[d * stride + j] = b[j * ldb + d], keys j < cols (at most VL) by d < k,
  * lanes past cols 0: VL keys at a time through a transpose in registers (copied
  * element by element, this was most of a decode step's scores, ~2.5 cycles a
  * key's value). The same values, so no bit of the products moves. Each load
  * fetches the same place KEYS_AHEAD keys on (a prefetch past the end never faults). */
-static void transpose_keys(const float *b, int ldb, int cols, int k, float *bt, int stride) {
+static inline __attribute__((always_inline)) void transpose_keys(operand_t b, int ldb, int cols, int k, float *bt,
+                                                                  int stride, int half) {
   for (int d0 = 0; d0 < k; d0 += VL) {
     int dims = k - d0 < VL ? k - d0 : VL;
     vmask lanes = vmask_first(dims);
     vf r[VL];
     for (int j = 0; j < VL; j++) {
-      _mm_prefetch((const char *)(b + (size_t)(j + KEYS_AHEAD) * ldb + d0), _MM_HINT_T0);
-      r[j] = j < cols ? vf_load_masked(lanes, b + (size_t)j * ldb + d0) : vf_zero();
+      operand_prefetch(b, (size_t)(j + KEYS_AHEAD) * ldb + d0, half);
+      r[j] = j < cols ? operand_load(b, (size_t)j * ldb + d0, dims, lanes, half) : vf_zero();
     }
     vf_transpose(r);
     for (int d = 0; d < dims; d++) vf_store(bt + (size_t)(d0 + d) * stride, r[d]);
@@ -108,13 +139,15 @@ static inline __attribute__((always_inline)) void scores_rows(int rows, int k, f
  * (run a chain at a time, the seventh query row of a decode step's group of 7
  * waited on each multiply-add in turn). A last block narrower than the tile
  * runs with its missing keys zero and their lanes not stored. */
-static void scores_block(int m, int cols, int k, float alpha, const float *a, int lda, const float *b, int ldb,
+static void scores_block(int m, int cols, int k, float alpha, const float *a, int lda, operand_t b, int ldb,
                          float beta, float *c, int ldc, float *bt) {
   vmask lanes[TILE_VECS];
   tile_lanes(cols, lanes);
   for (int v = 0; v < TILE_VECS; v++) {
     int keys = cols - VL * v < VL ? cols - VL * v : VL;
-    if (keys > 0) transpose_keys(b + (size_t)VL * v * ldb, ldb, keys, k, bt + VL * v, TILE_COLS);
+    operand_t at = operand_at(b, (size_t)VL * v * ldb);
+    if (keys > 0 && b.h) transpose_keys(at, ldb, keys, k, bt + VL * v, TILE_COLS, 1);
+    else if (keys > 0) transpose_keys(at, ldb, keys, k, bt + VL * v, TILE_COLS, 0);
     else
       for (int d = 0; d < k; d++) vf_store(bt + (size_t)d * TILE_COLS + VL * v, vf_zero());
   }
@@ -135,7 +168,8 @@ static void scores_block(int m, int cols, int k, float alpha, const float *a, in
 typedef struct {
   int m, n, k, lda, ldb, ldc;
   float alpha, beta;
-  const float *a, *b;
+  const float *a;
+  operand_t b;
   float *c;
   int *lo, *hi; /* weighted sums: each row's nonzero span */
 } product_t;
@@ -148,8 +182,8 @@ static void scores_part(void *arg, int part, int parts) {
       end = (int)((long)blocks * (part + 1) / parts);
   for (int nb = first; nb < end; nb++) {
     int n0 = nb * TILE_COLS, cols = p->n - n0 < TILE_COLS ? p->n - n0 : TILE_COLS;
-    scores_block(p->m, cols, p->k, p->alpha, p->a, p->lda, p->b + (size_t)n0 * p->ldb, p->ldb, p->beta,
-                 p->c + n0, p->ldc, bt);
+    scores_block(p->m, cols, p->k, p->alpha, p->a, p->lda, operand_at(p->b, (size_t)n0 * p->ldb), p->ldb,
+                 p->beta, p->c + n0, p->ldc, bt);
   }
 }
 
@@ -245,21 +279,21 @@ static void weighted_sum(int m, int n, int k, float alpha, const float *a, int l
 
 /* `rows` (at most 6) rows by a tile of columns (`lanes` of each vector), keys
  * [j0, j1): rows x TILE_VECS chains at once, unrolled where `rows` is a constant. */
-static inline __attribute__((always_inline)) void weighted_rows(int rows, const float *a, int lda, const float *b,
-                                                                int ldb, float *c, int ldc, int j0, int j1,
-                                                                const vmask lanes[TILE_VECS]) {
+static inline __attribute__((always_inline)) void weighted_rows(int rows, const float *a, int lda, operand_t b,
+                                                                int ldb, float *c, int ldc, int j0, int j1, int cols,
+                                                                const vmask lanes[TILE_VECS], int half) {
   vf acc[6][TILE_VECS];
 #pragma GCC unroll 6
   for (int r = 0; r < rows; r++)
 #pragma GCC unroll 4
     for (int v = 0; v < TILE_VECS; v++) acc[r][v] = vf_load_masked(lanes[v], c + (size_t)r * ldc + VL * v);
   for (int j = j0; j < j1; j++) {
-    const float *row = b + (size_t)j * ldb;
+    size_t row = (size_t)j * ldb;
     vf vals[TILE_VECS];
 #pragma GCC unroll 4
     for (int v = 0; v < TILE_VECS; v++) {
-      _mm_prefetch((const char *)(row + (size_t)VALUES_AHEAD * ldb + VL * v), _MM_HINT_T0);
-      vals[v] = vf_load_masked(lanes[v], row + VL * v);
+      operand_prefetch(b, row + (size_t)VALUES_AHEAD * ldb + VL * v, half);
+      vals[v] = operand_load(b, row + VL * v, cols - VL * v, lanes[v], half);
     }
 #pragma GCC unroll 6
     for (int r = 0; r < rows; r++) {
@@ -274,19 +308,24 @@ static inline __attribute__((always_inline)) void weighted_rows(int rows, const 
     for (int v = 0; v < TILE_VECS; v++) vf_store_masked(c + (size_t)r * ldc + VL * v, lanes[v], acc[r][v]);
 }
 
-static void weighted_tile(const float *a, int lda, const float *b, int ldb, float *c, int ldc, int rows, int j0,
+static void weighted_tile(const float *a, int lda, operand_t b, int ldb, float *c, int ldc, int rows, int j0,
                           int j1, int c0, int cols) {
   vmask lanes[TILE_VECS];
   tile_lanes(cols, lanes);
-  b += c0, c += c0;
-  switch (rows) { /* a constant each, so each is unrolled into registers */
-    case 1: weighted_rows(1, a, lda, b, ldb, c, ldc, j0, j1, lanes); break;
-    case 2: weighted_rows(2, a, lda, b, ldb, c, ldc, j0, j1, lanes); break;
-    case 3: weighted_rows(3, a, lda, b, ldb, c, ldc, j0, j1, lanes); break;
-    case 4: weighted_rows(4, a, lda, b, ldb, c, ldc, j0, j1, lanes); break;
-    case 5: weighted_rows(5, a, lda, b, ldb, c, ldc, j0, j1, lanes); break;
-    case 6: weighted_rows(6, a, lda, b, ldb, c, ldc, j0, j1, lanes); break;
+  b = operand_at(b, c0), c += c0;
+  /* rows and the operand's type constants in each, so each is unrolled into registers */
+#define WEIGHTED_ROWS(half)                                                     \
+  switch (rows) {                                                               \
+    case 1: weighted_rows(1, a, lda, b, ldb, c, ldc, j0, j1, cols, lanes, half); break; \
+    case 2: weighted_rows(2, a, lda, b, ldb, c, ldc, j0, j1, cols, lanes, half); break; \
+    case 3: weighted_rows(3, a, lda, b, ldb, c, ldc, j0, j1, cols, lanes, half); break; \
+    case 4: weighted_rows(4, a, lda, b, ldb, c, ldc, j0, j1, cols, lanes, half); break; \
+    case 5: weighted_rows(5, a, lda, b, ldb, c, ldc, j0, j1, cols, lanes, half); break; \
+    case 6: weighted_rows(6, a, lda, b, ldb, c, ldc, j0, j1, cols, lanes, half); break; \
   }
+  if (b.h) WEIGHTED_ROWS(1)
+  else WEIGHTED_ROWS(0)
+#undef WEIGHTED_ROWS
 }
 
 /* Part `part` of `parts` of the weighted sums: a share of the 6-row groups. */
@@ -322,9 +361,11 @@ static void weighted_part(void *arg, int part, int parts) {
 }
 
 /* Row-major, A not transposed: scores when B is transposed and k is small,
- * weighted sums when B is not and n is small; returns 0 for anything else. */
-int SIMD_NAME(tierlm_exact_sgemm)(int trans_b, int m, int n, int k, float alpha, const float *a, int lda,
-                                  const float *b, int ldb, float beta, float *c, int ldc) {
+ * weighted sums when B is not and n is small; returns 0 for anything else
+ * (with float16 B, also weighted sums with beta != 0 or alpha NaN: MLX's
+ * matmuls pass neither). */
+static int exact_product(int trans_b, int m, int n, int k, float alpha, const float *a, int lda, operand_t b, int ldb,
+                         float beta, float *c, int ldc) {
   int big = (long)m * n * k >= PARALLEL_MIN_FMAS;
   if (trans_b && k <= MAX_SMALL) {
     product_t p = {m, n, k, lda, ldb, ldc, alpha, beta, a, b, c, 0, 0};
@@ -332,13 +373,10 @@ int SIMD_NAME(tierlm_exact_sgemm)(int trans_b, int m, int n, int k, float alpha,
     return 1;
   }
   if (!trans_b && n <= MAX_SMALL) {
-    if (beta != 0.0f || !(alpha == alpha)) {
-      weighted_sum(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-      return 1;
-    }
-    int *spans = malloc(sizeof(int) * 2 * (size_t)m);
+    int *spans = beta != 0.0f || !(alpha == alpha) ? 0 : malloc(sizeof(int) * 2 * (size_t)m);
     if (!spans) {
-      weighted_sum(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+      if (b.h) return 0;
+      weighted_sum(m, n, k, alpha, a, lda, b.f, ldb, beta, c, ldc);
       return 1;
     }
     for (int i = 0; i < m; i++) nonzero_span(a + (size_t)i * lda, k, &spans[i], &spans[m + i]);
@@ -348,4 +386,16 @@ int SIMD_NAME(tierlm_exact_sgemm)(int trans_b, int m, int n, int k, float alpha,
     return 1;
   }
   return 0;
+}
+
+int SIMD_NAME(tierlm_exact_sgemm)(int trans_b, int m, int n, int k, float alpha, const float *a, int lda,
+                                  const float *b, int ldb, float beta, float *c, int ldc) {
+  return exact_product(trans_b, m, n, k, alpha, a, lda, (operand_t){b, 0}, ldb, beta, c, ldc);
+}
+
+/* The same product over float16 B (a KV cache kept at float16: graph_ops.cpp),
+ * with the bits of the float32 one over the same values. */
+int SIMD_NAME(tierlm_exact_sgemm_half)(int trans_b, int m, int n, int k, float alpha, const float *a, int lda,
+                                       const uint16_t *b, int ldb, float beta, float *c, int ldc) {
+  return exact_product(trans_b, m, n, k, alpha, a, lda, (operand_t){0, b}, ldb, beta, c, ldc);
 }

@@ -6,6 +6,7 @@
  * attention and SwiGLU to MLX (kernels.py's fallbacks). */
 #include "counters.h"
 #include "cpu_features.h"
+#include <stdint.h>
 
 static int lanes = -1;
 
@@ -46,6 +47,9 @@ DECLARE(void, tierlm_gelu_erf, (const float *x, float *out, long n))
 DECLARE(int, tierlm_exact_sgemm,
         (int trans_b, int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb, float beta,
          float *c, int ldc))
+DECLARE(int, tierlm_exact_sgemm_half,
+        (int trans_b, int m, int n, int k, float alpha, const float *a, int lda, const uint16_t *b, int ldb,
+         float beta, float *c, int ldc))
 /* this CPU's build of `name` (call only when tierlm_float_lanes() is not 0) */
 #define CHOOSE(name) (tierlm_float_lanes() == 16 ? name##_avx512 : name##_avx2)
 #define DISPATCH(name, args) \
@@ -89,6 +93,16 @@ int tierlm_exact_sgemm(int trans_b, int m, int n, int k, float alpha, const floa
                        int ldb, float beta, float *c, int ldc) {
 #if defined(__x86_64__)
   if (tierlm_float_lanes()) return CHOOSE(tierlm_exact_sgemm)(trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#endif
+  return 0;
+}
+
+/* tierlm_exact_sgemm over float16 B; 0 where it does not take the product. */
+int tierlm_exact_sgemm_half(int trans_b, int m, int n, int k, float alpha, const float *a, int lda,
+                            const uint16_t *b, int ldb, float beta, float *c, int ldc) {
+#if defined(__x86_64__)
+  if (tierlm_float_lanes())
+    return CHOOSE(tierlm_exact_sgemm_half)(trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 #endif
   return 0;
 }

@@ -237,6 +237,11 @@ using SoftmaxRowsMasked = void (*)(float *, long, long, const unsigned char *, l
 using PartFn = void (*)(void *arg, int part, int parts);
 using ParallelChunks = void (*)(PartFn fn, void *arg, int chunks);
 Sgemm sgemm = nullptr;
+// exact_gemm.c's products over float16 B (a KV cache kept at float16): set
+// only where the route sends attention's products to exact_gemm.c, so that
+// they have the bits of the same products over float32 B
+using HalfSgemm = int (*)(int, int, int, int, float, const float *, int, const uint16_t *, int, float, float *, int);
+HalfSgemm half_sgemm = nullptr;
 SoftmaxRows softmax_rows = nullptr;
 SoftmaxRowsMasked softmax_rows_masked = nullptr;
 ParallelChunks parallel_chunks = nullptr;  // threads.c's: each chunk whole on whichever core is free
@@ -324,25 +329,36 @@ class LogSumExpRows : public NativeOperation {
 };
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
-// Rows [0, rows) of the last two axes of (A, B, rows, width) `a` at (i, j), as
-// a pointer and a row stride; copied into `scratch` when its last axis is not
-// contiguous.
-const float *rows_at(const array &a, int i, int j, std::vector<float> &scratch, int64_t *ld) {
-  const float *at = a.data<float>() + (a.shape(0) > 1 ? i * a.strides()[0] : 0) + j * a.strides()[1];
+// Rows of keys or values a product reads: float32 (`f`) or float16 (`h`, a
+// KV cache kept at float16, read as it is), `ld` values apart.
+struct KVRowsAt {
+  const float *f = nullptr;
+  const uint16_t *h = nullptr;
+  int64_t ld = 0;
+};
+
+// Rows [0, rows) of the last two axes of (A, B, rows, width) `a` (float32 or
+// float16) at (i, j), where they are; copied into `scratch` as float32 when its
+// last axis is not contiguous.
+KVRowsAt rows_at(const array &a, int i, int j, std::vector<float> &scratch) {
+  size_t at = (a.shape(0) > 1 ? i * a.strides()[0] : 0) + j * a.strides()[1];
   int64_t rows = a.shape(2), width = a.shape(3), step = a.strides()[3];
+  bool half = a.dtype() == float16;
   if (step == 1 && (rows == 1 || a.strides()[2] >= width)) {
-    *ld = rows == 1 ? width : a.strides()[2];
-    return at;
+    int64_t ld = rows == 1 ? width : a.strides()[2];
+    return half ? KVRowsAt{nullptr, a.data<uint16_t>() + at, ld} : KVRowsAt{a.data<float>() + at, nullptr, ld};
   }
   scratch.resize(rows * width);
   for (int64_t r = 0; r < rows; r++)
-    for (int64_t c = 0; c < width; c++) scratch[r * width + c] = at[r * a.strides()[2] + c * step];
-  *ld = width;
-  return scratch.data();
+    for (int64_t c = 0; c < width; c++) {
+      size_t e = at + r * a.strides()[2] + c * step;
+      scratch[r * width + c] = half ? static_cast<float>(a.data<float16_t>()[e]) : a.data<float>()[e];
+    }
+  return KVRowsAt{scratch.data(), nullptr, width};
 }
 
-// the float32 rows (and their stride) of one sequence's (b) KV head (h): keys or values
-using KVRows = std::function<const float *(int b, int h, std::vector<float> &scratch, int64_t *ld)>;
+// the rows of one sequence's (b) KV head (h): keys or values
+using KVRows = std::function<KVRowsAt(int b, int h, std::vector<float> &scratch)>;
 void attend(std::vector<array> &inputs, array &out, float scale, bool causal, int width, const array *mask_array,
             const KVRows &keys_at, const KVRows &values_at);
 
@@ -367,8 +383,8 @@ class Attention : public NativeOperation {
   static void compute(std::vector<array> &inputs, array &out, float scale, bool causal) {
     const array &k = inputs[1], &v = inputs[2];
     attend(inputs, out, scale, causal, v.shape(3), inputs.size() == 4 ? &inputs[3] : nullptr,
-           [&](int b, int h, std::vector<float> &scratch, int64_t *ld) { return rows_at(k, b, h, scratch, ld); },
-           [&](int b, int h, std::vector<float> &scratch, int64_t *ld) { return rows_at(v, b, h, scratch, ld); });
+           [&](int b, int h, std::vector<float> &scratch) { return rows_at(k, b, h, scratch); },
+           [&](int b, int h, std::vector<float> &scratch) { return rows_at(v, b, h, scratch); });
   }
 
   float scale_;
@@ -431,6 +447,19 @@ void for_each_pair(int pairs, bool share, const std::function<void(int)> &body) 
   if (job.failed) std::rethrow_exception(job.failed);
 }
 
+// C (m x n) = A (m x k) . B (k x n), or . B^T (B n x k) when `trans_b`: the
+// route's sgemm for float32 B, exact_gemm.c's own for float16 (which
+// tierlm_graph_attention only lets in where that takes the product).
+void product(bool trans_b, int m, int n, int k, const float *a, int lda, const KVRowsAt &b, float *c, int ldc) {
+  int ldb = static_cast<int>(b.ld);
+  if (b.h) {
+    if (!half_sgemm(trans_b, m, n, k, 1.0f, a, lda, b.h, ldb, 0.0f, c, ldc))
+      throw std::runtime_error("exact_gemm.c did not take a product over float16 KV");
+    return;
+  }
+  sgemm(ROW_MAJOR, NO_TRANS, trans_b ? TRANS : NO_TRANS, m, n, k, 1.0f, a, lda, b.f, ldb, 0.0f, c, ldc);
+}
+
 // Attention as above, the keys and values of each (sequence, KV head) read
 // through `keys_at` and `values_at` (`width` values a row), under `mask` (a
 // boolean (B or 1, 1, L, S) array), or causal, or neither.
@@ -453,11 +482,9 @@ void attend(std::vector<array> &inputs, array &out, float scale, bool causal, in
   bool share = shares_pairs(m, span, std::max(dim, width));
   for_each_pair(batch * kv_heads, share, [&](int pair) {
     int b = pair / kv_heads, h = pair % kv_heads;
-    int64_t ld;
-    const float *keys = keys_at(b, h, pair_scratch, &ld);
     size_t first = (static_cast<size_t>(b) * heads + h * group) * length;
-    sgemm(ROW_MAJOR, NO_TRANS, TRANS, m, span, dim, 1.0f, queries.get() + first * dim, dim, keys,
-          static_cast<int>(ld), 0.0f, scores.get() + first * span, span);
+    product(true, m, span, dim, queries.get() + first * dim, dim, keys_at(b, h, pair_scratch),
+            scores.get() + first * span, span);
   });
   long rows = static_cast<long>(batch) * heads * length;
   if (mask_array != nullptr) {
@@ -476,11 +503,9 @@ void attend(std::vector<array> &inputs, array &out, float scale, bool causal, in
   float *to = out.data<float>();
   for_each_pair(batch * kv_heads, share, [&](int pair) {
     int b = pair / kv_heads, h = pair % kv_heads;
-    int64_t ld;
-    const float *values = values_at(b, h, pair_scratch, &ld);
     size_t first = (static_cast<size_t>(b) * heads + h * group) * length;
-    sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, m, width, span, 1.0f, scores.get() + first * span, span, values,
-          static_cast<int>(ld), 0.0f, to + first * width, width);
+    product(false, m, width, span, scores.get() + first * span, span, values_at(b, h, pair_scratch),
+            to + first * width, width);
   });
 }
 
@@ -513,8 +538,8 @@ void dequantize_4bit_group(const uint8_t *__restrict bytes, float scale, float b
 // dtype), as float32 in `scratch`: each code as a float, times its group's
 // scale, plus its bias, as kv_float32 computes it (dequantize.py). A slab at a
 // time, so the product reads it from the cache, not from memory.
-const float *dequantized_at(const array &codes, const array &scales, const array &biases, int i, int j, int group,
-                            int bits, std::vector<float> &scratch, int64_t *ld) {
+KVRowsAt dequantized_at(const array &codes, const array &scales, const array &biases, int i, int j, int group,
+                        int bits, std::vector<float> &scratch) {
   int64_t rows = codes.shape(2), width = codes.shape(3) * 32 / bits, groups = width / group;
   auto at = [i, j](const array &a) { return (a.shape(0) > 1 ? i * a.strides()[0] : 0) + j * a.strides()[1]; };
   const uint32_t *c = codes.data<uint32_t>() + at(codes);
@@ -540,8 +565,7 @@ const float *dequantized_at(const array &codes, const array &scales, const array
       }
     }
   }
-  *ld = width;
-  return scratch.data();
+  return KVRowsAt{scratch.data(), nullptr, width};
 }
 
 // Attention (as Attention) over KV kept at 8 or 4 bits: inputs q, then the
@@ -560,11 +584,11 @@ class QuantizedKVAttention : public NativeOperation {
     return [scale = scale_, causal = causal_, group = group_, bits = bits_](std::vector<array> &inputs, array &out) {
       const array &kc = inputs[1], &ks = inputs[2], &kb = inputs[3], &vc = inputs[4], &vs = inputs[5], &vb = inputs[6];
       attend(inputs, out, scale, causal, vc.shape(3) * 32 / bits, inputs.size() == 8 ? &inputs[7] : nullptr,
-             [&](int b, int h, std::vector<float> &scratch, int64_t *ld) {
-               return dequantized_at(kc, ks, kb, b, h, group, bits, scratch, ld);
+             [&](int b, int h, std::vector<float> &scratch) {
+               return dequantized_at(kc, ks, kb, b, h, group, bits, scratch);
              },
-             [&](int b, int h, std::vector<float> &scratch, int64_t *ld) {
-               return dequantized_at(vc, vs, vb, b, h, group, bits, scratch, ld);
+             [&](int b, int h, std::vector<float> &scratch) {
+               return dequantized_at(vc, vs, vb, b, h, group, bits, scratch);
              });
     };
   }
@@ -595,6 +619,14 @@ std::shared_ptr<Primitive> quantized_matmul_primitive(Stream stream, int group, 
 
 // a float32 array of at least one axis
 bool float32_array(const array *a) { return a != nullptr && a->dtype() == float32 && a->ndim() >= 1; }
+
+// keys and values attention reads: both float32, or both float16 where
+// exact_gemm.c takes their products (half_sgemm, widths up to its 512)
+bool takes_kv(const array *k, const array *v) {
+  if (float32_array(k) && float32_array(v)) return true;
+  return half_sgemm != nullptr && k != nullptr && v != nullptr && k->dtype() == float16 && v->dtype() == float16 &&
+         k->ndim() == 4 && v->ndim() == 4 && k->shape(3) <= 512 && v->shape(3) <= 512;
+}
 
 // an attention mask the native softmax reads: booleans (B or 1, 1, L, S) for
 // queries q (B, H, L, D) over `span` keys
@@ -659,8 +691,9 @@ int tierlm_graph_rope(void *x_object, void *inverse_object, void *offsets_object
   return lazy<Rope>(out, x->shape(), std::move(inputs), dims, traditional != 0, scale, offset);
 }
 
-void tierlm_graph_set_kernels(void *route_sgemm, void *rows, void *rows_masked, void *chunks) {
+void tierlm_graph_set_kernels(void *route_sgemm, void *rows, void *rows_masked, void *chunks, void *exact_half) {
   sgemm = reinterpret_cast<Sgemm>(route_sgemm);
+  half_sgemm = reinterpret_cast<HalfSgemm>(exact_half);
   softmax_rows = reinterpret_cast<SoftmaxRows>(rows);
   softmax_rows_masked = reinterpret_cast<SoftmaxRowsMasked>(rows_masked);
   parallel_chunks = reinterpret_cast<ParallelChunks>(chunks);
@@ -696,13 +729,13 @@ int tierlm_graph_logsumexp(void *x_object, void *out_object) {
 }
 
 // *out = attention of float32 q (B, H, L, D), k (B, KV, S, D), v (B, KV, S,
-// Dv) with mask_object a boolean (B or 1, 1, L, S) array, or NULL (then
+// Dv) (k and v float32, or both float16: takes_kv) with mask_object a boolean (B or 1, 1, L, S) array, or NULL (then
 // `causal` or no mask), lazy. Return codes as above.
 int tierlm_graph_attention(void *q_object, void *k_object, void *v_object, void *mask_object, void *out_object,
                            float scale, int causal) {
   array *q = array_of(q_object), *k = array_of(k_object), *v = array_of(v_object), *out = array_of(out_object);
   array *mask = mask_object ? array_of(mask_object) : nullptr;
-  if (!sgemm || !float32_array(q) || !float32_array(k) || !float32_array(v) || out == nullptr ||
+  if (!sgemm || !float32_array(q) || !takes_kv(k, v) || out == nullptr ||
       q->ndim() != 4 || k->ndim() != 4 || v->ndim() != 4 || k->shape(1) == 0 || q->shape(1) % k->shape(1) ||
       k->shape(0) != q->shape(0) || v->shape(0) != q->shape(0) || k->shape(1) != v->shape(1) ||
       k->shape(2) != v->shape(2) || k->shape(3) != q->shape(3) || (mask_object && mask == nullptr))

@@ -14,6 +14,7 @@
 #define TIERLM_SIMD_H
 
 #include <immintrin.h>
+#include <stdint.h>
 
 #if SIMD_WIDTH == 16
 
@@ -60,6 +61,8 @@ static inline unsigned vf_differs_bits(vf v, float x) {
   return _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_NEQ_UQ);
 }
 static inline vf vf_times_power_of_two(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+/* VL float16 values as float32 (exact) */
+static inline vf vf_load_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 /* r[i] lane j becomes r[j] lane i: sixteen rows of sixteen, in registers */
 static inline void vf_transpose(vf r[16]) {
   vf t[16], u[16];
@@ -140,6 +143,8 @@ static inline vf vf_times_power_of_two(vf p, vf n) {
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+/* VL float16 values as float32 (exact) */
+static inline vf vf_load_half(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 /* r[i] lane j becomes r[j] lane i: eight rows of eight, in registers */
 static inline void vf_transpose(vf r[8]) {
   vf t[8], u[8];
@@ -162,6 +167,15 @@ static inline void vf_transpose(vf r[8]) {
 #else
 #error "SIMD_WIDTH must be 16 or 8"
 #endif
+
+/* The first n (at most VL) float16 values at p as float32, the other lanes 0,
+ * reading nothing past them. */
+static inline vf vf_load_half_first(long n, const uint16_t *p) {
+  if (n >= VL) return vf_load_half(p);
+  uint16_t part[VL] = {0};
+  for (long i = 0; i < n; i++) part[i] = p[i];
+  return vf_load_half(part);
+}
 
 /* exp(x), relative error ~2e-7; exactly 0 below -87.3 (no denormals, which
  * would slow the matmul that reads these weights ~10x); NaN stays NaN. */
