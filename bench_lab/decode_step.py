@@ -42,11 +42,14 @@ def variants(original) -> dict:
     def unmasked(q, k, v, cache, scale, mask, sinks=None):  # right only where no row is padded
         return original(q, k, v, cache, scale=scale, mask=None, sinks=sinks)
 
+    def contiguous_unmasked(q, k, v, cache, scale, mask, sinks=None):
+        return original(q, c(k), c(v), cache, scale=scale, mask=None, sinks=sinks)
+
     def products(q, k, v, cache, scale, mask, sinks=None):
         return gpu.attention_products(q, k, v, scale, mask)
 
     return {"as it is": original, "skipped": skipped, "contiguous kv": contiguous, "no mask": unmasked,
-            "products": products}
+            "contiguous kv, no mask": contiguous_unmasked, "products": products}
 
 
 def prefilled(model, context: int, chunk: int = 2048) -> list:

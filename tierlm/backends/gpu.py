@@ -17,7 +17,9 @@ turn of an agent meets a new number of keys, and a new graph cost the turn
 60-90 ms on an H100. A decode step's one query counts as such (queries after
 cached keys) and runs as products too: at batch 32 on an H100 (random
 Llama-3.2-1B shapes) MLX's own vector kernel decoded 2,524 tok/s over 2k-token
-contexts and 755 over 8k, the products 5,400-6,100 and ~2,100. Longer prefill
+contexts and 755 over 8k, the products 5,400-6,100 and ~2,100. A lone
+sequence's step stays MLX's: there the vector kernel is the faster (a step over
+20k tokens 6.0 ms against 14.9). Longer prefill
 chunks keep cuDNN, whose graph for a full chunk is built once and whose
 kernels those chunks need.
 The scores stay in the activations' type (the matmul's output: rounded there
@@ -192,9 +194,16 @@ def _hit_remainder(queries, keys) -> bool:
     """Queries after a cached prefix, few enough for the products to cost less
     than the cuDNN graph their shape would need: a hit's remainder meets a new
     number of keys every turn, and each graph took 60-90 ms to build. A
-    decode step's one query too: the products beat MLX's vector kernel."""
+    decode step's one query a sequence too, where the batch has several: the
+    products beat MLX's vector kernel at 8 sequences and more (an H100, random
+    Llama-3.2-1B shapes, ms a step over 2k / 20k tokens: 5.6 / 22.0 against
+    6.2 / 26.5 at 8, 9.3 / 42.7 against 12.7 / 90.3 at 32), and lose alone
+    (4.3 / 14.9 against 3.4 / 6.0: the last prompt token of a lone hot hit
+    and every step of a lone long conversation)."""
     batch, heads, length, _ = queries.shape
     span = keys.shape[2]
+    if length == 1 and batch == 1:
+        return False
     return span > length and length <= MAX_HIT_QUERIES and batch * heads * length * span <= HIT_SCORES
 
 
