@@ -3,10 +3,13 @@ token a sequence, after a chunked prefill of `--context` tokens, with the
 attention as the model has it and in variants that take a part away (skipped;
 over contiguous copies of the cache's keys and values; without the mask; on
 tierlm's GPU products), for mlx-lm's single-sequence `KVCache` and for its
-`BatchKVCache` of `--batch` rows (what the engine's batch holds). mlx-lm's
-model alone, no engine and no tierlm wrapper. On an H100 (random Llama-3.2-1B
-shapes) a step over 20k tokens took 13.2 ms against 3.8 over 2k, and 4.0 with
-contiguous copies over a KVCache, not over a BatchKVCache (docs/prefix-cache.md).
+`BatchKVCache` of `--batch` rows (what the engine's batch holds). The model
+as tierlm loads it, without an engine: "as it is" is its backend's attention
+(on a CUDA GPU tierlm.backends.gpu's wrapper, `TIERLM_FEW_QUERY_ATTENTION=off`
+for MLX's own), and the variants call that with their inputs. On an H100
+(random Llama-3.2-1B shapes) it showed a lone sequence's step over 20k tokens
+at 14.9 ms through the wrapper's products, 6.0 through MLX's vector kernel
+(docs/prefix-cache.md).
 
     python -m bench_lab.decode_step --preset llama-1b --tokenizer TOKENIZER_DIR --context 2000 20000
     python -m bench_lab.decode_step --context 4000 --batch 4          # the default model, e.g. on a CPU
