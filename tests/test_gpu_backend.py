@@ -170,17 +170,18 @@ def test_a_long_chunk_is_padded_to_its_bucket_and_gets_mlxs_answer(mask, length,
 
 @pytest.mark.parametrize("batch, length, span, products", [(1, 300, 2348, True), (1, 1100, 3148, False),
                                                            (1, 300, 300, False), (1, 600, 200_000, False),
-                                                           (8, 1, 2048, True), (1, 1, 2048, False)],
+                                                           (8, 1, 2048, True), (1, 1, 2048, False),
+                                                           (4, 1, 2048, False)],
                          ids=["hit", "too-many-queries", "first-chunk", "too-many-scores", "decode-step",
-                              "lone-decode-step"])
+                              "lone-decode-step", "few-decode-step"])
 def test_a_hits_remainder_runs_as_products_while_its_scores_are_few(batch, length, span, products):
     """Queries after cached keys (a hit's remainder: a new number of keys every
     turn, so a new cuDNN graph on a GPU) run as products up to MAX_HIT_QUERIES
     and HIT_SCORES, with MLX's answer; a first chunk, and more, stay MLX's. A
     decode step's one query a sequence runs as products too (2.4-4x MLX's
-    vector kernel's tok/s at batch 32 on an H100), but a lone sequence's stays
-    MLX's (its vector kernel took a step over 20k tokens in 6.0 ms, the
-    products in 14.9)."""
+    vector kernel's tok/s at batch 32 on an H100), but a step of up to 4
+    sequences stays MLX's (its vector kernel took a lone sequence's step over
+    20k tokens in 6.0 ms, the products in 14.9)."""
     key = mx.random.key(17)
     q, k, v = (mx.random.normal(shape, key=mx.random.split(key, 3)[i])
                for i, shape in enumerate([(batch, 4, length, 64), (batch, 2, span, 64), (batch, 2, span, 64)]))

@@ -17,9 +17,9 @@ turn of an agent meets a new number of keys, and a new graph cost the turn
 60-90 ms on an H100. A decode step's one query counts as such (queries after
 cached keys) and runs as products too: at batch 32 on an H100 (random
 Llama-3.2-1B shapes) MLX's own vector kernel decoded 2,524 tok/s over 2k-token
-contexts and 755 over 8k, the products 5,400-6,100 and ~2,100. A lone
-sequence's step stays MLX's: there the vector kernel is the faster (a step over
-20k tokens 6.0 ms against 14.9). Longer prefill
+contexts and 755 over 8k, the products 5,400-6,100 and ~2,100. A step of up
+to 4 sequences stays MLX's: there the vector kernel is the faster (one
+sequence's step over 20k tokens 6.0 ms against 14.9). Longer prefill
 chunks keep cuDNN, whose graph for a full chunk is built once and whose
 kernels those chunks need.
 The scores stay in the activations' type (the matmul's output: rounded there
@@ -96,6 +96,9 @@ QUERY_BUCKET = int(os.environ.get("TIERLM_QUERY_BUCKET", "128"))  # 0: no paddin
 # (heads x queries x keys, all rows) stay under this: ~2-3 ms a layer on an
 # H100, about what a new cuDNN graph costs a whole forward pass.
 MAX_HIT_QUERIES = 1024
+# A decode step of this many sequences or fewer stays MLX's (its vector kernel):
+# the products win from 8 (_hit_remainder's figures).
+FEW_DECODE_ROWS = 4
 HIT_SCORES = int(os.environ.get("TIERLM_HIT_SCORES", str(384 * 2**20)))  # 0: cuDNN's, for comparisons
 # A decode step (or a verification) over KV kept quantized runs as one kernel
 # that reads the KV at its bits (backends.cuda_kv_attention); off: the products.
@@ -194,15 +197,16 @@ def _hit_remainder(queries, keys) -> bool:
     """Queries after a cached prefix, few enough for the products to cost less
     than the cuDNN graph their shape would need: a hit's remainder meets a new
     number of keys every turn, and each graph took 60-90 ms to build. A
-    decode step's one query a sequence too, where the batch has several: the
-    products beat MLX's vector kernel at 8 sequences and more (an H100, random
-    Llama-3.2-1B shapes, ms a step over 2k / 20k tokens: 5.6 / 22.0 against
-    6.2 / 26.5 at 8, 9.3 / 42.7 against 12.7 / 90.3 at 32), and lose alone
-    (4.3 / 14.9 against 3.4 / 6.0: the last prompt token of a lone hot hit
-    and every step of a lone long conversation)."""
+    decode step's one query a sequence too, where the batch has more than
+    FEW_DECODE_ROWS: the products beat MLX's vector kernel at 8 sequences and
+    more (an H100, random Llama-3.2-1B shapes, ms a step over 2k / 20k tokens:
+    5.6 / 22.0 against 6.2 / 26.5 at 8, 9.3 / 42.7 against 12.7 / 90.3 at 32),
+    and lose below (4.3 / 14.9 against 3.4 / 6.0 alone, 4.6 / 15.2 against
+    4.4 / 9.2 at 2, 4.9 / 17.3 against 4.6 / 14.7 at 4: the last prompt token
+    of a lone hot hit, and every step of a few long conversations)."""
     batch, heads, length, _ = queries.shape
     span = keys.shape[2]
-    if length == 1 and batch == 1:
+    if length == 1 and batch <= FEW_DECODE_ROWS:
         return False
     return span > length and length <= MAX_HIT_QUERIES and batch * heads * length * span <= HIT_SCORES
 
