@@ -103,3 +103,23 @@ def test_float16_blocks_on_ssd_serve_a_restart_and_no_float32_engine(loaded, tmp
     assert all(o.cached_tokens >= 384 for o in restarted)
     assert all(_same(a, b) for a, b in zip(first, restarted))
     assert all(o.cached_tokens == 0 for o in run(answers()))
+
+
+def test_a_model_whose_kv_is_not_float32_as_computed_keeps_it_and_says_why():
+    """A float32 Llama's KV can be kept at float16; the same model in bfloat16
+    already computes 16-bit KV (the engine logs the reason and keeps it as
+    computed); a model whose layers hold no plain attention KV has nothing to keep."""
+    from tierlm.backends.cpu import route
+    from tierlm.engine.half_kv import why_not_half
+    from tierlm.models.random_model import TINY, build_model, tiny_model
+
+    if not route.prepare().native_kernels.on:
+        pytest.skip("float16 KV is read by tierlm's native attention kernels")
+
+    model = tiny_model("llama")
+    assert why_not_half(model) is None
+    model.set_dtype(mx.bfloat16)
+    assert why_not_half(model) == "its KV is not float32 as computed"
+    windows_only = build_model(dict(TINY["gemma3_text"], sliding_window_pattern=4))  # 3 layers, all windows
+    mx.eval(windows_only.parameters())
+    assert why_not_half(windows_only) == "it has no plain attention layer"

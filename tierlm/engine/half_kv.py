@@ -26,6 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from tierlm.engine.quantized_kv import after_one_token
 from tierlm.engine.ragged_kv import RaggedBatchKVCache
 
 DTYPE = mx.float16
@@ -76,28 +77,16 @@ def half_slots(caches: list) -> list:
 
 
 def why_not_half(model) -> str | None:
-    """Why the batch cannot keep `model`'s KV at float16 (None: it can): the
-    KV must be float32 as computed (MLX's CPU backend), with a plain attention
+    """Why the batch on MLX's CPU backend cannot keep `model`'s KV at float16
+    (None: it can): the KV must be float32 as computed, with a plain attention
     layer, read by tierlm's attention (the native kernels)."""
     from tierlm.backends.cpu import kernels
 
-    if mx.default_device().type != mx.DeviceType.cpu:
-        return "the KV is already 16-bit as computed on a GPU"
     if not kernels.native_kernels():
         return "tierlm's native attention kernels are off on this CPU"
-    layers = make_one_token_cache(model)
-    if not any(type(c) is KVCache for c in layers):
+    layers = after_one_token(model)
+    if layers is None:
         return "it has no plain attention layer"
     if any(c.keys.dtype != mx.float32 for c in layers if type(c) is KVCache):
         return "its KV is not float32 as computed"
     return None
-
-
-def make_one_token_cache(model) -> list:
-    """The model's fresh per-layer caches after one token."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    layers = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=layers)
-    mx.eval([c.state for c in layers])
-    return layers

@@ -336,13 +336,24 @@ def dequantized(caches: list) -> list:
     return [c.dequantized() if isinstance(c, QuantizedSlot) else c for c in caches]
 
 
+def after_one_token(model) -> list | None:
+    """The model's fresh per-layer caches after one token (what its layers
+    keep, at what widths and dtype); None where no layer keeps plain
+    attention KV (a KVCache), without running it."""
+    layers = make_prompt_cache(model)
+    if not any(type(c) is KVCache for c in layers):
+        return None
+    model(mx.array([[0]]), cache=layers)
+    mx.eval([c.state for c in layers])
+    return layers
+
+
 def why_not_quantized(model) -> str | None:
     """Why `model`'s KV cannot be kept quantized in the batch (None: it can):
     one token through a fresh cache shows its layers and head widths."""
-    layers = make_prompt_cache(model)
-    if not any(type(c) is KVCache for c in layers):
+    layers = after_one_token(model)
+    if layers is None:
         return "it has no plain attention layer"
-    model(mx.array([[0]]), cache=layers)
     widths = {a.shape[-1] for c in layers if type(c) is KVCache for a in (c.keys, c.values)}
     if not all(supports(w) for w in widths):
         return f"a head's vector ({min(widths)} values) is not a multiple of {GROUP}"
