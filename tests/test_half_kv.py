@@ -123,3 +123,32 @@ def test_a_model_whose_kv_is_not_float32_as_computed_keeps_it_and_says_why():
     windows_only = build_model(dict(TINY["gemma3_text"], sliding_window_pattern=4))  # 3 layers, all windows
     mx.eval(windows_only.parameters())
     assert why_not_half(windows_only) == "it has no plain attention layer"
+
+
+@pytest.mark.slow  # loads Qwen2.5-Coder-0.5B and answers 8 prompts twice
+def test_qwen_coders_answers_over_float16_kv_stay_those_of_its_float32_kv(qwen_path, monkeypatch):
+    """Qwen2.5-Coder-0.5B (its keys have channels 10-40x the median): 8 chat
+    prompts in one batch, greedy, 24 tokens, the products in float32 (no int8
+    activations, so that only the KV's rounding moves the answers): over
+    float16 KV at least 6 of 8 equal those over float32 KV (8 here;
+    bench_lab.kv_quality --bits 16: 15 of 16 prompts at 64 tokens)."""
+    import sys
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from bench_lab.kv_quality import PROMPTS
+    from tierlm.engine.half_kv import half_slots
+    from tierlm.models.loader import load_model
+
+    monkeypatch.setenv("TIERLM_INT8_ACTIVATIONS", "off")
+    model, tokenizer = load_model(qwen_path)[:2]
+    batch_generate = sys.modules["mlx_lm.generate"].batch_generate  # the package's `generate` is a function
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+               for p in PROMPTS[:8]]
+
+    def answers(half: bool):
+        caches = [half_slots(make_prompt_cache(model)) for _ in prompts] if half else None
+        return batch_generate(model, tokenizer, prompts, prompt_caches=caches, max_tokens=24).texts
+
+    full, half = answers(False), answers(True)
+    assert sum(a == b for a, b in zip(half, full)) >= 6, list(zip(half, full))
