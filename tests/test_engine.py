@@ -186,18 +186,55 @@ def test_warm_batch_sizes_cover_each_power_of_two_and_the_size_after():
     assert warmup.batch_sizes(1) == [1]
     assert warmup.batch_sizes(8) == [1, 2, 3, 4, 5, 8]
     assert warmup.batch_sizes(32) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32]
-    requests = warmup.WarmJob(2, warmup.SHORT_REQUEST, requests=True)  # then requests, their cache their own
-    assert warmup.warm_shapes(2, compiles=False) == [(1, warmup.LONG_PROMPT, False), (1, warmup.SHORT_PROMPT, False),
-                                                     (2, warmup.SHORT_PROMPT, False), requests]
-    # where kernels compile per shape (a GPU), a full batch of long prompts, then requests and one long context
-    assert (2, warmup.LONG_PROMPT, False) in warmup.warm_shapes(2, compiles=True)
-    assert warmup.warm_shapes(2, compiles=True, long_context=8192)[-1] == (1, 8192, False)
+    W = warmup.WarmJob
+    requests = W(2, warmup.SHORT_REQUEST, requests=True)  # then requests, their cache their own
+    assert warmup.warm_shapes(2, compiles=False) == [W(1, warmup.LONG_PROMPT), W(1, warmup.SHORT_PROMPT),
+                                                     W(2, warmup.SHORT_PROMPT), requests]
+    # where kernels compile per shape (a GPU), a full batch of long prompts, then requests, the linear
+    # layers at each width of a prefill chunk, and one long context
+    gpu_jobs = warmup.warm_shapes(2, compiles=True)
+    assert W(2, warmup.LONG_PROMPT) in gpu_jobs
+    assert gpu_jobs[gpu_jobs.index(W(2, warmup.LONG_PROMPT, requests=True)) + 1] == W(1, 2048, widths=True)
+    assert warmup.warm_shapes(2, compiles=True, long_context=8192)[-1] == W(1, 8192)
     # and, where kernels compile, a prompt of each length cuDNN's attention sees (but the long prompt's)
     buckets = warmup.bucket_lengths(2048)
     assert buckets == [384, 512, 640, 768, 896, 1024, 1152, 1280, 1408, 1536, 1664, 1792, 1920, 2048]
-    assert warmup.warm_shapes(2, compiles=True)[-len(buckets) + 1:] == [(1, n, False) for n in buckets if n != 512]
+    assert gpu_jobs[-len(buckets) + 1:] == [W(1, n) for n in buckets if n != 512]
     assert warmup.warm_shapes(2, compiles=False, long_context=8192)[-1] == requests
-    assert (warmup.REQUEST_ROWS, warmup.LONG_PROMPT, True) in warmup.warm_shapes(32, compiles=True)
+    assert W(warmup.REQUEST_ROWS, warmup.LONG_PROMPT, True) in warmup.warm_shapes(32, compiles=True)
+
+
+def test_linear_widths_cover_every_count_of_a_block_then_each_step_of_sixteen():
+    widths = warmup.linear_widths(2048)
+    assert widths[:warmup.EVERY_WIDTH] == list(range(1, warmup.EVERY_WIDTH + 1))
+    assert widths[warmup.EVERY_WIDTH:warmup.EVERY_WIDTH + 4] == [257, 272, 273, 288]
+    assert widths[-3:] == [2032, 2033, 2048]
+    assert warmup.linear_widths(100) == list(range(1, 101))
+
+
+def test_the_warm_next_turn_is_long_enough_for_a_gpu_remainder_to_run_its_kernel():
+    from tierlm.backends import gpu
+
+    assert len(warmup.NEXT_TURN) >= gpu.PAD_FROM_QUERIES
+
+
+def test_run_widths_runs_each_kind_of_linear_layer_of_the_model_at_each_width(loaded, monkeypatch):
+    """The default model (4-bit): its attention's square projections are one
+    kind, the keys' and values' another, the MLP's gate and up a third, its
+    down a fourth; each runs once a width, on the activations' type."""
+    model = loaded[0]
+    kinds = warmup.distinct_linears(model)
+    assert len(kinds) == 4
+    assert sorted(inputs for _, inputs, _ in kinds) == sorted([model.args.hidden_size] * 3
+                                                             + [model.args.intermediate_size])
+    seen = []
+    for cls in {type(layer) for layer, _, _ in kinds}:
+        original = cls.__call__
+        monkeypatch.setattr(cls, "__call__", lambda self, x, original=original: seen.append(
+            (id(self), x.shape, x.dtype)) or original(self, x))
+    assert warmup.run_widths(model, mx.default_stream(mx.default_device()), 4) > 0
+    assert sorted(seen) == sorted((id(layer), (1, w, inputs), dtype) for layer, inputs, dtype in kinds
+                                  for w in range(1, 5))
 
 
 def test_the_long_warm_prompt_keeps_within_the_context_and_the_memory_in_whole_chunks():

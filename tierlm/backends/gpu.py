@@ -41,8 +41,11 @@ lengths. Under "causal" (aligned to the last key) the
 padded keys come after every real query's last, so only padded queries see
 them; an array mask hides them.
 
-A hit's remainder (more queries than a verification feeds) sees its keys and
-values padded with zeros, hidden by the mask, to a multiple of `KEY_PAD`:
+A hit's remainder (more queries than a verification feeds) runs where it
+would run as products as one kernel instead (backends.cuda_hit_attention,
+`HIT_KERNEL`): no scores in memory, one operation a layer, nothing built per
+shape. As products (a model it cannot take: float32, heads wider than 128), it
+sees its keys and values padded with zeros, hidden by the mask, to a multiple of `KEY_PAD`:
 each turn of an agent has a context of a new length, and the products' first
 run at a new shape cost more than the copy (docs/prefix-cache.md).
 
@@ -79,7 +82,7 @@ from mlx import nn
 
 from mlx_lm.models.cache import BatchKVCache
 
-from tierlm.backends import cuda_kv_attention, mlx_lm_modules
+from tierlm.backends import cuda_hit_attention, cuda_kv_attention, mlx_lm_modules
 
 MAX_QUERIES = 256  # queries a sequence feeds at most for attention to run as products here
 SCORES_BYTES = 256 * 2**20  # scores of one piece of the queries at most, counted at 4 bytes (bfloat16 ones take half)
@@ -100,6 +103,12 @@ MAX_HIT_QUERIES = 1024
 # the products win from 8 (_hit_remainder's figures).
 FEW_DECODE_ROWS = 4
 HIT_SCORES = int(os.environ.get("TIERLM_HIT_SCORES", str(384 * 2**20)))  # 0: cuDNN's, for comparisons
+# A hit's remainder (from PAD_FROM_QUERIES queries, up to MAX_HIT_QUERIES) runs
+# as one kernel on tensor cores (backends.cuda_hit_attention) that builds nothing
+# per shape and keeps no scores in memory; "all": every call of few queries that
+# would run as products (decode steps of more than FEW_DECODE_ROWS, verifications)
+# too; "off": the products, for comparisons.
+HIT_KERNEL = os.environ.get("TIERLM_HIT_KERNEL", "remainder")
 # A decode step (or a verification) over KV kept quantized runs as one kernel
 # that reads the KV at its bits (backends.cuda_kv_attention); off: the products.
 KV_KERNEL = os.environ.get("TIERLM_KV_KERNEL") != "off"
@@ -137,6 +146,8 @@ def _wrap(original, few_queries: bool = True):
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         if hasattr(cache, "bits"):  # mlx-lm's own broadcasts KV heads, which CUDA's quantized products refuse
             return _over_quantized_kv(queries, cache, scale, mask)
+        if few_queries and _hit_kernel(queries, keys, mask):
+            return cuda_hit_attention.attention(queries, keys, values, scale, mask)
         if few_queries and (1 < queries.shape[2] <= MAX_QUERIES or _hit_remainder(queries, keys)):
             return attention_products(queries, keys, values, scale, mask)
         if queries.shape[2] > 1 and _unpadded(cache, mask):
@@ -209,6 +220,22 @@ def _hit_remainder(queries, keys) -> bool:
     if length == 1 and batch <= FEW_DECODE_ROWS:
         return False
     return span > length and length <= MAX_HIT_QUERIES and batch * heads * length * span <= HIT_SCORES
+
+
+def _hit_kernel(queries, keys, mask) -> bool:
+    """Whether a call that would run as products goes to
+    backends.cuda_hit_attention instead (HIT_KERNEL): it took 0.42-0.76 ms a
+    layer where the products took 0.48-1.9 (40 to 256 queries over 20k keys,
+    an H100, each evaluated alone), and builds nothing per shape where the
+    products' matmuls took 5-13 ms the first time at one."""
+    batch, _, length, _ = queries.shape
+    if HIT_KERNEL == "off" or keys.shape[2] <= length:
+        return False
+    if HIT_KERNEL != "all" and length < PAD_FROM_QUERIES:
+        return False
+    if length == 1 and batch <= FEW_DECODE_ROWS or not (length <= MAX_QUERIES or _hit_remainder(queries, keys)):
+        return False  # MLX's own (its vector kernel, or cuDNN)
+    return cuda_hit_attention.usable(queries, keys, mask)
 
 
 def _bucketed(original, queries, keys, values, cache, scale: float, mask):

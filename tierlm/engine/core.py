@@ -322,9 +322,11 @@ class EngineCore:
     def _warm_next(self, scheduler: Scheduler) -> None:
         """Worker thread: the next warm job; a failing one ends warming (logged).
         `scheduler`: the engine's, whose settings a requests job's own takes."""
-        batch, prompt_len, requests = self._warm_jobs.pop(0)
+        batch, prompt_len, requests, widths = self._warm_jobs.pop(0)
         try:
-            if requests:
+            if widths:
+                seconds = warmup.run_widths(self.model, self._stream, prompt_len)
+            elif requests:
                 seconds = warmup.run_requests(lambda: self._scratch_scheduler(scheduler), batch, prompt_len)
             else:
                 seconds = warmup.run_shape(self.model, self._stream, batch, prompt_len,

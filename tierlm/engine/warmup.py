@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import mlx.core as mx
+from mlx import nn
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
@@ -52,18 +53,23 @@ log = logging.getLogger(__name__)
 LONG_PROMPT = 512  # one prompt this long at batch 1: the prefill kernels of a long chunk
 LONG_CONTEXT = 65536  # a GPU's last warm job: one prompt up to this long, its prefill chunks' attention graphs
 SHORT_PROMPT = 16
+EVERY_WIDTH = 256  # run_widths runs every token count up to this (a block: a folded hit remainder's longest)
 DECODE_STEPS = 3
 REQUEST_ROWS = 8  # the requests job's rows at most: what it warms does not change with more
 # a CPU's requests job (warming is off there by default: nothing compiles): short prompts, which hold
 # whole blocks only where they are small (64 tokens: two and one, and a hit on them, in its test)
 SHORT_REQUEST = 160
-NEXT_TURN = [5, 6, 7, 8, 9, 10, 11, 12]  # tokens a next turn appends to a prompt and its answer
+# tokens a next turn appends to a prompt and its answer: enough that a GPU's hit
+# remainder runs its own attention kernel (backends.gpu.PAD_FROM_QUERIES and up),
+# whose first use in a process compiles it (~1.7 s on an H100)
+NEXT_TURN = list(range(5, 29))
 
 
 class WarmJob(NamedTuple):
     batch: int
     prompt_len: int
     requests: bool = False  # through a scheduler of its own (`run_requests`), else a bare generator (`run_shape`)
+    widths: bool = False  # the model's linear layers at each token count up to prompt_len (`run_widths`)
 
 
 def batch_sizes(max_running: int) -> list[int]:
@@ -92,11 +98,14 @@ def warm_shapes(max_running: int, compiles: bool | None = None, long_context: in
       builds a graph per shape of queries and keys, per process, so each chunk
       of a long prefill (its queries against every key before them) waits for
       its own the first time: a server's first 20k-token prompt took 1.0 s to
-      its first token on the H200, a later one 0.25 s."""
+      its first token on the H200, a later one 0.25 s.
+    - and before those, the linear layers at each token count of a prefill
+      chunk (`run_widths`): a hit's remainder is a new count nearly every turn."""
     compiles = mx.default_device() != mx.cpu if compiles is None else compiles
     requests = WarmJob(min(max_running, REQUEST_ROWS), LONG_PROMPT if compiles else SHORT_REQUEST, True)
     return [WarmJob(1, LONG_PROMPT)] + [WarmJob(b, SHORT_PROMPT) for b in batch_sizes(max_running)] + \
         ([WarmJob(max_running, LONG_PROMPT)] if compiles and max_running > 1 else []) + [requests] + \
+        ([WarmJob(1, prefill_step, widths=True)] if compiles else []) + \
         ([WarmJob(1, n) for n in bucket_lengths(prefill_step) if n != LONG_PROMPT] if compiles else []) + \
         ([WarmJob(1, long_context)] if compiles and long_context > LONG_PROMPT else [])
 
@@ -120,6 +129,51 @@ def long_context_tokens(context: int | None, prefill_step: int, fits) -> int:
     while tokens >= prefill_step and not fits(tokens):
         tokens //= 2
     return tokens // prefill_step * prefill_step
+
+
+def linear_widths(up_to: int) -> list[int]:
+    """Token counts `run_widths` runs: each up to EVERY_WIDTH, then each multiple of
+    16 and the count after it (cuBLAS's choice of kernel went by such steps on an
+    H100: 33 to 48 rows shared one, 49 to 56 another), up to `up_to`."""
+    small = range(1, min(up_to, EVERY_WIDTH) + 1)
+    larger = (w for k in range(EVERY_WIDTH, up_to + 1, 16) for w in (k, k + 1) if EVERY_WIDTH < w <= up_to)
+    return sorted({*small, *larger})
+
+
+def run_widths(model, stream, up_to: int) -> float:
+    """Worker thread: each distinct linear layer of `model` on zeros of every
+    count of `linear_widths(up_to)`; the seconds it took. MLX's CUDA backend
+    asks cuBLAS for a kernel each time, and cuBLAS's first answer for a new
+    number of rows took ~3 ms on an H100 (a 2048 x 2048 bfloat16 product of
+    33 rows 3.0 ms, again 0.4; of 34 to 48 rows after it 0.2-0.8; of 49 rows
+    2.6), while a hit's remainder (its tokens through every layer) is a new
+    number nearly every turn of an agent. 1-1.5 s for a 1B model."""
+    tic = time.perf_counter()
+    layers = distinct_linears(model)
+    with mx.stream(stream):
+        for width in linear_widths(up_to):
+            mx.eval([layer(mx.zeros((1, width, inputs), dtype)) for layer, inputs, dtype in layers])
+    mx.synchronize(stream)
+    return time.perf_counter() - tic
+
+
+def distinct_linears(model) -> list[tuple[nn.Module, int, mx.Dtype]]:
+    """One linear layer (plain or quantized) of each kind in `model` (type,
+    weight shape and type, bias, bits): (layer, input width, activation type)."""
+    kinds = {}
+    for _, layer in model.named_modules():
+        if isinstance(layer, nn.QuantizedLinear):
+            inputs, dtype = layer.weight.shape[-1] * 32 // layer.bits, layer.scales.dtype
+        elif isinstance(layer, nn.Linear):
+            inputs, dtype = layer.weight.shape[-1], layer.weight.dtype
+        else:
+            continue
+        if layer.weight.ndim != 2 or not mx.issubdtype(dtype, mx.floating):
+            continue
+        kind = (type(layer).__name__, tuple(layer.weight.shape), layer.weight.dtype, "bias" in layer,
+                getattr(layer, "bits", None), getattr(layer, "mode", None))
+        kinds.setdefault(kind, (layer, inputs, dtype))
+    return list(kinds.values())
 
 
 class RepeatDrafts(PromptLookup):
