@@ -2,7 +2,8 @@
 `python -m bench_lab.streaming`.
 
 - *Smoothness*: for each tree (this one, and `--base-tree` for a before/after in
-  one run), one `tierlm serve` and the workload at each concurrency: the median
+  one run; or this tree with `--base-args` instead of `--tierlm-args`, for a
+  setting's before/after), one `tierlm serve` and the workload at each concurrency: the median
   gap between two streamed chunks (ITL p50) against the time per output token
   (TPOT p50). A server that streams every token has ITL ≈ TPOT; one that hands
   out a burst of tokens at a time has ITL ≈ burst. With `--base-tree`,
@@ -32,6 +33,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -47,9 +49,28 @@ COLD_TARGET = ("Cold start (target: first ÷ second ≥ 0.9). *fresh*: an empty 
                "start on a machine; *kept*: the folder of the starts before, as at a restart.\n")
 
 
-def _spec(args, tree: Path | None, top: int, kernels: str | None) -> servers.ServerSpec:
+class Side(NamedTuple):
+    """One of the servers compared: its name in the results, its tree (None:
+    this one) and its flags for tierlm serve."""
+    name: str
+    tree: Path | None
+    flags: str
+
+
+def sides(args) -> list[Side]:
+    """The servers compared, base first: `--base-tree` and/or `--base-args`
+    (the same tree with other flags) against this tree with `--tierlm-args`."""
+    this = Side("this", None, args.tierlm_args)
+    if args.base_tree is None and args.base_args is None:
+        return [this]
+    tree = Path(args.base_tree).resolve() if args.base_tree else None
+    return [Side("base", tree, args.tierlm_args if args.base_args is None else args.base_args), this]
+
+
+def _spec(args, side: Side, top: int, kernels: str | None) -> servers.ServerSpec:
     model = Path(args.model).expanduser() if args.model else servers.default_model_folder()
-    spec = servers.tierlm_server(model, top, args.tierlm_args.split())
+    spec = servers.tierlm_server(model, top, side.flags.split())
+    tree = side.tree
     env = {}
     if tree is not None:  # the other tree's tierlm first on the path (this one is installed)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
@@ -57,7 +78,7 @@ def _spec(args, tree: Path | None, top: int, kernels: str | None) -> servers.Ser
     if kernels is not None:
         env["MLX_PTX_CACHE_DIR"] = kernels
     spec.env = env
-    spec.name = "base" if tree is not None else "this"
+    spec.name = side.name
     return spec
 
 
@@ -92,10 +113,10 @@ def wait_warm(server, timeout_s: float = 300.0) -> float:
     return time.monotonic() - tic
 
 
-def smoothness(args, tree: Path | None, concurrencies: list[int], tokenizer: str) -> list[dict]:
+def smoothness(args, side: Side, concurrencies: list[int], tokenizer: str) -> list[dict]:
     """Steady state: timed once the server has warmed its batch shapes."""
-    spec = _spec(args, tree, max(concurrencies), None)
-    console.print(f"smoothness: starting tierlm ({spec.name} tree)")
+    spec = _spec(args, side, max(concurrencies), None)
+    console.print(f"smoothness: starting tierlm ({spec.name}: {side.tree or 'this tree'} {side.flags})")
     rows = []
     with servers.RunningServer(spec) as server:
         console.print(f"  warmed after {wait_warm(server):.1f} s more")
@@ -135,7 +156,7 @@ def new_prompts(args, seeds: itertools.count):
 
 def cold_start(args, concurrency: int, kernels: str, tokenizer: str, seeds: itertools.count) -> dict:
     fresh = tempfile.TemporaryDirectory(prefix="tierlm-kernels-") if kernels == "fresh" else None
-    spec = _spec(args, None, concurrency, fresh.name if fresh else None)
+    spec = _spec(args, sides(args)[-1], concurrency, fresh.name if fresh else None)
     folder = Path(fresh.name) if fresh else Path(Settings().kernel_cache_dir).expanduser()
     with fresh or contextlib.nullcontext(), servers.RunningServer(spec) as server:
         at_ready, ready_kernels = _warmup_of(server), _kernel_files(folder)
@@ -170,7 +191,7 @@ def _ttfts(run: dict) -> list:
 def prime_kernels(args, concurrency: int, tokenizer: str, seeds: itertools.count) -> None:
     """Before the `kept` starts: a start on the server's own kernel folder that
     warms and runs the workload once, as the run before a restart would have."""
-    with servers.RunningServer(_spec(args, None, concurrency, None)) as server:
+    with servers.RunningServer(_spec(args, sides(args)[-1], concurrency, None)) as server:
         wait_warm(server)
         runs.run_one(naming(new_prompts(args, seeds), server), server.base_url, tokenizer, concurrency,
                      label="prime kernels")
@@ -181,15 +202,16 @@ def run_streaming(args, save=lambda result: None) -> dict:
     short (a time limit on a lent machine) still leaves what it measured."""
     tokenizer = runs.default_tokenizer(args)
     concurrencies = runs.concurrencies(args.concurrency)
-    trees = ([Path(args.base_tree).resolve()] if args.base_tree else []) + [None]
+    compared = sides(args)
     result = {"model": args.model, "base_tree": args.base_tree, "tierlm_args": args.tierlm_args,
+              "base_args": args.base_args,
               "shape": {"input_len": args.input_len, "output_len": args.output_len},
               "smoothness": {}, "cold_start": [], "complete": False}
-    rounds = max(1, args.rounds) if args.base_tree else 1
+    rounds = max(1, args.rounds) if len(compared) > 1 else 1
     for n in range(rounds if concurrencies else 0):
         served = {}
-        for tree in trees if n % 2 == 0 else trees[::-1]:
-            served["base" if tree else "this"] = smoothness(args, tree, concurrencies, tokenizer)
+        for side in compared if n % 2 == 0 else compared[::-1]:
+            served[side.name] = smoothness(args, side, concurrencies, tokenizer)
         result.setdefault("smoothness_rounds", []).append(served)
         result["smoothness"] = {name: median_rows([r[name] for r in result["smoothness_rounds"]])
                                 for name in ("base", "this") if name in served}
@@ -239,7 +261,8 @@ def title(doc: dict) -> str:
             f"{shape.get('input_len', '?')}-token prompts, {shape.get('output_len', '?')} tokens out"
             + (f", at {streams} streams" if streams else "")
             + (f", `{doc['tierlm_args']}`" if doc.get("tierlm_args") else "")
-            + (", against an earlier tree" if doc.get("base_tree") else ""))
+            + (", against an earlier tree" if doc.get("base_tree") else "")
+            + (f", against `{doc['base_args'] or 'no flags'}`" if doc.get("base_args") is not None else ""))
 
 
 def markdown(doc: dict) -> str:
@@ -288,8 +311,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cold-kernels", default="fresh,kept", help="fresh and/or kept: the kernel folder per start")
     p.add_argument("--cold-repeats", type=int, default=3, help="cold starts per concurrency and kernel folder")
     p.add_argument("--tierlm-args", default="", help="extra flags for tierlm serve")
+    p.add_argument("--base-args", default=None,
+                   help="the base server's flags instead of --tierlm-args: with no --base-tree, this tree "
+                        "served with them, for a before/after of a setting")
     p.add_argument("--rounds", type=int, default=1,
-                   help="with --base-tree: each tree served this many times, the order turned each round")
+                   help="with --base-tree or --base-args: each side served this many times, the order "
+                        "turned each round")
     add_load_args(p, default_concurrency="1,4,32")
     return p
 

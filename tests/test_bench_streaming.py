@@ -62,3 +62,21 @@ def test_the_command_line_takes_a_base_tree_and_its_rounds():
     """A before/after reads `rounds` (a run on an H100 stopped there once)."""
     assert streaming.parser().parse_args(["--base-tree", "/tmp/x"]).rounds == 1
     assert streaming.parser().parse_args(["--base-tree", "/tmp/x", "--rounds", "3"]).rounds == 3
+
+
+def test_base_args_serve_this_tree_with_other_flags_against_the_same_tree():
+    """A setting's before/after on one tree: base gets --base-args in place of
+    --tierlm-args (no flags at all where it is empty), this tree its own."""
+    p = streaming.parser()
+    one, with_flags, both = (streaming.sides(p.parse_args(a)) for a in (
+        ["--tierlm-args", "--batch-kv-bits 16"],
+        ["--tierlm-args", "--batch-kv-bits 16", "--base-args", ""],
+        ["--base-tree", "/tmp/x", "--tierlm-args", "--batch-kv-bits 16"]))
+    assert one == [streaming.Side("this", None, "--batch-kv-bits 16")]
+    assert with_flags == [streaming.Side("base", None, ""), streaming.Side("this", None, "--batch-kv-bits 16")]
+    assert both[0].tree is not None and both[0].flags == "--batch-kv-bits 16"
+    spec = streaming._spec(p.parse_args(["--base-args", ""]), with_flags[0], 4, None)
+    assert spec.name == "base" and "--batch-kv-bits" not in spec.cmd
+    assert "--batch-kv-bits" in streaming._spec(p.parse_args([]), with_flags[1], 4, None).cmd
+    title = streaming.title({"tierlm_args": "--batch-kv-bits 16", "base_args": ""})
+    assert title.endswith("`--batch-kv-bits 16`, against `no flags`")
