@@ -9,7 +9,8 @@ as tierlm loads it, without an engine: "as it is" is its backend's attention
 for MLX's own), and the variants call that with their inputs. On an H100
 (random Llama-3.2-1B shapes) it showed a lone sequence's step over 20k tokens
 at 14.9 ms through the wrapper's products, 6.0 through MLX's vector kernel
-(docs/prefix-cache.md).
+(docs/prefix-cache.md). With `--tokens 40 53` each call feeds that many
+tokens a row instead: a hit remainder's pass over the context.
 
     python -m bench_lab.decode_step --preset llama-1b --tokenizer TOKENIZER_DIR --context 2000 20000
     python -m bench_lab.decode_step --context 4000 --batch 4          # the default model, e.g. on a CPU
@@ -17,6 +18,7 @@ at 14.9 ms through the wrapper's products, 6.0 through MLX's vector kernel
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import tempfile
@@ -52,7 +54,8 @@ def variants(original) -> dict:
         return gpu.attention_products(q, k, v, scale, mask)
 
     return {"as it is": original, "skipped": skipped, "contiguous kv": contiguous, "no mask": unmasked,
-            "contiguous kv, no mask": contiguous_unmasked, "products": products}
+            "contiguous kv, no mask": contiguous_unmasked, "products": products,
+            "mlx's own": getattr(original, "original", original)}  # under tierlm's GPU wrapper
 
 
 def prefilled(model, context: int, chunk: int = 2048) -> list:
@@ -68,23 +71,27 @@ def prefilled(model, context: int, chunk: int = 2048) -> list:
     return cache
 
 
-def step_ms(model, cache: list, rows: int) -> float:
-    """Median ms of one model call of one token a row, the cache trimmed back after each."""
+def step_ms(model, cache: list, rows: int, tokens: int = 1) -> tuple[float, float]:
+    """ms of the first model call of `tokens` tokens a row and the median of the
+    calls after it, the cache trimmed back after each."""
     import mlx.core as mx
 
-    y = mx.random.randint(100, 1000, (rows, 1))
+    y = mx.random.randint(100, 1000, (rows, tokens))
     times = []
     for _ in range(STEPS):
         tic = time.perf_counter()
         mx.eval(model(y, cache=cache))
         times.append(time.perf_counter() - tic)
         for c in cache:
-            c.trim(1)
-    return 1000 * statistics.median(times[2:])
+            c.trim(tokens)
+    return 1000 * times[0], 1000 * statistics.median(times[2:])
 
 
-def measure(model, module, context: int, batch: int) -> list[dict]:
-    """Each variant's step over a KVCache and over a BatchKVCache of `batch` rows."""
+def measure(model, module, context: int, batch: int, tokens: list[int] = (1,)) -> list[dict]:
+    """Each variant's call of each count of `tokens` a row (1: a decode step;
+    more: a hit remainder's pass) over a KVCache and over a BatchKVCache of
+    `batch` rows. `first_ms`: the call's first run in the process at that
+    shape, after the variants before it (which share its layers' shapes)."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
@@ -94,13 +101,14 @@ def measure(model, module, context: int, batch: int) -> list[dict]:
     mx.eval([c.state for c in caches["BatchKVCache"]])
     rows = []
     try:
-        for kind, cache in caches.items():
-            for name, attention in variants(original).items():
-                module.scaled_dot_product_attention = attention
-                ms = step_ms(model, cache, batch if kind == "BatchKVCache" else 1)
-                rows.append({"context": context, "cache": kind, "variant": name, "ms": round(ms, 2)})
-                print(f"context {context} {kind} ({batch if kind == 'BatchKVCache' else 1} rows) "
-                      f"attention {name}: {ms:.2f} ms a step", flush=True)
+        for n, (kind, cache), (name, attention) in itertools.product(tokens, caches.items(),
+                                                                    variants(original).items()):
+            module.scaled_dot_product_attention = attention
+            first, ms = step_ms(model, cache, batch if kind == "BatchKVCache" else 1, n)
+            rows.append({"context": context, "tokens": n, "cache": kind, "variant": name, "ms": round(ms, 2),
+                         "first_ms": round(first, 2)})
+            print(f"context {context} {kind} ({batch if kind == 'BatchKVCache' else 1} rows, {n} tokens each) "
+                  f"attention {name}: {ms:.2f} ms a call (first {first:.2f})", flush=True)
     finally:
         module.scaled_dot_product_attention = original
     return rows
@@ -111,6 +119,8 @@ def main(argv=None) -> int:
     add_model_args(p)
     p.add_argument("--context", type=int, nargs="+", default=[2000, 20000])
     p.add_argument("--batch", type=int, default=1, help="rows of the BatchKVCache")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1],
+                   help="tokens a row each call: 1, a decode step; more, a hit remainder's pass")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     from tierlm.models.loader import load_model
@@ -119,7 +129,7 @@ def main(argv=None) -> int:
     module = sys.modules[type(model).__module__]  # mlx-lm's module of the model: its attention function
     if not hasattr(module, "scaled_dot_product_attention"):
         p.error(f"{module.__name__} has no scaled_dot_product_attention to vary")
-    rows = [r for context in args.context for r in measure(model, module, context, args.batch)]
+    rows = [r for context in args.context for r in measure(model, module, context, args.batch, args.tokens)]
     write_result(args, p, "decode_step", {"model": args.preset or args.model, "batch": args.batch, "rows": rows})
     return 0
 

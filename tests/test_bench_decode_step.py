@@ -13,9 +13,10 @@ def test_each_variant_over_each_cache_takes_a_step_and_the_attention_is_put_back
     from mlx_lm.models import llama  # the default model's module (SmolLM2 is a Llama)
 
     out = tmp_path / "decode-step.json"
-    assert decode_step.main(["--model", str(model_path), "--context", "64", "--batch", "2", "--json", str(out)]) == 0
+    assert decode_step.main(["--model", str(model_path), "--context", "64", "--batch", "2", "--tokens", "1", "5",
+                             "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["cache"], r["variant"]) for r in rows} == {(c, v) for c in ("KVCache", "BatchKVCache")
-                                                          for v in decode_step.variants(None)}
-    assert all(r["ms"] > 0 and r["context"] == 64 for r in rows)
+    assert sorted((r["tokens"], r["cache"], r["variant"]) for r in rows) == sorted(
+        (n, c, v) for n in (1, 5) for c in ("KVCache", "BatchKVCache") for v in decode_step.variants(None))
+    assert all(r["ms"] > 0 and r["first_ms"] > 0 and r["context"] == 64 for r in rows)
     assert not llama.scaled_dot_product_attention.__qualname__.startswith("variants.")  # the model's own again

@@ -1,0 +1,134 @@
+"""Where a prefix-cache hit's time goes in the engine, in process: a prompt
+of `--context` random tokens (cold), then the same prompt with `--extra` new
+tokens (a hot hit), each through `tierlm.LLM` with one token out; every model
+call and the rebuild of the hit's blocks evaluated at once and timed. Rounds
+of new lengths first (each round a context 37 tokens longer and 13 more new
+tokens: shapes the process has not run, as an agent's every turn), then the
+same lengths again (shapes it has run). On an H100 (random Llama-3.2-1B
+shapes, 20k tokens) it split a hot hit into the rebuild (~2 ms), the
+remainder's pass and the first decode step, and showed the pass's first run
+at a new length costing 2-4x a repeat (docs/prefix-cache.md).
+
+    python -m bench_lab.hit_profile --preset llama-1b --tokenizer TOKENIZER_DIR --context 20000 --extra 40
+    python -m bench_lab.hit_profile --context 2000 --extra 40       # the default model, e.g. on a CPU
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench_lab import add_model_args, lab_parser, model_folder, write_result
+
+
+class CallTimer:
+    """Times each call of the model and of the prefix cache's rebuild while
+    installed (`with`): ("model", input shape, build ms, run ms) or
+    ("rebuild", blocks, ms)."""
+
+    def __init__(self, model, cache) -> None:
+        self.model_class, self.cache, self.calls = type(model), cache, []
+
+    def __enter__(self):
+        import mlx.core as mx
+
+        model_call, rebuild = self.model_class.__call__, self.cache.rebuild
+
+        def timed_call(model, inputs, *a, **k):
+            t0 = time.perf_counter()
+            out = model_call(model, inputs, *a, **k)
+            t1 = time.perf_counter()
+            mx.eval(out)
+            self.calls.append(("model", list(inputs.shape), _ms(t1 - t0), _ms(time.perf_counter() - t1)))
+            return out
+
+        def timed_rebuild(blocks, *a):
+            t0 = time.perf_counter()
+            caches = rebuild(blocks, *a)
+            mx.eval([c.state for c in caches])
+            self.calls.append(("rebuild", len(blocks), _ms(time.perf_counter() - t0)))
+            return caches
+
+        self._saved = model_call
+        self.model_class.__call__ = timed_call
+        self.cache.rebuild = timed_rebuild
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model_class.__call__ = self._saved
+        del self.cache.rebuild  # the instance attribute: the class's method again
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 2)
+
+
+def profile(llm, context: int, extra: int, rounds: int, seed: int = 0) -> list[dict]:
+    """Rows of one request each: phase (new/repeat), kind (cold/hot), prompt
+    tokens, ms to its end, and the calls timed."""
+    from tierlm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0)
+    rng = random.Random(seed)
+    vocab = llm.vocab_size
+    rows = []
+    timer = CallTimer(llm.engine.model, llm.engine.scheduler.cache)
+    with timer:
+        for phase in ("new", "repeat"):
+            for r in range(rounds):
+                prompt = [rng.randrange(100, vocab - 100) for _ in range(context + 37 * r)]
+                more = [rng.randrange(100, vocab - 100) for _ in range(extra + 13 * r)]
+                for kind, tokens in (("cold", prompt), ("hot", prompt + more)):
+                    timer.calls.clear()
+                    tic = time.perf_counter()
+                    llm.generate([tokens], params, progress=False)
+                    rows.append({"phase": phase, "kind": kind, "prompt_tokens": len(tokens),
+                                 "ms": _ms(time.perf_counter() - tic), "calls": list(timer.calls)})
+                    print(f"{kind} {phase} {len(tokens)} tokens: {rows[-1]['ms']} ms"
+                          + (f"  {rows[-1]['calls']}" if kind == "hot" else ""), flush=True)
+    return rows
+
+
+def medians(rows: list[dict]) -> dict:
+    """ms to the end, median by kind and phase."""
+    groups: dict[str, list[float]] = {}
+    for row in rows:
+        groups.setdefault(f"{row['kind']}_{row['phase']}", []).append(row["ms"])
+    return {name: statistics.median(values) for name, values in groups.items()}
+
+
+def main(argv=None) -> int:
+    p = lab_parser("bench_lab.hit_profile", __doc__)
+    add_model_args(p)
+    p.add_argument("--context", type=int, default=2000, help="tokens of the first round's prompt")
+    p.add_argument("--extra", type=int, default=40, help="new tokens of the first round's hit")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of new lengths (then as many repeated)")
+    p.add_argument("--memory-limit", default=None, help="tierlm's memory budget (default: its own)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    from tierlm import LLM
+
+    with tempfile.TemporaryDirectory(prefix="tierlm-hit-profile-") as work:
+        model = model_folder(args, Path(work))
+        options = {"memory_limit": args.memory_limit} if args.memory_limit else {}
+        llm = LLM(str(model), prefix_cache=True, max_concurrent_requests=4, **options)
+        try:
+            tic = time.perf_counter()
+            while llm.engine.warming:  # a GPU warms its shapes first: they are not what is timed
+                time.sleep(0.2)
+            print(f"warmed in {time.perf_counter() - tic:.1f} s more", flush=True)
+            rows = profile(llm, args.context, args.extra, args.rounds)
+        finally:
+            llm.close()
+    result = {"model": str(args.model or args.preset or "default"), "context": args.context, "extra": args.extra,
+              "rounds": args.rounds, "medians_ms": medians(rows), "rows": rows}
+    print({k: round(v, 1) for k, v in result["medians_ms"].items()})
+    write_result(args, p, "hit_profile", result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""bench_lab.hit_profile: a hot hit's calls are timed (the rebuild of its
+blocks, then model calls over the tokens the cache did not hold), a cold
+prompt's are not rebuilt, and the model and the cache are as before after."""
+
+from __future__ import annotations
+
+import json
+
+from bench_lab import hit_profile
+
+
+def test_a_hot_hit_is_a_rebuild_and_a_pass_over_the_new_tokens(model_path, tmp_path):
+    out = tmp_path / "hit-profile.json"
+    assert hit_profile.main(["--model", str(model_path), "--context", "200", "--extra", "20", "--rounds", "1",
+                             "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["kind"], r["phase"]): r for r in result["rows"]}
+    assert set(rows) == {(k, p) for k in ("cold", "hot") for p in ("new", "repeat")}
+    for phase in ("new", "repeat"):
+        cold, hot = rows["cold", phase], rows["hot", phase]
+        assert not any(c[0] == "rebuild" for c in cold["calls"])
+        assert hot["calls"][0][0] == "rebuild" and hot["calls"][0][1] > 0
+        tokens = sum(c[1][1] for c in hot["calls"] if c[0] == "model")  # (1, n) inputs
+        assert tokens < hot["prompt_tokens"] // 2  # the cached ones are not computed again
+        assert tokens >= 20  # every new one is
+    assert set(result["medians_ms"]) == {"cold_new", "hot_new", "cold_repeat", "hot_repeat"}
+
+
+def test_the_call_timer_puts_the_model_and_the_cache_back():
+    class Model:
+        def __call__(self, inputs):
+            return inputs
+
+    class Cache:
+        def rebuild(self, blocks):
+            return []
+
+    model, cache = Model(), Cache()
+    original = Model.__call__
+    with hit_profile.CallTimer(model, cache):
+        assert Model.__call__ is not original and "rebuild" in vars(cache)
+    assert Model.__call__ is original and "rebuild" not in vars(cache)
