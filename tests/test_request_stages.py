@@ -77,3 +77,30 @@ def test_the_log_keeps_the_last_requests_and_reads_them_when_asked():
     assert summary["requests"] == 3
     assert summary["read"]["requests"] == 3 and summary["prefill"]["requests"] == 1
     assert set(summary["last"]) == {"read", "prefill"}
+
+
+def test_the_app_loads_what_a_first_streamed_answer_would_at_its_start():
+    """anyio's event-loop backend (a streamed answer's task group loads it on
+    first use: ~8 ms of a process's first request) and the loop's thread pool
+    are there once the app has started, before any request: in a process of
+    its own, which has loaded neither."""
+    script = """
+import asyncio, sys
+from tierlm.api.app import create_app
+from tierlm.config import Settings
+
+async def main():
+    app = create_app(Settings(ssd_cache=False), None)
+    before = "anyio._backends._asyncio" in sys.modules, asyncio.get_running_loop()._default_executor is not None
+    async with app.router.lifespan_context(app):
+        after = "anyio._backends._asyncio" in sys.modules, asyncio.get_running_loop()._default_executor is not None
+    print(before, after)
+
+asyncio.run(main())
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "(False, False) (True, True)"
