@@ -114,7 +114,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="tierlm-hit-profile-") as work:
         model = model_folder(args, Path(work))
         options = {"memory_limit": args.memory_limit} if args.memory_limit else {}
-        llm = LLM(str(model), prefix_cache=True, max_concurrent_requests=4, **options)
+        # the hot tier only: blocks an earlier run left on the SSD would make a cold prompt a hit
+        llm = LLM(str(model), prefix_cache=True, ssd_cache=False, max_concurrent_requests=4, **options)
         try:
             tic = time.perf_counter()
             while llm.engine.warming:  # a GPU warms its shapes first: they are not what is timed
