@@ -36,22 +36,33 @@ def test_keys_are_split_to_fill_the_gpu_but_never_below_a_span():
 
 
 def test_a_hit_remainder_goes_to_the_kernel_and_a_lone_decode_step_does_not(monkeypatch):
+    """Through the GPU wrapper: the kernel takes what the products would
+    (a remainder from PAD_FROM_QUERIES queries; with "all" any few queries),
+    MLX's own keeps the rest (a lone decode step, cuDNN's long remainders)."""
     monkeypatch.setattr(kernel, "usable", lambda *a: True)
+    monkeypatch.setattr(kernel, "attention", lambda *a: "kernel")
+    monkeypatch.setattr(gpu, "attention_products", lambda *a: "products")
+    monkeypatch.setattr(gpu, "QUERY_BUCKET", 0)  # MLX's own called as it is (not padded to a bucket)
+    wrapped = gpu._wrap(lambda *a, **k: "mlx")
     keys = mx.zeros((1, 8, 20000, 64), mx.bfloat16)
-    assert gpu._hit_kernel(mx.zeros((1, 32, gpu.PAD_FROM_QUERIES, 64)), keys, "causal")
-    assert gpu._hit_kernel(mx.zeros((1, 32, gpu.MAX_QUERIES, 64)), keys, "causal")
+
+    def route(queries, keys=keys, mask="causal"):
+        return wrapped(queries, keys, keys, None, scale=0.125, mask=mask)
+
+    assert route(mx.zeros((1, 32, gpu.PAD_FROM_QUERIES, 64))) == "kernel"
+    assert route(mx.zeros((1, 32, gpu.MAX_QUERIES, 64))) == "kernel"
     # longer ones where the products took them (their scores' bound), else cuDNN's as before
-    assert gpu._hit_kernel(mx.zeros((1, 32, gpu.MAX_HIT_QUERIES, 64)), keys[:, :, :5000], "causal")
-    assert not gpu._hit_kernel(mx.zeros((1, 32, gpu.MAX_HIT_QUERIES, 64)), keys, "causal")
-    assert not gpu._hit_kernel(mx.zeros((1, 32, gpu.MAX_HIT_QUERIES + 1, 64)), keys[:, :, :5000], "causal")
-    assert not gpu._hit_kernel(mx.zeros((1, 32, 5, 64)), keys, "causal")  # a verification: products
-    assert not gpu._hit_kernel(mx.zeros((1, 32, 100, 64)), keys[:, :, :100], "causal")  # a prompt's first chunk
+    assert route(mx.zeros((1, 32, gpu.MAX_HIT_QUERIES, 64)), keys[:, :, :5000]) == "kernel"
+    assert route(mx.zeros((1, 32, gpu.MAX_HIT_QUERIES, 64))) == "mlx"
+    assert route(mx.zeros((1, 32, gpu.MAX_HIT_QUERIES + 1, 64)), keys[:, :, :5000]) == "mlx"
+    assert route(mx.zeros((1, 32, 5, 64))) == "products"  # a verification
+    assert route(mx.zeros((1, 32, 100, 64)), keys[:, :, :100]) == "products"  # a prompt's first chunk
     monkeypatch.setattr(gpu, "HIT_KERNEL", "all")
-    assert gpu._hit_kernel(mx.zeros((1, 32, 5, 64)), keys, "causal")
-    assert gpu._hit_kernel(mx.zeros((gpu.FEW_DECODE_ROWS + 1, 32, 1, 64)), keys, None)
-    assert not gpu._hit_kernel(mx.zeros((gpu.FEW_DECODE_ROWS, 32, 1, 64)), keys, None)  # MLX's own
+    assert route(mx.zeros((1, 32, 5, 64))) == "kernel"
+    assert route(mx.zeros((gpu.FEW_DECODE_ROWS + 1, 32, 1, 64)), mask=None) == "kernel"
+    assert route(mx.zeros((gpu.FEW_DECODE_ROWS, 32, 1, 64)), mask=None) == "mlx"  # MLX's own
     monkeypatch.setattr(gpu, "HIT_KERNEL", "off")
-    assert not gpu._hit_kernel(mx.zeros((1, 32, 40, 64)), keys, "causal")
+    assert route(mx.zeros((1, 32, 40, 64))) == "products"
 
 
 def _reference(q, k, v, scale, mask):

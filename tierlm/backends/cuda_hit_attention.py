@@ -36,6 +36,8 @@ import math
 
 import mlx.core as mx
 
+from tierlm.backends.cuda_kv_attention import constant
+
 ROWS = 64  # rows (query x query head) a block: 16 a warp, 4 warps
 KEYS = 64  # keys a block reads into shared memory at a time
 TARGET_BLOCKS = 4 * 132  # blocks a call aims for (an H100 has 132 SMs)
@@ -259,7 +261,6 @@ _SOURCE = """
 """
 
 _kernel = None
-_constants: dict[tuple, mx.array] = {}
 
 
 def _splits(blocks: int, span: int) -> int:
@@ -276,14 +277,6 @@ def _compiled():
             output_names=["out", "part_top", "part_total", "part_acc", "counters"],
             source=_SOURCE, header=_HEADER, ensure_row_contiguous=False)
     return _kernel
-
-
-def _constant(key: tuple, make) -> mx.array:
-    """`make()`, evaluated once per key (an array made per call is an operation a layer)."""
-    if key not in _constants:
-        _constants[key] = make()
-        mx.eval(_constants[key])
-    return _constants[key]
 
 
 def usable(queries: mx.array, keys: mx.array, mask) -> bool:
@@ -318,12 +311,12 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
         mask = mask[None, None]
     if mask is None:  # every key: a mask that shows them all (broadcast: one value)
         has_mask = True
-        mask = mx.broadcast_to(_constant(("every",), lambda: mx.ones((1, 1, 1, 1), dtype=mx.bool_)), (1, 1, 1, span))
+        mask = mx.broadcast_to(constant(("every",), lambda: mx.ones((1, 1, 1, 1), dtype=mx.bool_)), (1, 1, 1, span))
     elif not has_mask:
-        mask = _constant(("unread",), lambda: mx.zeros((1, 1, 1, 1), dtype=mx.bool_))  # the kernel computes "causal"
+        mask = constant(("unread",), lambda: mx.zeros((1, 1, 1, 1), dtype=mx.bool_))  # the kernel computes "causal"
     row_blocks = math.ceil(length * group / ROWS)
     splits = _splits(batch * kv_heads * row_blocks, span)
-    inputs = [queries, keys, values, mask, _constant(("scale", scale), lambda: mx.array([scale], dtype=mx.float32))]
+    inputs = [queries, keys, values, mask, constant(("scale", scale), lambda: mx.array([scale], dtype=mx.float32))]
     template = [("D", width), ("G", group), ("HAS_MASK", has_mask), ("T", queries.dtype),
                 ("BF16", queries.dtype == mx.bfloat16)]
     parts = (batch, heads, length, splits) if splits > 1 else (1, 1, 1, 1)  # unwritten with one span

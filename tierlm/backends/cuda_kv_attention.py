@@ -195,7 +195,7 @@ def _compiled(whole: bool):
     return _kernels[whole]
 
 
-def _constant(key: tuple, make) -> mx.array:
+def constant(key: tuple, make) -> mx.array:
     """`make()`, evaluated once per key: a step's layers read the same one (an
     array made per call was an upload a layer)."""
     if key not in _constants:
@@ -230,11 +230,11 @@ def attention(queries: mx.array, keys: tuple, values: tuple, scale: float, mask:
     batch, heads, length, width = queries.shape
     kv_heads, span = keys[0].shape[1], mask.shape[-1]
     splits = _splits(batch * kv_heads * length, span)
-    none = _constant(("none", queries.dtype, width), lambda: mx.zeros((1, 1, 1, width), queries.dtype))
-    tail_keys, tail_values, start = tail or (none, none, _constant(("start",), lambda: mx.zeros((1,), mx.int32)))
+    none = constant(("none", queries.dtype, width), lambda: mx.zeros((1, 1, 1, width), queries.dtype))
+    tail_keys, tail_values, start = tail or (none, none, constant(("start",), lambda: mx.zeros((1,), mx.int32)))
     inputs = [queries, *keys, *values, tail_keys, tail_values, start, mask,
-              _constant(("ones",), lambda: mx.ones((1,))) if factors is None else factors,
-              _constant(("scale", scale), lambda: mx.array([scale], dtype=mx.float32))]
+              constant(("ones",), lambda: mx.ones((1,))) if factors is None else factors,
+              constant(("scale", scale), lambda: mx.array([scale], dtype=mx.float32))]
     template = [("BITS", bits), ("D", width), ("G", heads // kv_heads), ("GROUP_SIZE", GROUP), ("WARPS", WARPS),
                 ("HAS_TAIL", tail is not None), ("HAS_FACTORS", factors is not None)]
     grid, threads = (32 * WARPS * splits, kv_heads * length, batch), (32 * WARPS, 1, 1)

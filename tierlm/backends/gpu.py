@@ -146,9 +146,9 @@ def _wrap(original, few_queries: bool = True):
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         if hasattr(cache, "bits"):  # mlx-lm's own broadcasts KV heads, which CUDA's quantized products refuse
             return _over_quantized_kv(queries, cache, scale, mask)
-        if few_queries and _hit_kernel(queries, keys, mask):
-            return cuda_hit_attention.attention(queries, keys, values, scale, mask)
         if few_queries and (1 < queries.shape[2] <= MAX_QUERIES or _hit_remainder(queries, keys)):
+            if _hit_kernel(queries, keys, mask):
+                return cuda_hit_attention.attention(queries, keys, values, scale, mask)
             return attention_products(queries, keys, values, scale, mask)
         if queries.shape[2] > 1 and _unpadded(cache, mask):
             mask = "causal"
@@ -223,18 +223,14 @@ def _hit_remainder(queries, keys) -> bool:
 
 
 def _hit_kernel(queries, keys, mask) -> bool:
-    """Whether a call that would run as products goes to
-    backends.cuda_hit_attention instead (HIT_KERNEL): it took 0.42-0.76 ms a
-    layer where the products took 0.48-1.9 (40 to 256 queries over 20k keys,
-    an H100, each evaluated alone), and builds nothing per shape where the
-    products' matmuls took 5-13 ms the first time at one."""
-    batch, _, length, _ = queries.shape
-    if HIT_KERNEL == "off" or keys.shape[2] <= length:
+    """Whether a call the products would take goes to backends.cuda_hit_attention
+    instead (HIT_KERNEL): it took 0.42-0.76 ms a layer where the products took
+    0.48-1.9 (40 to 256 queries over 20k keys, an H100, each evaluated alone),
+    and builds nothing per shape where the products' matmuls took 5-13 ms the
+    first time at one."""
+    length = queries.shape[2]
+    if HIT_KERNEL == "off" or keys.shape[2] <= length or HIT_KERNEL != "all" and length < PAD_FROM_QUERIES:
         return False
-    if HIT_KERNEL != "all" and length < PAD_FROM_QUERIES:
-        return False
-    if length == 1 and batch <= FEW_DECODE_ROWS or not (length <= MAX_QUERIES or _hit_remainder(queries, keys)):
-        return False  # MLX's own (its vector kernel, or cuDNN)
     return cuda_hit_attention.usable(queries, keys, mask)
 
 
