@@ -26,7 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from tierlm.engine.quantized_kv import after_one_token
+from tierlm.engine.quantized_kv import after_one_token, quantized_slots
 from tierlm.engine.ragged_kv import RaggedBatchKVCache
 
 DTYPE = mx.float16
@@ -74,6 +74,15 @@ def half_slots(caches: list) -> list:
     """A sequence's per-layer caches for a batch kept at float16: attention KV
     layers as HalfSlots, the others (windows, recurrent state) as they are."""
     return [HalfSlot.of(c) if type(c) is KVCache else c for c in caches]
+
+
+def batch_slots(caches: list, kv_bits: int, kv_half: bool, key_scales: list | None = None,
+                tail_capacity: int = 0) -> list:
+    """A sequence's per-layer caches as the batch keeps them: quantized at
+    `kv_bits` (engine.quantized_kv), at float16 where `kv_half`, else as they are."""
+    if kv_bits != 16:
+        return quantized_slots(caches, kv_bits, key_scales, tail_capacity)
+    return half_slots(caches) if kv_half else caches
 
 
 def why_not_half(model) -> str | None:

@@ -16,8 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from tierlm.backends import describe
-from tierlm.engine.half_kv import half_slots
-from tierlm.engine.quantized_kv import quantized_slots
+from tierlm.engine.half_kv import batch_slots
 from tierlm.engine.request import MemoryGuardError
 
 _FP32 = 4
@@ -72,11 +71,7 @@ def profile_model(model, kv_bits: int = 16, kv_tail: int = 0, kv_half: bool = Fa
 
 def _kv_bytes(model, kv_bits: int, kv_half: bool = False) -> tuple[int, int]:
     """The KV bytes a token adds, and those of state that does not grow."""
-    cache = make_prompt_cache(model)
-    if kv_bits != 16:
-        cache = quantized_slots(cache, kv_bits)
-    elif kv_half:
-        cache = half_slots(cache)
+    cache = batch_slots(make_prompt_cache(model), kv_bits, kv_half)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
     per_token, fixed = 0, 0

@@ -28,8 +28,8 @@ from tierlm.engine.detokenizer import IncrementalText, byte_level_table
 from tierlm.engine.folded_prompt import can_fold
 from tierlm.engine.lockstep import Lockstep, StepPlan
 from tierlm.engine.memory_guard import MemoryGuard
-from tierlm.engine.half_kv import half_slots
-from tierlm.engine.quantized_kv import dequantized, quantized_slots
+from tierlm.engine.half_kv import batch_slots
+from tierlm.engine.quantized_kv import dequantized
 from tierlm.engine.request import FinishReason, MemoryGuardError, Request, RequestOutput
 from tierlm.engine.sampling import make_request_processors, make_request_sampler, repair_random_state
 from tierlm.engine.speculative_batch import SpeculativeGenerator
@@ -502,11 +502,10 @@ class Scheduler:
             sampler = self._sampler(params, on_fault)
             processors = [] if self.following else make_request_processors(params, on_fault)
             caches = [self.cache.rebuild(lookup.blocks, lookup.part, lookup.part_tokens)] if hit else None
-            if self.config.kv_bits != 16:
-                caches = [quantized_slots(caches[0] if caches else make_prompt_cache(self.model), self.config.kv_bits,
-                                          self.config.key_scales, self.config.kv_tail)]
-            elif self.config.kv_half:
-                caches = [half_slots(caches[0] if caches else make_prompt_cache(self.model))]
+            c = self.config
+            if c.kv_bits != 16 or c.kv_half:
+                caches = [batch_slots(caches[0] if caches else make_prompt_cache(self.model), c.kv_bits, c.kv_half,
+                                      c.key_scales, c.kv_tail)]
             text = IncrementalText(self.tokenizer.detokenizer, params.stop, self._bytes_table,
                                    params.keep_leading_space)
         except Exception as e:
