@@ -129,3 +129,23 @@ def test_parts_that_change_the_ids_are_found_by_the_check_and_the_pieces_stay(to
 
 def test_one_encoder_per_tokenizer(tokenizer):
     assert encoder_for(tokenizer) is encoder_for(tokenizer)
+
+
+def test_the_checkers_thread_starts_with_the_encoder_not_in_a_request(model_path):
+    """A request's first check would start the checker's thread (~3 ms on the
+    2-core Xeon, in the request's time); the encoder, made when the tokenizer
+    loads, starts it. In a process of its own, where no check has run."""
+    import subprocess
+    import sys
+
+    script = f"""
+from pathlib import Path
+from mlx_lm.tokenizer_utils import load
+from tierlm.serving import prompt_pieces
+before = len(prompt_pieces._checker._threads)
+assert prompt_pieces.encoder_for(load(Path({str(model_path)!r}))).enabled
+print(before, len(prompt_pieces._checker._threads))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "0 1"
