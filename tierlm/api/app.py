@@ -32,6 +32,7 @@ from tierlm.config import Settings
 from tierlm.engine import stages as request_stages
 from tierlm.pool.enforcer import MemoryEnforcer
 from tierlm.pool.pool import ModelPool
+from tierlm.serving import prompt_pieces
 from tierlm.serving.assembly import apply_settings, make_pool
 from tierlm.serving.errors import APIError
 from tierlm.serving.served_model import ServedModel
@@ -110,6 +111,7 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
         await loading
         await enforcer.stop()
         await app.state.pool.close()
+        await asyncio.to_thread(prompt_pieces.save_all)  # a restart tokenizes only what is new
         app.state.dashboard.logs.detach()
 
     app = FastAPI(title="tierlm", lifespan=lifespan)
@@ -162,19 +164,30 @@ def create_app(settings: Settings, model_path: Path | None, watch: SettingsWatch
 
     @app.delete("/v1/cache")
     async def clear_cache(ssd: bool = False):
-        """Drop the hot tier; with ?ssd=true also this model's files in the SSD folder."""
+        """Drop the hot tier; with ?ssd=true also this model's files in the SSD folder and its prompt pieces."""
         served = _ready(app)
-        return {"cleared_blocks": await served.engine.clear_cache(ssd)}
+        cleared = await served.engine.clear_cache(ssd)
+        turns = getattr(served, "turns", None)  # an encoder's has none
+        if ssd and turns is not None:  # the prompt pieces kept beside the blocks go too: they are the prompts' text
+            await asyncio.to_thread(prompt_pieces.forget, turns.tokenizer)
+        return {"cleared_blocks": cleared}
 
     @app.get("/stats")
     async def stats():
         pool: ModelPool = app.state.pool
         pool.refresh()  # a model pulled, copied in or deleted since
         loaded = [slot.served for slot in pool.slots.values() if slot.served is not None]
-        return {"engines": [s.engine.get_stats() for s in loaded], "models": pool.listing(),
+        return {"engines": [{**s.engine.get_stats(), "prompt_pieces": _pieces_stats(s)} for s in loaded],
+                "models": pool.listing(),
                 "budget_bytes": pool.budget_bytes, "used_bytes": pool.used_bytes()}
 
     return app
+
+
+def _pieces_stats(served) -> dict | None:
+    """A chat model's prompt pieces (prompt_pieces); None for an encoder's, which has no chat."""
+    turns = getattr(served, "turns", None)
+    return None if turns is None else prompt_pieces.stats_of(turns.tokenizer)
 
 
 def _ready(app: FastAPI) -> ServedModel:

@@ -20,6 +20,7 @@ from tierlm.models.model_folder import CHAT
 from tierlm.models.loader import load_model, load_tokenizer, read_model_info, tokenizer_stamp
 from tierlm.pool.discovery import ModelEntry, default_hf_cache, discover, folders_signature, read_entry
 from tierlm.pool.pool import ModelPool
+from tierlm.serving import piece_store
 from tierlm.serving.encoder import serve_encoder
 from tierlm.serving.prompt_pieces import encoder_for
 from tierlm.serving.served_model import ServedModel
@@ -78,7 +79,8 @@ class TurnsCache:
             tokenizer = load_tokenizer(path)
             # the prompt tokenizer's probe renders a chat here, beside the load: the
             # first request finds the template compiled (~10 ms on the H200's host)
-            encoder_for(tokenizer)
+            folder, _ = settings.ssd_tier()
+            encoder_for(tokenizer, piece_store.path_for(folder, path, tokenizer_stamp(path)) if folder else None)
             future.set_result(_model_turns(tokenizer, settings))
         except Exception as e:  # noqa: BLE001 (the waiting load or request gets it)
             with self._lock:

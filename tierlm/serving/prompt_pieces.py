@@ -43,6 +43,9 @@ import weakref
 from array import array
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tierlm.serving import piece_store
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +73,11 @@ _PROBE = [  # what a probe chat holds: spaces, newlines, digits, code, accents, 
 class PieceEncoder:
     """Ids of rendered chat text for one tokenizer, cut at its special tokens."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, store: Path | None = None):
+        """`store`: the file its pieces are kept in across restarts (piece_store)."""
         self.tokenizer = tokenizer
+        self.store = store
+        self._saved_at, self._unsaved = time.monotonic(), False
         self.cuts = _cuts(tokenizer)  # the special tokens the text is cut at
         self._pattern = re.compile("(" + "|".join(map(re.escape, self.cuts)) + ")") if self.cuts else None
         self._pieces: OrderedDict[str, array] = OrderedDict()
@@ -84,6 +90,9 @@ class PieceEncoder:
         self.enabled = self._pattern is not None and self._probe()
         if self.enabled:  # the checker's thread starts now, not in a request's first submit (~3 ms on the Xeon)
             _checker.submit(int)
+            if store is not None:
+                self._keep(piece_store.read(store))
+        self._unsaved = False  # what the file holds, and the probe's pieces
 
     def encode(self, text: str) -> list[int]:
         if not self.enabled:
@@ -93,7 +102,32 @@ class PieceEncoder:
         self._prompts += 1
         if self._prompts <= CHECKED_PROMPTS or self._prompts % CHECK_EVERY == 0:
             _checker.submit(self._check_later, text, ids, cut)
+        if self._unsaved and time.monotonic() - self._saved_at >= piece_store.SAVE_EVERY_S:
+            self._saved_at = time.monotonic()
+            _checker.submit(self.save)
         return ids
+
+    def stats(self) -> dict:
+        """Pieces reused and tokenized, and what the cache holds."""
+        with self._lock:
+            return {"enabled": self.enabled, "hits": self.hits, "misses": self.misses, "pieces": len(self._pieces),
+                    "tokens": self._tokens, "store": None if self.store is None else str(self.store)}
+
+    def save(self) -> None:
+        """Its pieces into its store, if it has one and new pieces came since the
+        last save (an encoder turned off leaves none: the file goes)."""
+        if self.store is None or not self._unsaved:
+            return
+        with self._lock:
+            pieces, self._unsaved = list(self._pieces.items()), False
+        self._saved_at = time.monotonic()
+        try:
+            if pieces:
+                piece_store.write(self.store, pieces)
+            else:
+                self.store.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("prompt pieces: could not keep them in %s: %s", self.store, e)
 
     def _check_later(self, text: str, ids: list[int], cut: re.Pattern | None) -> None:
         time.sleep(CHECK_AFTER_S)
@@ -151,13 +185,19 @@ class PieceEncoder:
         made = [array("I", [i for _ in parts for i in next(encoded)]) for parts in texts]
         with self._lock:
             self.misses += len(pieces)
-            for piece, ids in zip(pieces, made):
+        self._keep(zip(pieces, made))
+        return made
+
+    def _keep(self, pieces) -> None:
+        """(text, ids) pairs into the cache, the oldest out past MAX_CACHED_TOKENS."""
+        with self._lock:
+            for piece, ids in pieces:
                 if piece not in self._pieces:
                     self._pieces[piece] = ids
                     self._tokens += len(ids)
+                    self._unsaved = True
             while self._tokens > MAX_CACHED_TOKENS and self._pieces:
                 self._tokens -= len(self._pieces.popitem(last=False)[1])
-        return made
 
     def _probe(self) -> bool:
         """Whether the probe chat's pieces give the whole text's ids (the parts
@@ -197,6 +237,7 @@ class PieceEncoder:
         with self._lock:
             self._pieces.clear()
             self._tokens = 0
+            self._unsaved = True  # the store's pieces go too
 
 
 def _new_parts(piece: str, cut: re.Pattern | None) -> list[str]:
@@ -256,13 +297,39 @@ _encoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _encoders_lock = threading.Lock()
 
 
-def encoder_for(tokenizer) -> PieceEncoder:
-    """The tokenizer's PieceEncoder, made (and probed) on first use."""
+def encoder_for(tokenizer, store: Path | None = None) -> PieceEncoder:
+    """The tokenizer's PieceEncoder, made (and probed) on first use; `store`:
+    where a new one keeps its pieces across restarts."""
     with _encoders_lock:
         encoder = _encoders.get(tokenizer)
         if encoder is None:
-            encoder = _encoders[tokenizer] = PieceEncoder(tokenizer)
+            encoder = _encoders[tokenizer] = PieceEncoder(tokenizer, store)
         return encoder
+
+
+def stats_of(tokenizer) -> dict | None:
+    """The tokenizer's encoder's counts (None before it has one)."""
+    with _encoders_lock:
+        encoder = _encoders.get(tokenizer)
+    return None if encoder is None else encoder.stats()
+
+
+def forget(tokenizer) -> None:
+    """The tokenizer's pieces dropped, in memory and in their store (the SSD
+    folder cleared: it holds text of the prompts)."""
+    with _encoders_lock:
+        encoder = _encoders.get(tokenizer)
+    if encoder is not None:
+        encoder._forget()
+        encoder.save()
+
+
+def save_all() -> None:
+    """Every encoder's new pieces into its store (a server stopping)."""
+    with _encoders_lock:
+        encoders = list(_encoders.values())
+    for encoder in encoders:
+        encoder.save()
 
 
 def encode_rendered(tokenizer, text: str) -> list[int]:
