@@ -31,6 +31,8 @@ pieces on.
 
 The encoders are kept per tokenizer object (`encode_rendered`), so the API and
 `tierlm.LLM` share them without passing them around; they go with the model.
+A server gives each a file beside the SSD tier (piece_store), which keeps its
+pieces across restarts.
 """
 
 from __future__ import annotations
