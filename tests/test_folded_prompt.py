@@ -19,7 +19,7 @@ import pytest
 from engine_testing import request, run, started
 from mlx_lm.models.cache import make_prompt_cache
 
-from tierlm.engine.folded_prompt import FoldedEnds, can_fold, last_position_logits
+from tierlm.engine.folded_prompt import FoldedEnds, FoldingPromptBatch, can_fold, last_position_logits
 from tierlm.engine.request import Request, SamplingParams
 from tierlm.engine.speculative_batch import SpeculativeGenerator
 from tierlm.models.random_model import TINY, tiny_model
@@ -136,3 +136,24 @@ def test_a_chats_next_turn_runs_one_model_call_before_its_first_token(loaded, mo
     assert folded_calls == [(1, remainder), (1, 1)] and folded_copies == []
     assert plain_calls == [(1, remainder - 1), (1, 1), (1, 1)] and len(plain_copies) == 1
     assert folded.token_ids == plain.token_ids
+
+
+def test_a_prompt_batch_moving_whole_to_generation_takes_its_caches_uncopied(monkeypatch):
+    """mlx-lm's split copies the moving rows' KV twice (a deep copy, then a
+    gather); a lone request (the whole prompt batch) moves its caches as they
+    are. A part of the batch moving still goes through mlx-lm's split (the
+    answers' test above runs both)."""
+    seen = []
+    real_split = FoldingPromptBatch.split
+
+    def split(self, indices):
+        before = list(self.prompt_cache)
+        moved = real_split(self, indices)
+        seen.append((before, list(moved.prompt_cache), len(self.uids), len(moved.uids)))
+        return moved
+
+    monkeypatch.setattr(FoldingPromptBatch, "split", split)
+    generated(tiny_model(sorted(TINY)[0]), [list(range(10, 60))], [40], fold_limit=32)
+    before, after, left, moved = seen[0]
+    assert (left, moved) == (0, 1) and len(after) == len(before)
+    assert all(a is b for a, b in zip(before, after))
