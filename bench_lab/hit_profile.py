@@ -11,6 +11,11 @@ at a new length costing 2-4x a repeat (docs/prefix-cache.md).
 
     python -m bench_lab.hit_profile --preset llama-1b --tokenizer TOKENIZER_DIR --context 20000 --extra 40
     python -m bench_lab.hit_profile --context 2000 --extra 40       # the default model, e.g. on a CPU
+
+`--kernels` adds each hot hit's GPU kernels (bench_lab.gpu_kernels: torch's
+profiler sees MLX's kernels too); on an H100 it found mlx-lm's move of a
+sequence from prefill to generation gathering its whole KV (~5 ms of a 20k
+token hit's ~24 ms of GPU work).
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ import random
 import statistics
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
-from bench_lab import add_model_args, lab_parser, model_folder, write_result
+from bench_lab import add_model_args, gpu_kernels, lab_parser, model_folder, write_result
 
 
 class CallTimer:
@@ -66,9 +72,10 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 2)
 
 
-def profile(llm, context: int, extra: int, rounds: int, seed: int = 0) -> list[dict]:
+def profile(llm, context: int, extra: int, rounds: int, seed: int = 0, kernels: bool = False) -> list[dict]:
     """Rows of one request each: phase (new/repeat), kind (cold/hot), prompt
-    tokens, ms to its end, and the calls timed."""
+    tokens, ms to its end, and the calls timed; with `kernels`, a hot hit's GPU
+    kernels too (bench_lab.gpu_kernels)."""
     from tierlm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0)
@@ -83,12 +90,16 @@ def profile(llm, context: int, extra: int, rounds: int, seed: int = 0) -> list[d
                 more = [rng.randrange(100, vocab - 100) for _ in range(extra + 13 * r)]
                 for kind, tokens in (("cold", prompt), ("hot", prompt + more)):
                     timer.calls.clear()
-                    tic = time.perf_counter()
-                    llm.generate([tokens], params, progress=False)
+                    found: list = []
+                    with gpu_kernels.recorded(found) if kernels and kind == "hot" else nullcontext():
+                        tic = time.perf_counter()
+                        llm.generate([tokens], params, progress=False)
+                        ms = _ms(time.perf_counter() - tic)
                     rows.append({"phase": phase, "kind": kind, "prompt_tokens": len(tokens),
-                                 "ms": _ms(time.perf_counter() - tic), "calls": list(timer.calls)})
+                                 "ms": ms, "calls": list(timer.calls)} | ({"kernels": found[0]} if found else {}))
                     print(f"{kind} {phase} {len(tokens)} tokens: {rows[-1]['ms']} ms"
-                          + (f"  {rows[-1]['calls']}" if kind == "hot" else ""), flush=True)
+                          + (f"  {rows[-1]['calls']}" if kind == "hot" else "")
+                          + (f"\n  GPU kernels: {found[0]}" if found else ""), flush=True)
     return rows
 
 
@@ -107,8 +118,12 @@ def main(argv=None) -> int:
     p.add_argument("--extra", type=int, default=40, help="new tokens of the first round's hit")
     p.add_argument("--rounds", type=int, default=3, help="rounds of new lengths (then as many repeated)")
     p.add_argument("--memory-limit", default=None, help="tierlm's memory budget (default: its own)")
+    p.add_argument("--kernels", action="store_true",
+                   help="each hot hit's GPU kernels from torch's profiler (needs torch with CUDA)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.kernels and (why := gpu_kernels.available()):
+        p.error(f"--kernels: {why}")
     from tierlm import LLM
 
     with tempfile.TemporaryDirectory(prefix="tierlm-hit-profile-") as work:
@@ -121,7 +136,7 @@ def main(argv=None) -> int:
             while llm.engine.warming:  # a GPU warms its shapes first: they are not what is timed
                 time.sleep(0.2)
             print(f"warmed in {time.perf_counter() - tic:.1f} s more", flush=True)
-            rows = profile(llm, args.context, args.extra, args.rounds)
+            rows = profile(llm, args.context, args.extra, args.rounds, kernels=args.kernels)
         finally:
             llm.close()
     result = {"model": str(args.model or args.preset or "default"), "context": args.context, "extra": args.extra,

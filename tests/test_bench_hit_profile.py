@@ -5,8 +5,11 @@ prompt's are not rebuilt, and the model and the cache are as before after."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
-from bench_lab import hit_profile
+import pytest
+
+from bench_lab import gpu_kernels, hit_profile
 
 
 def test_a_hot_hit_is_a_rebuild_and_a_pass_over_the_new_tokens(model_path, tmp_path):
@@ -40,3 +43,22 @@ def test_the_call_timer_puts_the_model_and_the_cache_back():
     with hit_profile.CallTimer(model, cache):
         assert Model.__call__ is not original and "rebuild" in vars(cache)
     assert Model.__call__ is original and "rebuild" not in vars(cache)
+
+
+def test_kernels_are_summed_by_name_and_the_gpus_busy_time_set_against_its_span():
+    def kernel(name, start, end):
+        span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return SimpleNamespace(name=name, time_range=span)
+
+    events = [kernel("gather", 0, 1000), kernel("copy", 1500, 1700), kernel("gather", 3000, 4000)]
+    assert gpu_kernels.summary(events) == {"kernels": 3, "busy_ms": 2.2, "span_ms": 4.0,
+                                           "top": [("gather", 2, 2.0), ("copy", 1, 0.2)]}
+
+
+def test_kernels_asked_for_where_torch_cannot_profile_say_why(model_path, capsys):
+    why = gpu_kernels.available()
+    if why is None:
+        pytest.skip("torch with CUDA is here")
+    with pytest.raises(SystemExit) as stopped:
+        hit_profile.main(["--model", str(model_path), "--kernels"])
+    assert stopped.value.code == 2 and why in capsys.readouterr().err
