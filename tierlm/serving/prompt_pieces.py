@@ -104,7 +104,7 @@ class PieceEncoder:
         self._prompts += 1
         if self._prompts <= CHECKED_PROMPTS or self._prompts % CHECK_EVERY == 0:
             _checker.submit(self._check_later, text, ids, cut)
-        if self._unsaved and time.monotonic() - self._saved_at >= piece_store.SAVE_EVERY_S:
+        if self.store is not None and self._unsaved and time.monotonic() - self._saved_at >= piece_store.SAVE_EVERY_S:
             self._saved_at = time.monotonic()
             _checker.submit(self.save)
         return ids
@@ -309,18 +309,22 @@ def encoder_for(tokenizer, store: Path | None = None) -> PieceEncoder:
         return encoder
 
 
+def _existing(tokenizer) -> PieceEncoder | None:
+    """The tokenizer's encoder if it has one (none is made)."""
+    with _encoders_lock:
+        return _encoders.get(tokenizer)
+
+
 def stats_of(tokenizer) -> dict | None:
     """The tokenizer's encoder's counts (None before it has one)."""
-    with _encoders_lock:
-        encoder = _encoders.get(tokenizer)
+    encoder = _existing(tokenizer)
     return None if encoder is None else encoder.stats()
 
 
 def forget(tokenizer) -> None:
     """The tokenizer's pieces dropped, in memory and in their store (the SSD
     folder cleared: it holds text of the prompts)."""
-    with _encoders_lock:
-        encoder = _encoders.get(tokenizer)
+    encoder = _existing(tokenizer)
     if encoder is not None:
         encoder._forget()
         encoder.save()
