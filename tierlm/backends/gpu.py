@@ -148,6 +148,8 @@ def _wrap(original, few_queries: bool = True):
             return _over_quantized_kv(queries, cache, scale, mask)
         if few_queries and (1 < queries.shape[2] <= MAX_QUERIES or _hit_remainder(queries, keys)):
             if _hit_kernel(queries, keys, mask):
+                if _causal_from_padding(cache, mask):
+                    return cuda_hit_attention.attention(queries, keys, values, scale, "causal", cache.left_padding)
                 return cuda_hit_attention.attention(queries, keys, values, scale, mask)
             return attention_products(queries, keys, values, scale, mask)
         if queries.shape[2] > 1 and _unpadded(cache, mask):
@@ -274,6 +276,13 @@ def _unpadded(cache, mask) -> bool:
     leaves a right-padded row's last queries unmasked, as "causal" does: they
     are thrown away.) The padding is read back, a few bytes a layer a chunk."""
     return isinstance(mask, mx.array) and type(cache) is BatchKVCache and not any(cache.left_padding.tolist())
+
+
+def _causal_from_padding(cache, mask) -> bool:
+    """`mask` is mlx-lm's own batch cache's (not a subclass's: those keep rows
+    of their own ends): "causal" from each row's left padding, which the hit
+    kernel computes instead of reading the mask a key at a time."""
+    return isinstance(mask, mx.array) and type(cache) is BatchKVCache
 
 
 def _whole_buffers(cache, mask, length: int):
