@@ -171,3 +171,21 @@ def test_compiled_kernels_are_kept_in_the_kernel_folder_unless_mlx_is_told_anoth
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     keep_compiled_kernels("~/kernels-here")
     assert os.environ["MLX_PTX_CACHE_DIR"] == str(tmp_path)
+
+
+def test_cuda_graphs_are_off_unless_the_setting_or_mlx_says_otherwise(monkeypatch):
+    """MLX reads MLX_USE_CUDA_GRAPHS once, at its first kernel: the server and
+    tierlm.LLM set it from the `cuda_graphs` setting (default off) before the
+    model loads; a value MLX is already given wins."""
+    from tierlm.backends import choose_cuda_graphs
+    from tierlm.config import Settings
+
+    assert Settings().cuda_graphs is False
+    monkeypatch.delenv("MLX_USE_CUDA_GRAPHS", raising=False)
+    choose_cuda_graphs(Settings().cuda_graphs)
+    assert os.environ["MLX_USE_CUDA_GRAPHS"] == "0"
+    monkeypatch.delenv("MLX_USE_CUDA_GRAPHS")
+    choose_cuda_graphs(True)
+    assert os.environ["MLX_USE_CUDA_GRAPHS"] == "1"
+    choose_cuda_graphs(False)
+    assert os.environ["MLX_USE_CUDA_GRAPHS"] == "1"

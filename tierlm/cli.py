@@ -69,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tierlm.api.app import create_app
-    from tierlm.backends import keep_compiled_kernels
+    from tierlm.backends import choose_cuda_graphs, keep_compiled_kernels
     from tierlm.distributed import ranks
     from tierlm.engine.allocator import configure_allocator
     from tierlm.serving.assembly import resolve_model
@@ -77,6 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     configure_allocator()  # the C heap's free pages go back when idle; started before the model loads
     keep_compiled_kernels(settings.kernel_cache_dir)
+    choose_cuda_graphs(settings.cuda_graphs)
 
     model_path = resolve_model(settings)
     lockstep = ranks.join()  # started by mlx.launch: this rank's place

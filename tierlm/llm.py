@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierlm.backends import choose_cuda_graphs
 from tierlm.config import Settings, _checked, load_settings
 from tierlm.engine.core import EngineCore
 from tierlm.engine.request import MemoryGuardError, Request, RequestOutput, SamplingParams, TokenLogprobs
@@ -71,6 +72,7 @@ class LLM:
         if model is not None:
             overrides["model"] = str(model)
         base = load_settings(overrides, str(config) if config is not None else None)
+        choose_cuda_graphs(base.cuda_graphs)  # before the model's first kernel, as the server
         path = resolve_model(base)
         if not path.is_dir():
             raise FileNotFoundError(f"no model {base.model!r}: not a folder, nor a model in {base.model_dir}")

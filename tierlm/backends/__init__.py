@@ -71,6 +71,19 @@ def keep_compiled_kernels(folder: str) -> None:
         os.environ["MLX_PTX_CACHE_DIR"] = str(Path(folder).expanduser())
 
 
+def choose_cuda_graphs(on: bool) -> None:
+    """Whether MLX's CUDA backend records its work as CUDA graphs (the
+    `cuda_graphs` setting). It keys a recorded graph by its kinds of nodes and
+    instantiates it again whenever an update fails (a kernel of another shape:
+    every agent turn's new length), which cost an H100 ~17 ms of a 20k-token hot
+    hit's ~40; launched one by one, the kernels cost the host a little more a
+    step alone and less at 8-32 sequences (docs/prefix-cache.md). MLX reads
+    MLX_USE_CUDA_GRAPHS once, at its first kernel: call before; when set, it wins."""
+    import os
+
+    os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "1" if on else "0")
+
+
 def prepare(model, *, cpu_weights_dtype: str = "auto", memory_bytes: int, cpu_kernels: bool = True,
             cpu_amx: bool = True, probe_tokens: list[int] | None = None) -> Backend:
     """Sets up what the device's backend adds to `model` (in place) and records
