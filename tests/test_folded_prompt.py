@@ -132,9 +132,9 @@ def test_a_chats_next_turn_runs_one_model_call_before_its_first_token(loaded, mo
     _, plain, plain_calls, plain_copies = run(go(fold=False))
     remainder = length - folded.cached_tokens
     assert 1 < remainder <= 64
-    # the first token comes out as the step after it is computed (mlx-lm's pipelining)
-    assert folded_calls == [(1, remainder), (1, 1)] and folded_copies == []
-    assert plain_calls == [(1, remainder - 1), (1, 1), (1, 1)] and len(plain_copies) == 1
+    # the first token comes out before a second step is sent (engine.first_token)
+    assert folded_calls == [(1, remainder)] and folded_copies == []
+    assert plain_calls == [(1, remainder - 1), (1, 1)] and len(plain_copies) == 1
     assert folded.token_ids == plain.token_ids
 
 

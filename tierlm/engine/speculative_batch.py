@@ -29,6 +29,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from tierlm.engine.draft_model import DraftModelSource
 from tierlm.engine.drafts import Acceptance, PromptLookup
+from tierlm.engine.first_token import FirstTokensFirst
 from tierlm.engine.folded_prompt import FoldedEnds, FoldingPromptBatch
 from tierlm.engine.quantized_kv import QuantizedBatchKVCache
 from tierlm.engine.half_kv import HalfBatchKVCache, RaggedHalfBatchKVCache
@@ -140,12 +141,13 @@ class AlternateDrafting(SpeculationSwitch):
         return self.drafting
 
 
-class SpeculativeBatch(GenerationBatch):
+class SpeculativeBatch(FirstTokensFirst):
     """A GenerationBatch whose steps verify prompt-lookup drafts. Sequences draft
     only when `limits[uid]` (their request's draft length) is set, greedy or
     sampled (a RandomSampler draws each position with the key a plain step would
     use there), grammars and penalties included; others join each step with
-    their one token, exactly as in a plain step."""
+    their one token, exactly as in a plain step. First tokens of rows entering
+    it empty go out before their second step (first_token)."""
 
     def configure(self, ngram_min: int, ngram_max: int, lookup=None) -> None:
         self.limits: dict[int, int] = {}  # uid -> draft tokens at most per step (the scheduler's)
@@ -177,6 +179,8 @@ class SpeculativeBatch(GenerationBatch):
         self.costs, self.switch = WidestSteps(), AlwaysDrafting()
 
     def next(self) -> list:
+        if (posting := self.posting_step()) is not None:
+            return posting
         if not self.enabled:  # off for this model: mlx-lm's own step, nothing measured or faded
             return super().next()
         if not self.uids:
