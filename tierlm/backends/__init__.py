@@ -76,8 +76,8 @@ def choose_cuda_graphs(on: bool) -> None:
     `cuda_graphs` setting). It keys a recorded graph by its kinds of nodes and
     instantiates it again whenever an update fails (a kernel of another shape:
     every agent turn's new length), which cost an H100 ~17 ms of a 20k-token hot
-    hit's ~40; launched one by one, the kernels cost the host a little more a
-    step alone and less at 8-32 sequences (docs/prefix-cache.md). MLX reads
+    hit's ~40; launched one by one, the kernels served about as many tokens/s
+    alone and 1.2-1.3x at 8-32 streams (docs/prefix-cache.md). MLX reads
     MLX_USE_CUDA_GRAPHS once, at its first kernel: call before; when set, it wins."""
     import os
 
