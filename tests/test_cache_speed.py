@@ -12,7 +12,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from safetensors.numpy import load as st_load
 
 from tierlm.cache import block_file, ssd_tier
@@ -102,6 +102,35 @@ def test_both_ways_of_rebuilding_packed_blocks_continue_exactly(model):
     for way, rebuilt in ways.items():
         got = model(mx.array([tokens[N * BLOCK :]]), cache=rebuilt)
         assert mx.allclose(expected, got, atol=1e-5).item(), way
+
+
+def test_a_hit_rebuilt_with_room_enters_a_lone_batch_as_it_is_and_continues_exactly(model):
+    """Both ways of rebuilding give buffers `room` tokens longer; merged alone
+    into mlx-lm's batch cache they are the batch's own (no copy, none grown by
+    the next tokens, taken out of the rebuilt cache), and the next tokens'
+    logits are a full prefill's. Merged with another sequence, mlx-lm's own
+    merge copies the rows' tokens alone. (This fails loudly if mlx-lm's
+    BatchKVCache changes the fields the lone merge sets.)"""
+    tokens = [int(t) for t in mx.random.randint(0, 256, (N * BLOCK + 5,)).tolist()]
+    live = make_prompt_cache(model)
+    model(mx.array([tokens[: N * BLOCK]]), cache=live)
+    pc = PrefixCache(b"fingerprint", codecs_for(make_prompt_cache(model)), BLOCK, 2**30)
+    pc.store(tokens[: N * BLOCK], [], live, 0)
+    blocks = pc.lookup(tokens).blocks
+    expected = model(mx.array([tokens[N * BLOCK :]]), cache=live)
+    room = 256
+    for way, rebuilt in {"one concatenation": rebuild_packed([b.packed for b in blocks], room),
+                         "a concatenation a layer": pc.rebuild(blocks, None, 0, room)}.items():
+        assert all(c.offset == N * BLOCK and c.keys.shape[2] == N * BLOCK + room for c in rebuilt), way
+        buffers = [c.keys for c in rebuilt]
+        batch = [type(c).merge([c]) for c in rebuilt]
+        assert all(type(b) is BatchKVCache and b.keys is buf and b._idx == N * BLOCK for b, buf in zip(batch, buffers))
+        assert all(c.keys is None for c in rebuilt), way
+        got = model(mx.array([tokens[N * BLOCK :]]), cache=batch)
+        assert mx.allclose(expected, got, atol=1e-5).item(), way
+        assert all(b.keys.shape[2] == N * BLOCK + room and b._idx == len(tokens) for b in batch), way
+    pair = [type(c).merge([c, c2]) for c, c2 in zip(pc.rebuild(blocks, None, 0, room), pc.rebuild(blocks))]
+    assert all(b.keys.shape[:3] == (2, b.keys.shape[1], N * BLOCK) for b in pair)
 
 
 def test_a_file_gone_between_its_header_and_its_load_is_a_miss_not_raised(model, written, monkeypatch, caplog):

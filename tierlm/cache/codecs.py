@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
 
 
 class KVCodec:
@@ -20,20 +20,58 @@ class KVCodec:
     def slice(self, cache: KVCache, start: int, end: int) -> tuple:
         return (mx.contiguous(cache.keys[..., start:end, :]), mx.contiguous(cache.values[..., start:end, :]))
 
-    def rebuild(self, payloads: list[tuple]) -> KVCache:
-        keys = mx.concatenate([p[0] for p in payloads], axis=2)
-        values = mx.concatenate([p[1] for p in payloads], axis=2)
-        return kv_cache(keys, values)
+    def rebuild(self, payloads: list[tuple], room: int = 0) -> KVCache:
+        """The payloads' tokens in one cache, its buffers `room` tokens longer."""
+        keys = mx.concatenate([p[0] for p in payloads] + with_room(payloads[0][0], room), axis=2)
+        values = mx.concatenate([p[1] for p in payloads] + with_room(payloads[0][1], room), axis=2)
+        return kv_cache(keys, values, keys.shape[2] - room)
 
     def arrays(self, payload: tuple) -> list[mx.array]:
         return list(payload)
 
 
-def kv_cache(keys: mx.array, values: mx.array) -> KVCache:
-    """A layer's KVCache holding these keys and values (batch, heads, tokens, dim)."""
-    cache = KVCache()
-    cache.keys, cache.values, cache.offset = keys, values, keys.shape[2]
+def with_room(like: mx.array, room: int) -> list[mx.array]:
+    """[] or zeros of `room` tokens shaped as `like` (batch, heads, tokens, dim),
+    to concatenate after it."""
+    return [mx.zeros((*like.shape[:2], room, *like.shape[3:]), dtype=like.dtype)] if room else []
+
+
+def kv_cache(keys: mx.array, values: mx.array, tokens: int | None = None) -> KVCache:
+    """A layer's cache holding the first `tokens` (all, if None) of these keys
+    and values (batch, heads, tokens, dim); the rest is room to write into."""
+    cache = RebuiltKVCache()
+    cache.keys, cache.values = keys, values
+    cache.offset = keys.shape[2] if tokens is None else tokens
     return cache
+
+
+def plain_kv(cache) -> bool:
+    """Whether a layer's cache is mlx-lm's plain KVCache, rebuilt here or not
+    (not a subclass of its own, e.g. a chunked one)."""
+    return type(cache) in (KVCache, RebuiltKVCache)
+
+
+class RebuiltKVCache(KVCache):
+    """A KVCache rebuilt from cached blocks, that enters mlx-lm's batch as it is
+    when it enters alone. mlx-lm's prompt batch merges each sequence's layer
+    cache into a BatchKVCache: new zeroed buffers and a copy of every row
+    (BatchKVCache.merge), which the remainder's first chunk then grows (zeros
+    and a concatenation): with the rebuild's own concatenation, three copies of
+    a hit's whole KV and ~10 operations a layer before its first token. Rebuilt
+    with room for its remainder, a lone hit's buffers become the batch's (taken
+    out of this object: the batch's writes then go into them in place).
+    tests/test_prefix_cache.py fails loudly if mlx-lm's merge changes."""
+
+    @classmethod
+    def merge(cls, caches: list) -> BatchKVCache:
+        if len(caches) != 1 or not isinstance(caches[0], RebuiltKVCache) or caches[0].keys is None:
+            return BatchKVCache.merge(caches)
+        (cache,) = caches
+        batch = BatchKVCache([0])
+        batch.keys, batch.values, cache.keys, cache.values = cache.keys, cache.values, None, None
+        batch.offset = batch.offset + cache.offset
+        batch._idx = cache.offset
+        return batch
 
 
 class SnapshotCodec:
@@ -47,7 +85,7 @@ class SnapshotCodec:
     def snapshot(self, cache) -> tuple:
         return _copy_state(cache.state)
 
-    def rebuild(self, payloads: list[tuple]):
+    def rebuild(self, payloads: list[tuple], room: int = 0):  # a snapshot has no room to give
         return self.cache_type.from_state(_copy_state(payloads[-1]))
 
     def arrays(self, payload: tuple) -> list[mx.array]:

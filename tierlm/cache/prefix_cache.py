@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from tierlm.cache import kv_quant
 from tierlm.cache.block_hash import block_key, block_keys, part_keys
-from tierlm.cache.codecs import KVCodec, kv_cache, signature
+from tierlm.cache.codecs import KVCodec, kv_cache, signature, with_room
 from tierlm.cache.hot_tier import Block, HotTier, materialize, payload_bytes
 from tierlm.cache.ssd_tier import SSDTier
 
@@ -114,12 +114,15 @@ def _packed_layers(p: mx.array) -> list:
     return [(p[2 * i : 2 * i + 1], p[2 * i + 1 : 2 * i + 2]) for i in range(p.shape[0] // 2)]
 
 
-def rebuild_packed(packed: list) -> list:
+def rebuild_packed(packed: list, room: int = 0) -> list:
     """Per-layer KVCaches from packed blocks (2 x layers, heads, tokens, dim), for a
     GPU: one copy of every byte in one operation (a kernel a block, not one a block
-    and layer); each layer's keys and values are views of it."""
-    kv = packed[0] if len(packed) == 1 else mx.concatenate(packed, axis=2)
-    return [kv_cache(kv[r : r + 1], kv[r + 1 : r + 2]) for r in range(0, kv.shape[0], 2)]
+    and layer); each layer's keys and values are views of it, `room` tokens
+    longer than its tokens."""
+    parts = packed + with_room(packed[0], room)
+    kv = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+    tokens = kv.shape[2] - room
+    return [kv_cache(kv[r : r + 1], kv[r + 1 : r + 2], tokens) for r in range(0, kv.shape[0], 2)]
 
 
 class PrefixCache:
@@ -288,17 +291,18 @@ class PrefixCache:
         for b in blocks:
             b.users -= 1
 
-    def rebuild(self, blocks: list[Block], part: Block | None = None, part_tokens: int = 0) -> list:
+    def rebuild(self, blocks: list[Block], part: Block | None = None, part_tokens: int = 0, room: int = 0) -> list:
         """The model's per-layer cache objects holding these blocks' tokens, then
-        the first `part_tokens` of `part` (a packed block)."""
+        the first `part_tokens` of `part` (a packed block); attention KV with
+        buffers `room` tokens longer (codecs.RebuiltKVCache)."""
         packed = [self._unpacked(b.packed) for b in blocks]
         if part is not None:
             packed.append(self._unpacked(part.packed)[:, :, :part_tokens])
         if mx.default_device() == mx.gpu and packed and all(p is not None for p in packed) \
                 and len({(p.shape[:2], p.shape[3:], p.dtype) for p in packed}) == 1:
-            return rebuild_packed(packed)
+            return rebuild_packed(packed, room)
         layers = [b.layers if p is None else _packed_layers(p) for b, p in zip([*blocks, part], packed)]
-        return [codec.rebuild([b[i] for b in layers]) for i, codec in enumerate(self.codecs)]
+        return [codec.rebuild([b[i] for b in layers], room) for i, codec in enumerate(self.codecs)]
 
     def _unpacked(self, packed):
         """A packed block's array, dequantized if it was kept quantized."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from tierlm.cache.codecs import plain_kv
 from tierlm.engine.quantized_kv import after_one_token, quantized_slots
 from tierlm.engine.ragged_kv import RaggedBatchKVCache
 
@@ -73,7 +74,7 @@ class RaggedHalfBatchKVCache(HalfWrites, RaggedBatchKVCache):
 def half_slots(caches: list) -> list:
     """A sequence's per-layer caches for a batch kept at float16: attention KV
     layers as HalfSlots, the others (windows, recurrent state) as they are."""
-    return [HalfSlot.of(c) if type(c) is KVCache else c for c in caches]
+    return [HalfSlot.of(c) if plain_kv(c) else c for c in caches]
 
 
 def batch_slots(caches: list, kv_bits: int, kv_half: bool, key_scales: list | None = None,
@@ -96,6 +97,6 @@ def why_not_half(model) -> str | None:
     layers = after_one_token(model)
     if layers is None:
         return "it has no plain attention layer"
-    if any(c.keys.dtype != mx.float32 for c in layers if type(c) is KVCache):
+    if any(c.keys.dtype != mx.float32 for c in layers if plain_kv(c)):
         return "its KV is not float32 as computed"
     return None

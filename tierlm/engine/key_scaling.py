@@ -31,7 +31,9 @@ from functools import lru_cache
 
 import mlx.core as mx
 from mlx_lm.models import base
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
+
+from tierlm.cache.codecs import plain_kv
 
 CALIBRATION_TOKENS = 1024
 
@@ -91,7 +93,7 @@ def calibrate(model, tokens: list[int]) -> list[KeyScales | None]:
     if key not in _calibrated:
         cache = make_prompt_cache(model)
         model(mx.array([tokens]), cache=cache)
-        _calibrated[key] = [factors_of(c.keys[..., : c.offset, :]) if type(c) is KVCache and c.keys is not None
+        _calibrated[key] = [factors_of(c.keys[..., : c.offset, :]) if plain_kv(c) and c.keys is not None
                             else None for c in cache]
         weakref.finalize(model, _calibrated.pop, key, None)
     return _calibrated[key]

@@ -43,6 +43,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, dynamic_roll, make_prompt_cache
 
+from tierlm.cache.codecs import plain_kv
 from tierlm.engine.key_scaling import KeyScales, scaled_keys
 
 GROUP = 64  # values per scale and bias, along a head's vector
@@ -327,7 +328,7 @@ def quantized_slots(caches: list, bits: int, key_scales: list[KeyScales | None] 
     model's attention reads them: backends.Backend.kv_tail), the others
     (windows, recurrent state) as they are."""
     scales = key_scales or [None] * len(caches)
-    return [QuantizedSlot.of(c, bits, s, tail_capacity) if type(c) is KVCache else c for c, s in zip(caches, scales)]
+    return [QuantizedSlot.of(c, bits, s, tail_capacity) if plain_kv(c) else c for c, s in zip(caches, scales)]
 
 
 def dequantized(caches: list) -> list:
@@ -341,7 +342,7 @@ def after_one_token(model) -> list | None:
     keep, at what widths and dtype); None where no layer keeps plain
     attention KV (a KVCache), without running it."""
     layers = make_prompt_cache(model)
-    if not any(type(c) is KVCache for c in layers):
+    if not any(plain_kv(c) for c in layers):
         return None
     model(mx.array([[0]]), cache=layers)
     mx.eval([c.state for c in layers])
@@ -354,7 +355,7 @@ def why_not_quantized(model) -> str | None:
     layers = after_one_token(model)
     if layers is None:
         return "it has no plain attention layer"
-    widths = {a.shape[-1] for c in layers if type(c) is KVCache for a in (c.keys, c.values)}
+    widths = {a.shape[-1] for c in layers if plain_kv(c) for a in (c.keys, c.values)}
     if not all(supports(w) for w in widths):
         return f"a head's vector ({min(widths)} values) is not a multiple of {GROUP}"
     return None

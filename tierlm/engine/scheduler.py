@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from tierlm.cache.hot_tier import Block
@@ -98,6 +98,13 @@ class SchedulerCounters:
     proposed_tokens: int = 0  # draft tokens verified
     accepted_tokens: int = 0  # of them, kept
     speculative_steps: int = 0  # steps that verified drafts
+
+
+def _room_for(remainder: int) -> int:
+    """Tokens of room a rebuilt hit's buffers get for its `remainder`: what
+    mlx-lm's batch cache would grow them by (whole steps of 256), so that a
+    lone hit enters the batch as it is (cache.codecs.RebuiltKVCache)."""
+    return -(-remainder // BatchKVCache.step) * BatchKVCache.step
 
 
 class Scheduler:
@@ -501,9 +508,11 @@ class Scheduler:
             stop_ids = self._stop_ids(params)
             sampler = self._sampler(params, on_fault)
             processors = [] if self.following else make_request_processors(params, on_fault)
-            caches = [self.cache.rebuild(lookup.blocks, lookup.part, lookup.part_tokens)] if hit else None
             c = self.config
-            if c.kv_bits != 16 or c.kv_half:
+            plain = c.kv_bits == 16 and not c.kv_half  # the batch keeps the KV as the rebuild gives it
+            room = _room_for(len(prompt) - hit) if plain else 0
+            caches = [self.cache.rebuild(lookup.blocks, lookup.part, lookup.part_tokens, room)] if hit else None
+            if not plain:
                 caches = [batch_slots(caches[0] if caches else make_prompt_cache(self.model), c.kv_bits, c.kv_half,
                                       c.key_scales, c.kv_tail)]
             text = IncrementalText(self.tokenizer.detokenizer, params.stop, self._bytes_table,
