@@ -127,6 +127,8 @@ def over_cold(rows: list[dict], kind: str) -> float:
 def title(result: dict) -> str:
     model = f"random weights of {result['preset']}'s shapes" if result.get("preset") else Path(result["model"]).name
     served = f", served with {' '.join(result['serve_args'])}" if result.get("serve_args") else ""
+    if result.get("environment"):  # another run's figures, not a newer one's
+        served += ", under " + " ".join(f"{k}={v}" for k, v in result["environment"].items())
     sizes = ", ".join(str(s["prompt_tokens"]) for s in result["sizes"])
     return f"An agent's turn over HTTP, cold, hot and SSD after a restart, {model}{served}: {sizes} tokens"
 

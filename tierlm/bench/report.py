@@ -225,10 +225,22 @@ def write_json(path: str | Path, kind: str, data: dict, command: str | None = No
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": command,
         "machine": machine_info(),
+        **({"environment": environment} if (environment := run_environment()) else {}),
         **data,
     }
     path.write_text(json.dumps(doc, indent=1, default=_jsonable))
     return path
+
+
+SECRET_PARTS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+
+
+def run_environment() -> dict[str, str]:
+    """The MLX_* and TIERLM_* variables set for this run (the servers it starts
+    inherit them: MLX_USE_CUDA_GRAPHS=0 and =1 are two different runs), but
+    for secrets (an API key)."""
+    return {name: value for name, value in sorted(os.environ.items())
+            if name.startswith(("MLX_", "TIERLM_")) and not any(part in name for part in SECRET_PARTS)}
 
 
 def _jsonable(x):

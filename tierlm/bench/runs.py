@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tierlm.bench.report import progress_bar
+from tierlm.bench.report import progress_bar, run_environment
 from tierlm.bench.servers import default_model_folder
 from tierlm.loadgen.client import LoadConfig, run_load
 from tierlm.loadgen.metrics import summarize
@@ -34,8 +34,10 @@ def concurrencies(text: str) -> list[int]:
 
 
 def command_line(prog: str = "tierlm") -> str:
-    """This process's command line, as `tierlm ...` (or `prog ...`), for the result files."""
-    return prog + " " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    """This process's command line, as `tierlm ...` (or `prog ...`), for the result
+    files, after the MLX and tierlm variables it ran with (`run_environment`)."""
+    settings = [f"{name}={shlex.quote(value)}" for name, value in run_environment().items()]
+    return " ".join([*settings, prog, *(shlex.quote(a) for a in sys.argv[1:])])
 
 
 def default_tokenizer(args) -> str:
