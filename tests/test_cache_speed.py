@@ -87,9 +87,10 @@ def test_a_chain_half_in_memory_half_on_ssd_is_read_from_both(model, written):
     pc.close()
 
 
-def test_both_ways_of_rebuilding_packed_blocks_continue_exactly(model):
-    """One concatenation and views (what a GPU runs) and one concatenation a layer
-    (the CPU) give the same caches, and the next tokens' logits of a full prefill."""
+def _stored_prefix(model):
+    """N blocks of random tokens stored in a prefix cache, five more after them:
+    (tokens, the cache, the blocks a lookup finds, the five's logits over a live
+    cache of the N blocks)."""
     tokens = [int(t) for t in mx.random.randint(0, 256, (N * BLOCK + 5,)).tolist()]
     live = make_prompt_cache(model)
     model(mx.array([tokens[: N * BLOCK]]), cache=live)
@@ -97,6 +98,13 @@ def test_both_ways_of_rebuilding_packed_blocks_continue_exactly(model):
     pc.store(tokens[: N * BLOCK], [], live, 0)
     blocks = pc.lookup(tokens).blocks
     expected = model(mx.array([tokens[N * BLOCK :]]), cache=live)
+    return tokens, pc, blocks, expected
+
+
+def test_both_ways_of_rebuilding_packed_blocks_continue_exactly(model):
+    """One concatenation and views (what a GPU runs) and one concatenation a layer
+    (the CPU) give the same caches, and the next tokens' logits of a full prefill."""
+    tokens, pc, blocks, expected = _stored_prefix(model)
     ways = {"one concatenation": rebuild_packed([b.packed for b in blocks]),
             "a concatenation a layer": pc.rebuild(blocks)}  # this is the CPU
     for way, rebuilt in ways.items():
@@ -111,13 +119,7 @@ def test_a_hit_rebuilt_with_room_enters_a_lone_batch_as_it_is_and_continues_exac
     logits are a full prefill's. Merged with another sequence, mlx-lm's own
     merge copies the rows' tokens alone. (This fails loudly if mlx-lm's
     BatchKVCache changes the fields the lone merge sets.)"""
-    tokens = [int(t) for t in mx.random.randint(0, 256, (N * BLOCK + 5,)).tolist()]
-    live = make_prompt_cache(model)
-    model(mx.array([tokens[: N * BLOCK]]), cache=live)
-    pc = PrefixCache(b"fingerprint", codecs_for(make_prompt_cache(model)), BLOCK, 2**30)
-    pc.store(tokens[: N * BLOCK], [], live, 0)
-    blocks = pc.lookup(tokens).blocks
-    expected = model(mx.array([tokens[N * BLOCK :]]), cache=live)
+    tokens, pc, blocks, expected = _stored_prefix(model)
     room = 256
     for way, rebuilt in {"one concatenation": rebuild_packed([b.packed for b in blocks], room),
                          "a concatenation a layer": pc.rebuild(blocks, None, 0, room)}.items():
