@@ -275,7 +275,7 @@ def _unpadded(cache, mask) -> bool:
     the left, so every row's keys run from 0 to the batch's end. (Its mask
     leaves a right-padded row's last queries unmasked, as "causal" does: they
     are thrown away.) The padding is read back, a few bytes a layer a chunk."""
-    return isinstance(mask, mx.array) and type(cache) is BatchKVCache and not any(cache.left_padding.tolist())
+    return _causal_from_padding(cache, mask) and not any(cache.left_padding.tolist())
 
 
 def _causal_from_padding(cache, mask) -> bool:
