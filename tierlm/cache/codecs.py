@@ -36,12 +36,11 @@ def with_room(like: mx.array, room: int) -> list[mx.array]:
     return [mx.zeros((*like.shape[:2], room, *like.shape[3:]), dtype=like.dtype)] if room else []
 
 
-def kv_cache(keys: mx.array, values: mx.array, tokens: int | None = None) -> KVCache:
-    """A layer's cache holding the first `tokens` (all, if None) of these keys
-    and values (batch, heads, tokens, dim); the rest is room to write into."""
+def kv_cache(keys: mx.array, values: mx.array, tokens: int) -> KVCache:
+    """A layer's cache holding the first `tokens` of these keys and values
+    (batch, heads, tokens, dim); the rest is room to write into."""
     cache = RebuiltKVCache()
-    cache.keys, cache.values = keys, values
-    cache.offset = keys.shape[2] if tokens is None else tokens
+    cache.keys, cache.values, cache.offset = keys, values, tokens
     return cache
 
 
@@ -60,7 +59,7 @@ class RebuiltKVCache(KVCache):
     a hit's whole KV and ~10 operations a layer before its first token. Rebuilt
     with room for its remainder, a lone hit's buffers become the batch's (taken
     out of this object: the batch's writes then go into them in place).
-    tests/test_prefix_cache.py fails loudly if mlx-lm's merge changes."""
+    tests/test_cache_speed.py fails loudly if mlx-lm's merge changes."""
 
     @classmethod
     def merge(cls, caches: list) -> BatchKVCache:
