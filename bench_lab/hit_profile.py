@@ -1,7 +1,10 @@
 """Where a prefix-cache hit's time goes in the engine, in process: a prompt
 of `--context` random tokens (cold), then the same prompt with `--extra` new
 tokens (a hot hit), each through `tierlm.LLM` with one token out; every model
-call and the rebuild of the hit's blocks evaluated at once and timed. Rounds
+call and the rebuild of the hit's blocks evaluated at once and timed. The hot
+hit takes the cold prompt's KV as the batch left it (engine/last_sequence.py;
+no rebuild), or with `--via blocks` is rebuilt from the cached blocks (that KV
+dropped first, as another request would). Rounds
 of new lengths first (each round a context 37 tokens longer and 13 more new
 tokens: shapes the process has not run, as an agent's every turn), then the
 same lengths again (shapes it has run). On an H100 (random Llama-3.2-1B
@@ -72,10 +75,12 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 2)
 
 
-def profile(llm, context: int, extra: int, rounds: int, seed: int = 0, kernels: bool = False) -> list[dict]:
+def profile(llm, context: int, extra: int, rounds: int, seed: int = 0, kernels: bool = False,
+            via: str = "kept") -> list[dict]:
     """Rows of one request each: phase (new/repeat), kind (cold/hot), prompt
     tokens, ms to its end, and the calls timed; with `kernels`, a hot hit's GPU
-    kernels too (bench_lab.gpu_kernels)."""
+    kernels too (bench_lab.gpu_kernels). `via`: "kept" (the engine's way) or
+    "blocks" (the kept KV dropped before each hot hit)."""
     from tierlm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0)
@@ -89,6 +94,8 @@ def profile(llm, context: int, extra: int, rounds: int, seed: int = 0, kernels: 
                 prompt = [rng.randrange(100, vocab - 100) for _ in range(context + 37 * r)]
                 more = [rng.randrange(100, vocab - 100) for _ in range(extra + 13 * r)]
                 for kind, tokens in (("cold", prompt), ("hot", prompt + more)):
+                    if kind == "hot" and via == "blocks":
+                        llm.engine.scheduler.cache.last = None  # the engine is idle between requests
                     timer.calls.clear()
                     found: list = []
                     with gpu_kernels.recorded(found) if kernels and kind == "hot" else nullcontext():
@@ -120,6 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--memory-limit", default=None, help="tierlm's memory budget (default: its own)")
     p.add_argument("--kernels", action="store_true",
                    help="each hot hit's GPU kernels from torch's profiler (needs torch with CUDA)")
+    p.add_argument("--via", choices=("kept", "blocks"), default="kept",
+                   help="the hot hit from the last sequence's KV as kept (the engine's way) or from blocks")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.kernels and (why := gpu_kernels.available()):
@@ -136,11 +145,11 @@ def main(argv=None) -> int:
             while llm.engine.warming:  # a GPU warms its shapes first: they are not what is timed
                 time.sleep(0.2)
             print(f"warmed in {time.perf_counter() - tic:.1f} s more", flush=True)
-            rows = profile(llm, args.context, args.extra, args.rounds, kernels=args.kernels)
+            rows = profile(llm, args.context, args.extra, args.rounds, kernels=args.kernels, via=args.via)
         finally:
             llm.close()
     result = {"model": str(args.model or args.preset or "default"), "context": args.context, "extra": args.extra,
-              "rounds": args.rounds, "medians_ms": medians(rows), "rows": rows}
+              "rounds": args.rounds, "via": args.via, "medians_ms": medians(rows), "rows": rows}
     print({k: round(v, 1) for k, v in result["medians_ms"].items()})
     write_result(args, p, "hit_profile", result)
     return 0

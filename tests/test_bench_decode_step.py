@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench_lab import decode_step
 
 
+@pytest.mark.slow  # a lab instrument: every variant over every cache
 def test_each_variant_over_each_cache_takes_a_step_and_the_attention_is_put_back(model_path, tmp_path):
     from mlx_lm.models import llama  # the default model's module (SmolLM2 is a Llama)
 

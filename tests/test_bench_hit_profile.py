@@ -12,21 +12,27 @@ import pytest
 from bench_lab import gpu_kernels, hit_profile
 
 
-def test_a_hot_hit_is_a_rebuild_and_a_pass_over_the_new_tokens(model_path, tmp_path):
+@pytest.mark.parametrize("via", ["kept", pytest.param("blocks", marks=pytest.mark.slow)])
+def test_a_hot_hit_is_a_pass_over_the_new_tokens_after_a_rebuild_from_blocks_or_none(model_path, tmp_path, via):
     out = tmp_path / "hit-profile.json"
     assert hit_profile.main(["--model", str(model_path), "--context", "200", "--extra", "20", "--rounds", "1",
-                             "--json", str(out)]) == 0
+                             "--via", via, "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = {(r["kind"], r["phase"]): r for r in result["rows"]}
     assert set(rows) == {(k, p) for k in ("cold", "hot") for p in ("new", "repeat")}
     for phase in ("new", "repeat"):
         cold, hot = rows["cold", phase], rows["hot", phase]
         assert not any(c[0] == "rebuild" for c in cold["calls"])
-        assert hot["calls"][0][0] == "rebuild" and hot["calls"][0][1] > 0
+        rebuilt = [c for c in hot["calls"] if c[0] == "rebuild"]
+        if via == "blocks":
+            assert hot["calls"][0][0] == "rebuild" and hot["calls"][0][1] > 0
+        else:  # the cold prompt's KV as the batch left it
+            assert rebuilt == []
         tokens = sum(c[1][1] for c in hot["calls"] if c[0] == "model")  # (1, n) inputs
         assert tokens < hot["prompt_tokens"] // 2  # the cached ones are not computed again
         assert tokens >= 20  # every new one is
     assert set(result["medians_ms"]) == {"cold_new", "hot_new", "cold_repeat", "hot_repeat"}
+    assert result["via"] == via
 
 
 def test_the_call_timer_puts_the_model_and_the_cache_back():

@@ -50,6 +50,7 @@ def test_the_batch_keeps_half_the_bytes_and_answers_as_float32_kv(loaded, float3
     assert float32_kv[1]["hot"] / sizes["hot"] == 2
 
 
+@pytest.mark.slow  # an opt-in layout; its batch and bytes tests above stay in the fast run
 def test_a_hit_and_a_batch_give_the_bits_of_the_prompt_computed_alone(loaded):
     """Over float16 KV as over float32: a document's question answered from
     its cached blocks equals the same prompt computed alone by an engine

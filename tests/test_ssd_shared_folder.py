@@ -71,6 +71,7 @@ def replica(folder: str, cap: int, seed: int, seconds: float, results) -> None:
     results.put({**counts, **{k: v for k, v in tier.snapshot_stats().items() if isinstance(v, int)}})
 
 
+@pytest.mark.slow  # two processes for ~10 s
 def test_two_processes_writing_reading_and_evicting_one_folder(tmp_path):
     cap = 20 * block_bytes()  # a sixth of the key space: both evict all the time
     ctx = multiprocessing.get_context("spawn")

@@ -51,6 +51,9 @@ class Lookup:
     # that leaves the prompt inside) whose first `part_tokens` tokens continue it
     part: Block | None = None
     part_tokens: int = 0
+    # where the last sequence's KV holds at least as much of the prompt: the tokens
+    # it serves instead of these blocks (engine/last_sequence.py)
+    kept_tokens: int = 0
 
     @property
     def tokens(self) -> int:
@@ -87,6 +90,8 @@ class PrefixCacheStats:
     ssd_hit_tokens: int = 0
     preloaded_blocks: int = 0  # read back from SSD before any prompt asked (preload_step)
     preloaded_bytes: int = 0
+    kept_hits: int = 0  # hits served from the last sequence's KV as it was (no rebuild)
+    kept_hit_tokens: int = 0
 
 
 def kv_root(fingerprint: bytes, kv_bits: int, keys_tag: str = "") -> bytes:
@@ -145,6 +150,9 @@ class PrefixCache:
             + (f";{keys_tag}" if keys_tag else "")
         self.ssd = SSDTier(ssd_dir, ssd_bytes, fingerprint, self.signature) if ssd_dir else None
         self.write_through = write_through
+        # the last sequence's KV as the batch left it (engine/last_sequence.py), kept
+        # by the engine for its next turn; dropped with the rest of the cache
+        self.last = None
         self._preload_keys: deque[bytes] | None = None  # preload_step's files still to read, newest first
         if self.ssd is not None and not write_through:
             self.hot.on_evict = self.ssd.enqueue  # write-back: blocks leaving memory go to SSD
@@ -276,9 +284,11 @@ class PrefixCache:
         s = self.stats
         s.lookups += 1
         s.lookup_tokens += prompt_len
-        s.hit_tokens += result.tokens
+        s.hit_tokens += max(result.tokens, result.kept_tokens)
+        s.kept_hits += bool(result.kept_tokens)
+        s.kept_hit_tokens += result.kept_tokens
         s.part_hit_tokens += result.part_tokens
-        if result.tokens:
+        if result.tokens or result.kept_tokens:
             s.hits += 1
         else:
             s.misses += 1
@@ -405,6 +415,7 @@ class PrefixCache:
         """Drop the hot tier (without writing it back) and, if asked, every SSD file;
         what preloading had left to read back is not read (it would refill the tier)."""
         self._preload_keys = deque()
+        self.last = None
         on_evict, self.hot.on_evict = self.hot.on_evict, None
         dropped = self.hot.clear()
         self.hot.on_evict = on_evict
@@ -417,6 +428,7 @@ class PrefixCache:
         then the hot tier is dropped, which frees its arrays."""
         if self.ssd is not None:
             self._write_back(time.monotonic() + timeout_s)
+        self.last = None
         self.hot.drop()
 
     def _write_back(self, deadline: float) -> None:
@@ -454,6 +466,10 @@ class PrefixCache:
             "stored_blocks": s.stored_blocks,
             "stored_parts": s.stored_parts,
             "part_hit_tokens": s.part_hit_tokens,
+            "kept_hits": s.kept_hits,
+            "kept_hit_tokens": s.kept_hit_tokens,
+            "kept_sequence_tokens": len(self.last.tokens) if self.last is not None else 0,
+            "kept_sequence_bytes": self.last.nbytes if self.last is not None else 0,
             "evictions": self.hot.stats.evictions,
             "collisions": s.collisions,
             "hot_hit_tokens": s.hit_tokens - s.ssd_hit_tokens,

@@ -23,12 +23,13 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from tierlm.cache.hot_tier import Block
-from tierlm.cache.prefix_cache import PrefixCache
+from tierlm.cache.prefix_cache import MIN_PART_TOKENS, PrefixCache
 from tierlm.engine.detokenizer import IncrementalText, byte_level_table
 from tierlm.engine.folded_prompt import can_fold
 from tierlm.engine.lockstep import Lockstep, StepPlan
 from tierlm.engine.memory_guard import MemoryGuard
 from tierlm.engine.half_kv import batch_slots
+from tierlm.engine.last_sequence import LastSequence, whole_kv
 from tierlm.engine.quantized_kv import dequantized
 from tierlm.engine.request import FinishReason, MemoryGuardError, Request, RequestOutput
 from tierlm.engine.sampling import make_request_processors, make_request_sampler, repair_random_state
@@ -247,6 +248,7 @@ class Scheduler:
             self._advance()
             self.counters.steps += 1
             self.counters.step_seconds += time.perf_counter() - tic
+        self._gen.speculation.left_behind = None  # a row's whole KV, not taken by its end: freed
 
     def _take_incoming(self) -> None:
         while not self._incoming.empty():
@@ -403,6 +405,7 @@ class Scheduler:
             return chosen
         # what running requests may still grow into, plus what this step admits
         promised, deferred = self._growth_ahead(), []
+        claimed = False  # the last sequence taken by a request of this step
         while self.waiting and len(self.running) + len(chosen) < self.config.max_running:
             request = self.waiting.popleft()
             n, max_tokens = len(request.prompt_tokens), request.params.max_tokens
@@ -412,7 +415,9 @@ class Scheduler:
                 self.counters.refused_requests += 1
                 self._error(request, str(e), error_type="memory")
                 continue
-            needed = self.guard.request_bytes(n, max_tokens)
+            kept = 0 if claimed else self._reach_of_last(request)
+            # a request continuing the last sequence writes into its buffers, already held
+            needed = max(0, self.guard.request_bytes(n, max_tokens) - (self.cache.last.nbytes if kept else 0))
             if (self.running or promised) and not self._make_room(needed, promised):
                 self.waiting.appendleft(request)
                 break  # it fits alone: wait until running requests free memory
@@ -427,6 +432,10 @@ class Scheduler:
                 self._deferred_keys[request.request_id] = lookup.keys
                 continue
             promised += needed
+            if kept and kept >= lookup.tokens:  # its turn's KV as it is, rather than the blocks
+                lookup.kept_tokens, claimed = kept, True
+            elif kept:
+                self.cache.last = None
             chosen.append((request, lookup))
             if lookup:  # a later request of this step with the same prefix waits for it
                 for key in lookup.keys[len(lookup.blocks) :]:
@@ -452,6 +461,19 @@ class Scheduler:
                 self.counters.failed_requests += 1
                 self._error(request, str(e))
 
+    def _reach_of_last(self, request: Request) -> int:
+        """How much of the request's prompt the last sequence's KV holds (0: none,
+        and the last sequence is dropped: it is kept only for its next turn). A
+        few shared tokens (a chat template's first ones) are no hit, as for a
+        part block alone."""
+        last = self.cache.last if self.cache is not None else None
+        if last is None:
+            return 0
+        reach = last.reach(request.prompt_tokens)
+        if reach < MIN_PART_TOKENS:
+            self.cache.last, reach = None, 0
+        return reach
+
     def _lookup(self, request: Request):
         if self.cache is None:
             return None
@@ -476,6 +498,9 @@ class Scheduler:
         """Whether a request of `needed` bytes fits now, evicting cached blocks if
         that is what it takes."""
         missing = self.guard.shortfall(needed, promised)
+        if missing and self.cache is not None and self.cache.last is not None:
+            self.cache.last = None  # cheaper to lose than blocks: its blocks are cached too
+            missing = self.guard.shortfall(needed, promised)
         if missing and self.cache is not None and self.cache.hot.nbytes:
             self.cache.hot.evict_to(max(0, self.cache.hot.nbytes - missing))
             missing = self.guard.shortfall(needed, promised)
@@ -511,7 +536,11 @@ class Scheduler:
             c = self.config
             plain = c.kv_bits == 16 and not c.kv_half  # the batch keeps the KV as the rebuild gives it
             room = _room_for(len(prompt) - hit) if plain else 0
-            caches = [self.cache.rebuild(lookup.blocks, lookup.part, lookup.part_tokens, room)] if hit else None
+            if lookup and lookup.kept_tokens:  # the last sequence's buffers (engine/last_sequence.py)
+                hit, last, self.cache.last = lookup.kept_tokens, self.cache.last, None
+                caches = [last.take(hit)]
+            else:
+                caches = [self.cache.rebuild(lookup.blocks, lookup.part, lookup.part_tokens, room)] if hit else None
             if not plain:
                 caches = [batch_slots(caches[0] if caches else make_prompt_cache(self.model), c.kv_bits, c.kv_half,
                                       c.key_scales, c.kv_tail)]
@@ -634,7 +663,7 @@ class Scheduler:
                 if r.finish_reason is None:
                     stopped.append(r.uid)  # a stop string: BatchGenerator still runs it
                 elif self.cache is not None:
-                    self._store(state, r.all_tokens, r.prompt_cache)
+                    self._store(state, r.all_tokens, self._kept_whole(r.uid, r.all_tokens, r.prompt_cache))
                 self._finish(r.uid)
         if scored:
             self._record_logprobs(scored)
@@ -744,8 +773,22 @@ class Scheduler:
     def _remove(self, uids: list[int]) -> None:
         """Take sequences out of the batch, storing the blocks they computed."""
         extracted = self._gen.remove(uids, return_prompt_caches=self.cache is not None)
-        for caches, tokens in extracted.values():
-            self._store(None, tokens, caches)
+        for uid, (caches, tokens) in extracted.items():
+            self._store(None, tokens, self._kept_whole(uid, tokens, caches))
+
+    def _kept_whole(self, uid: int, tokens: list[int], extracted: list) -> list:
+        """The caches a leaving sequence is stored from: where it was the batch's
+        last row and its KV plain, its batch buffers as they are, kept as the last
+        sequence too (engine/last_sequence.py); else the copy the batch extracted."""
+        behind = self._gen.speculation.take_left_behind(uid)
+        c = self.config
+        if behind is None or self.lockstep is not None or c.kv_bits != 16 or c.kv_half:
+            return extracted
+        whole = whole_kv(behind, len(tokens))
+        if whole is None:
+            return extracted
+        self.cache.last = LastSequence(list(tokens), whole)
+        return whole
 
     def _store(self, state: _Running | None, tokens: list[int], caches: list) -> None:
         """Keep the computed blocks, at the start of the next step (`_flush_stores`)."""

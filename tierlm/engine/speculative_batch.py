@@ -33,6 +33,7 @@ from tierlm.engine.first_token import FirstTokensFirst
 from tierlm.engine.folded_prompt import FoldedEnds, FoldingPromptBatch
 from tierlm.engine.quantized_kv import QuantizedBatchKVCache
 from tierlm.engine.half_kv import HalfBatchKVCache, RaggedHalfBatchKVCache
+from tierlm.engine.last_sequence import LeavesLastRow
 from tierlm.engine.ragged_kv import RaggedBatchKVCache, RaggedWindowKVCache
 from tierlm.engine.ragged_quantized_kv import RaggedQuantizedBatchKVCache
 from tierlm.engine.sampling import RandomSampler
@@ -141,7 +142,7 @@ class AlternateDrafting(SpeculationSwitch):
         return self.drafting
 
 
-class SpeculativeBatch(FirstTokensFirst):
+class SpeculativeBatch(LeavesLastRow, FirstTokensFirst):
     """A GenerationBatch whose steps verify prompt-lookup drafts. Sequences draft
     only when `limits[uid]` (their request's draft length) is set, greedy or
     sampled (a RandomSampler draws each position with the key a plain step would
