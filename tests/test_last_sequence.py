@@ -132,3 +132,87 @@ def test_an_edited_history_takes_what_it_still_shares_and_clearing_drops_it(load
     assert again.token_ids == computed.token_ids
     assert [lp for _, lp, _ in again.logprobs] == pytest.approx([lp for _, lp, _ in computed.logprobs], abs=1e-3)
     assert cleared["kept_sequence_bytes"] == 0
+
+
+def scheduler_run(loaded, steps):
+    """`steps(scheduler)` on an engine's worker thread (blocks of 16 tokens, no drafts)."""
+
+    async def go():
+        engine = await started(loaded, cache_block_size=16, speculation="off")
+        try:
+            return await engine.on_worker(steps, engine.scheduler)
+        finally:
+            await engine.close()
+
+    return run(go())
+
+
+def rivers(tokenizer) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the rivers of Europe, " * 3}],
+                                         add_generation_prompt=True)
+
+
+def drain(s) -> list:
+    outputs = []
+    while s.has_work():
+        s.step()
+        outputs += s.take_outputs()
+    return outputs
+
+
+def test_an_aborted_turns_blocks_keep_its_kv_when_the_next_turn_writes_into_its_buffers(loaded):
+    """An abort's blocks are stored a step late: the next turn, admitted in the
+    same step, takes the buffers and writes into them first. The blocks stored
+    for the aborted tokens still hold their own KV (as computed afresh)."""
+    model, tokenizer = loaded
+    prompt = rivers(tokenizer)
+
+    def steps(s):
+        s.add_request(Request("r1", prompt, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)))
+        got = []
+        while len(got) < 40:
+            s.step()
+            got += [t for o in s.take_outputs() for t in o.token_ids]
+        s.abort("r1")
+        s.add_request(Request("r2", prompt + got[:5] + [1234] * 40, SamplingParams(max_tokens=3, temperature=0)))
+        s.step()  # the abort queues r1's blocks and keeps its KV; r2 takes it and is written in place
+        stored = s._to_store[0][1]
+        kept_hits = s.cache.stats.kept_hits
+        drain(s)
+        lookup = s.cache.lookup(stored + [0])
+        rebuilt = s.cache.rebuild(lookup.blocks, lookup.part, lookup.part_tokens)
+        fresh = [KVCache() for _ in rebuilt]
+        model(mx.array([stored]), cache=fresh)
+        n = lookup.tokens
+        return kept_hits, n, len(stored), all(mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-2).item()
+                                              for a, b in zip(rebuilt, fresh))
+
+    kept_hits, hit, stored, same = scheduler_run(loaded, steps)
+    assert kept_hits == 1 and hit == stored and same
+
+
+def test_a_memory_shortfall_in_the_step_a_turn_takes_the_kept_kv_leaves_it_with_the_turn(loaded, monkeypatch):
+    """Memory short for a later request of the same step (a shortfall forced
+    once: it cannot be timed for real) drops what is kept, not the KV the next
+    turn was admitted with; both requests answer."""
+    prompt = rivers(loaded[1])
+
+    def steps(s):
+        s.add_request(Request("r1", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)))
+        got = [t for o in drain(s) for t in o.token_ids]
+        s.add_request(Request("r2", prompt + got + [5] * 20, SamplingParams(max_tokens=2, temperature=0)))
+        s.add_request(Request("r3", [9] * 50, SamplingParams(max_tokens=2, temperature=0)))
+        calls = []
+
+        def shortfall(needed, promised=0):
+            calls.append(promised)
+            return 1 if promised and len(calls) == 1 else 0
+
+        monkeypatch.setattr(s.guard, "shortfall", shortfall)
+        s.step()
+        monkeypatch.undo()
+        outputs = s.take_outputs() + drain(s)
+        return s.cache.stats.kept_hits, [(o.request_id, o.error) for o in outputs if o.finished]
+
+    kept_hits, ends = scheduler_run(loaded, steps)
+    assert kept_hits == 1 and sorted(ends) == [("r2", None), ("r3", None)]

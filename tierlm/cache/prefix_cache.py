@@ -51,8 +51,10 @@ class Lookup:
     # that leaves the prompt inside) whose first `part_tokens` tokens continue it
     part: Block | None = None
     part_tokens: int = 0
-    # where the last sequence's KV holds at least as much of the prompt: the tokens
-    # it serves instead of these blocks (engine/last_sequence.py)
+    # where the last sequence's KV holds at least as much of the prompt: that
+    # sequence (taken out of the cache for this request) and the tokens it serves
+    # instead of these blocks (engine/last_sequence.py)
+    kept: object | None = None
     kept_tokens: int = 0
 
     @property
@@ -287,7 +289,7 @@ class PrefixCache:
         s.hit_tokens += max(result.tokens, result.kept_tokens)
         s.kept_hits += bool(result.kept_tokens)
         s.kept_hit_tokens += result.kept_tokens
-        s.part_hit_tokens += result.part_tokens
+        s.part_hit_tokens += 0 if result.kept_tokens else result.part_tokens
         if result.tokens or result.kept_tokens:
             s.hits += 1
         else:

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from tierlm.cache.hot_tier import Block
+from tierlm.cache.codecs import kv_cache
 from tierlm.cache.prefix_cache import MIN_PART_TOKENS, PrefixCache
 from tierlm.engine.detokenizer import IncrementalText, byte_level_table
 from tierlm.engine.folded_prompt import can_fold
@@ -355,6 +356,8 @@ class Scheduler:
             self._error(state.request, message)
             self.counters.failed_requests += 1
         self._faults.clear()
+        if self.cache is not None:
+            self.cache.last = None
         try:
             self._flush_stores()
         except Exception:
@@ -405,7 +408,6 @@ class Scheduler:
             return chosen
         # what running requests may still grow into, plus what this step admits
         promised, deferred = self._growth_ahead(), []
-        claimed = False  # the last sequence taken by a request of this step
         while self.waiting and len(self.running) + len(chosen) < self.config.max_running:
             request = self.waiting.popleft()
             n, max_tokens = len(request.prompt_tokens), request.params.max_tokens
@@ -415,10 +417,11 @@ class Scheduler:
                 self.counters.refused_requests += 1
                 self._error(request, str(e), error_type="memory")
                 continue
-            kept = 0 if claimed else self._reach_of_last(request)
+            kept = self._reach_of_last(request)
             # a request continuing the last sequence writes into its buffers, already held
-            needed = max(0, self.guard.request_bytes(n, max_tokens) - (self.cache.last.nbytes if kept else 0))
-            if (self.running or promised) and not self._make_room(needed, promised):
+            full = self.guard.request_bytes(n, max_tokens)
+            needed = max(0, full - self.cache.last.nbytes) if kept else full
+            if (self.running or promised) and not self._make_room(needed, promised, keep_last=bool(kept)):
                 self.waiting.appendleft(request)
                 break  # it fits alone: wait until running requests free memory
             if not (self.running or promised) and (missing := self._beside_others(needed)):
@@ -431,11 +434,11 @@ class Scheduler:
                 deferred.append(request)  # another request is computing this prefix now
                 self._deferred_keys[request.request_id] = lookup.keys
                 continue
-            promised += needed
             if kept and kept >= lookup.tokens:  # its turn's KV as it is, rather than the blocks
-                lookup.kept_tokens, claimed = kept, True
-            elif kept:
-                self.cache.last = None
+                lookup.kept, lookup.kept_tokens, self.cache.last = self.cache.last, kept, None
+            elif kept:  # the blocks hold more: it is rebuilt, its whole KV new
+                self.cache.last, needed = None, full
+            promised += needed
             chosen.append((request, lookup))
             if lookup:  # a later request of this step with the same prefix waits for it
                 for key in lookup.keys[len(lookup.blocks) :]:
@@ -494,11 +497,12 @@ class Scheduler:
         promised = self.guard.request_bytes(len(state.request.prompt_tokens), max_tokens)
         return max(0, promised - self.guard.profile.kv_bytes_per_token * state.prefilled_tokens)
 
-    def _make_room(self, needed: int, promised: int) -> bool:
+    def _make_room(self, needed: int, promised: int, keep_last: bool = False) -> bool:
         """Whether a request of `needed` bytes fits now, evicting cached blocks if
-        that is what it takes."""
+        that is what it takes (and the last sequence first, unless the request
+        continues it: `keep_last`)."""
         missing = self.guard.shortfall(needed, promised)
-        if missing and self.cache is not None and self.cache.last is not None:
+        if missing and not keep_last and self.cache is not None and self.cache.last is not None:
             self.cache.last = None  # cheaper to lose than blocks: its blocks are cached too
             missing = self.guard.shortfall(needed, promised)
         if missing and self.cache is not None and self.cache.hot.nbytes:
@@ -536,9 +540,8 @@ class Scheduler:
             c = self.config
             plain = c.kv_bits == 16 and not c.kv_half  # the batch keeps the KV as the rebuild gives it
             room = _room_for(len(prompt) - hit) if plain else 0
-            if lookup and lookup.kept_tokens:  # the last sequence's buffers (engine/last_sequence.py)
-                hit, last, self.cache.last = lookup.kept_tokens, self.cache.last, None
-                caches = [last.take(hit)]
+            if lookup and lookup.kept is not None:  # the last sequence's buffers (engine/last_sequence.py)
+                hit, caches = lookup.kept_tokens, [lookup.kept.take(lookup.kept_tokens)]
             else:
                 caches = [self.cache.rebuild(lookup.blocks, lookup.part, lookup.part_tokens, room)] if hit else None
             if not plain:
@@ -775,6 +778,7 @@ class Scheduler:
         extracted = self._gen.remove(uids, return_prompt_caches=self.cache is not None)
         for uid, (caches, tokens) in extracted.items():
             self._store(None, tokens, self._kept_whole(uid, tokens, caches))
+        self._gen.speculation.left_behind = None  # without a prefix cache, or outside a step: freed
 
     def _kept_whole(self, uid: int, tokens: list[int], extracted: list) -> list:
         """The caches a leaving sequence is stored from: where it was the batch's
@@ -788,7 +792,11 @@ class Scheduler:
         if whole is None:
             return extracted
         self.cache.last = LastSequence(list(tokens), whole)
-        return whole
+        # Stored from views of the buffers as they are now: an abort's blocks are
+        # stored a step late, and the next turn may have taken and written into
+        # the buffers meanwhile (its write then copies instead of going in place).
+        n = len(tokens)
+        return [kv_cache(c.keys[..., :n, :], c.values[..., :n, :], n) for c in whole]
 
     def _store(self, state: _Running | None, tokens: list[int], caches: list) -> None:
         """Keep the computed blocks, at the start of the next step (`_flush_stores`)."""
