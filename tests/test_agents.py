@@ -24,6 +24,7 @@ import subprocess
 from pathlib import Path
 
 import agents_install
+import httpx
 import pytest
 from conftest import AGENT_KEY as KEY
 
@@ -105,10 +106,19 @@ def test_claude_code_completes_turns_and_the_second_reads_the_first_from_cache(a
     prompt = first["usage"]["input_tokens"] + first["usage"]["cache_read_input_tokens"]
     assert prompt > 2000  # Claude Code's own system prompt and tools were there
 
+    kept_before = kept_hits(qwen_server)
     second = claude_turn(agents, qwen_server, tmp_path, "Thank you.", "--continue")
     assert second["result"].strip()
     # everything the first turn sent but its last, partial cache block
     assert second["usage"]["cache_read_input_tokens"] >= prompt - 256, (first["usage"], second["usage"])
+    # from the first turn's KV as the batch left it: no side request came between
+    # (engine/last_sequence.py keeps one sequence)
+    assert kept_hits(qwen_server) == kept_before + 1
+
+
+def kept_hits(srv) -> int:
+    stats = httpx.get(srv.v1 + "/cache/stats", headers={"Authorization": f"Bearer {KEY}"}).json()
+    return stats["prefix_cache"]["kept_hits"]
 
 
 def _codex_config(srv, home: Path) -> None:
