@@ -2,8 +2,8 @@
 out of the installed package. Each runs from the repository root as
 `python -m bench_lab.<name> --help`: streaming, constrained, embeddings, roofline,
 make_model, soak, models_bench, docs, cache_figures, replicas, distributed,
-request_path, agent_session, new_lengths, kv_bits, kv_quality, decode_step, hit_profile, speculation_batch,
-speculation_steps, speculation_trace. They import tierlm and tierlm.bench (what users run);
+request_path, agent_session, new_lengths, kv_bits, kv_quality, decode_step, hit_profile,
+hit_trace, speculation_batch, speculation_steps, speculation_trace. They import tierlm and tierlm.bench (what users run);
 nothing in tierlm imports them."""
 
 from __future__ import annotations
