@@ -27,7 +27,7 @@ import random
 import statistics
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from bench_lab import add_model_args, gpu_kernels, lab_parser, model_folder, write_result
@@ -75,6 +75,40 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 2)
 
 
+def round_prompts(rng: random.Random, vocab: int, context: int, extra: int, r: int) -> tuple[list, list]:
+    """Round r's cold prompt (`context` + 37 r random tokens) and its hot hit (it
+    and `extra` + 13 r more): lengths no earlier round ran, as an agent's turns."""
+    cold = [rng.randrange(100, vocab - 100) for _ in range(context + 37 * r)]
+    return cold, cold + [rng.randrange(100, vocab - 100) for _ in range(extra + 13 * r)]
+
+
+def drop_kept(llm) -> None:
+    """Drop the last sequence's kept KV, as another request would: the next hit
+    is rebuilt from blocks (the engine is idle between requests)."""
+    llm.engine.scheduler.cache.last = None
+
+
+@contextmanager
+def warmed_llm(args, prefix: str, **options):
+    """tierlm.LLM on --model (or --preset's random weights, written under a
+    temporary folder), the hot tier only (blocks an earlier run left on the SSD
+    would make a cold prompt a hit), once it has warmed its shapes (a GPU's:
+    they are not what is timed); closed after."""
+    from tierlm import LLM
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as work:
+        llm = LLM(str(model_folder(args, Path(work))), prefix_cache=True, ssd_cache=False, max_concurrent_requests=4,
+                  **options)
+        try:
+            tic = time.perf_counter()
+            while llm.engine.warming:
+                time.sleep(0.2)
+            print(f"warmed in {time.perf_counter() - tic:.1f} s more", flush=True)
+            yield llm
+        finally:
+            llm.close()
+
+
 def profile(llm, context: int, extra: int, rounds: int, seed: int = 0, kernels: bool = False,
             via: str = "kept") -> list[dict]:
     """Rows of one request each: phase (new/repeat), kind (cold/hot), prompt
@@ -91,11 +125,9 @@ def profile(llm, context: int, extra: int, rounds: int, seed: int = 0, kernels: 
     with timer:
         for phase in ("new", "repeat"):
             for r in range(rounds):
-                prompt = [rng.randrange(100, vocab - 100) for _ in range(context + 37 * r)]
-                more = [rng.randrange(100, vocab - 100) for _ in range(extra + 13 * r)]
-                for kind, tokens in (("cold", prompt), ("hot", prompt + more)):
+                for kind, tokens in zip(("cold", "hot"), round_prompts(rng, vocab, context, extra, r)):
                     if kind == "hot" and via == "blocks":
-                        llm.engine.scheduler.cache.last = None  # the engine is idle between requests
+                        drop_kept(llm)
                     timer.calls.clear()
                     found: list = []
                     with gpu_kernels.recorded(found) if kernels and kind == "hot" else nullcontext():
@@ -133,21 +165,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.kernels and (why := gpu_kernels.available()):
         p.error(f"--kernels: {why}")
-    from tierlm import LLM
-
-    with tempfile.TemporaryDirectory(prefix="tierlm-hit-profile-") as work:
-        model = model_folder(args, Path(work))
-        options = {"memory_limit": args.memory_limit} if args.memory_limit else {}
-        # the hot tier only: blocks an earlier run left on the SSD would make a cold prompt a hit
-        llm = LLM(str(model), prefix_cache=True, ssd_cache=False, max_concurrent_requests=4, **options)
-        try:
-            tic = time.perf_counter()
-            while llm.engine.warming:  # a GPU warms its shapes first: they are not what is timed
-                time.sleep(0.2)
-            print(f"warmed in {time.perf_counter() - tic:.1f} s more", flush=True)
-            rows = profile(llm, args.context, args.extra, args.rounds, kernels=args.kernels, via=args.via)
-        finally:
-            llm.close()
+    options = {"memory_limit": args.memory_limit} if args.memory_limit else {}
+    with warmed_llm(args, "tierlm-hit-profile-", **options) as llm:
+        rows = profile(llm, args.context, args.extra, args.rounds, kernels=args.kernels, via=args.via)
     result = {"model": str(args.model or args.preset or "default"), "context": args.context, "extra": args.extra,
               "rounds": args.rounds, "via": args.via, "medians_ms": medians(rows), "rows": rows}
     print({k: round(v, 1) for k, v in result["medians_ms"].items()})

@@ -19,12 +19,11 @@ from __future__ import annotations
 import functools
 import importlib
 import random
-import tempfile
 import threading
 import time
-from pathlib import Path
 
-from bench_lab import add_model_args, lab_parser, model_folder, write_result
+from bench_lab import add_model_args, lab_parser, write_result
+from bench_lab.hit_profile import drop_kept, round_prompts, warmed_llm
 
 # module:qualified name of what is timed
 TRACED = (
@@ -84,16 +83,14 @@ def trace(llm, context: int, rounds: int, extra: int = 40, seed: int = 0) -> lis
 
     params = SamplingParams(max_tokens=1, temperature=0)
     rng = random.Random(seed)
-    vocab = llm.vocab_size
     rows = []
     with Timeline() as timeline:
         for r in range(rounds):
-            cold = [rng.randrange(100, vocab - 100) for _ in range(context + 37 * r)]
-            hot = cold + [rng.randrange(100, vocab - 100) for _ in range(extra + 13 * (r % 3))]
+            cold, hot = round_prompts(rng, llm.vocab_size, context, extra, r)
             llm.generate([cold], params, progress=False)
             via = "blocks" if r % 2 else "kept"
             if via == "blocks":
-                llm.engine.scheduler.cache.last = None  # the engine is idle between requests
+                drop_kept(llm)
             time.sleep(0.3)  # the cold prompt's blocks stored
             timeline.events.clear()
             tic = time.perf_counter()
@@ -119,16 +116,8 @@ def main(argv=None) -> int:
     p.add_argument("--show", type=int, default=2, help="timelines printed (the last rounds')")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    from tierlm import LLM
-
-    with tempfile.TemporaryDirectory(prefix="tierlm-hit-trace-") as work:
-        llm = LLM(str(model_folder(args, Path(work))), prefix_cache=True, ssd_cache=False, max_concurrent_requests=4)
-        try:
-            while llm.engine.warming:  # a GPU warms its shapes first
-                time.sleep(0.2)
-            rows = trace(llm, args.context, args.rounds)
-        finally:
-            llm.close()
+    with warmed_llm(args, "tierlm-hit-trace-") as llm:
+        rows = trace(llm, args.context, args.rounds)
     for row in rows[:-args.show] if args.show else rows:
         print(f"hot {row['prompt_tokens']} via {row['via']}: {row['ms']} ms")
     for row in rows[-args.show:] if args.show else []:
