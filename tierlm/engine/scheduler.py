@@ -538,7 +538,7 @@ class Scheduler:
             sampler = self._sampler(params, on_fault)
             processors = [] if self.following else make_request_processors(params, on_fault)
             c = self.config
-            plain = c.kv_bits == 16 and not c.kv_half  # the batch keeps the KV as the rebuild gives it
+            plain = self._plain_kv  # the batch keeps the KV as the rebuild gives it
             room = _room_for(len(prompt) - hit) if plain else 0
             if lookup and lookup.kept is not None:  # the last sequence's buffers (engine/last_sequence.py)
                 hit, caches = lookup.kept_tokens, [lookup.kept.take(lookup.kept_tokens)]
@@ -785,8 +785,7 @@ class Scheduler:
         last row and its KV plain, its batch buffers as they are, kept as the last
         sequence too (engine/last_sequence.py); else the copy the batch extracted."""
         behind = self._gen.speculation.take_left_behind(uid)
-        c = self.config
-        if behind is None or self.lockstep is not None or c.kv_bits != 16 or c.kv_half:
+        if behind is None or self.lockstep is not None or not self._plain_kv:
             return extracted
         whole = whole_kv(behind, len(tokens))
         if whole is None:
@@ -796,7 +795,13 @@ class Scheduler:
         # stored a step late, and the next turn may have taken and written into
         # the buffers meanwhile (its write then copies instead of going in place).
         n = len(tokens)
-        return [kv_cache(c.keys[..., :n, :], c.values[..., :n, :], n) for c in whole]
+        return [kv_cache(layer.keys[..., :n, :], layer.values[..., :n, :], n) for layer in whole]
+
+    @property
+    def _plain_kv(self) -> bool:
+        """Whether the batch keeps 16-bit KV in mlx-lm's own layout (not quantized
+        or halved: half_kv.batch_slots)."""
+        return self.config.kv_bits == 16 and not self.config.kv_half
 
     def _store(self, state: _Running | None, tokens: list[int], caches: list) -> None:
         """Keep the computed blocks, at the start of the next step (`_flush_stores`)."""
