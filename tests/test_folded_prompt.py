@@ -7,9 +7,10 @@
 - The generator: rows folded, ragged, beside a row that is not, give the tokens
   and log-probabilities of the same rows unfolded (this also fails loudly if
   mlx-lm's prompt batch changes what folded_prompt reaches into).
-- The engine on the default model: a chat's next turn runs one model call before
-  its first token's step (not two) and takes no copy of the cache, and answers as
-  it did unfolded.
+- The engine on the default model: a chat's next turn, short or a tool output
+  past a block, runs one model call before its first token's step (not two) and
+  takes no copy of the cache but one to store the blocks it completed past a
+  block, and answers as it did unfolded.
 """
 
 from __future__ import annotations
@@ -106,7 +107,14 @@ def test_folded_rows_answer_as_unfolded_ones(name):
             assert mx.allclose(a, b, atol=1e-4).item()
 
 
-def test_a_chats_next_turn_runs_one_model_call_before_its_first_token(loaded, monkeypatch):
+# a short next turn (within a block of 64), and a tool output's worth (past a
+# block, within a prefill chunk of 256 on the CPU)
+NEXT_TURNS = {"short": "\nAnd in winter?",
+              "long": "\nHere is the log:\n" + "".join(f"line {i}: ok, 12 ms\n" for i in range(14))}
+
+
+@pytest.mark.parametrize("turn_kind", sorted(NEXT_TURNS))
+def test_a_chats_next_turn_runs_one_model_call_before_its_first_token(loaded, monkeypatch, turn_kind):
     model = loaded[0]
     calls, copies = [], []
 
@@ -119,7 +127,7 @@ def test_a_chats_next_turn_runs_one_model_call_before_its_first_token(loaded, mo
         monkeypatch.setattr(gen, "extract_cache", lambda uids: copies.append(uids) or real_extract(uids))
         first = request(loaded, engine, max_tokens=12)
         out = await engine.generate(first)
-        turn = first.prompt_tokens + out.token_ids + loaded[1].encode("\nAnd in winter?")
+        turn = first.prompt_tokens + out.token_ids + loaded[1].encode(NEXT_TURNS[turn_kind])
         real_call = type(model).__call__
         monkeypatch.setattr(type(model), "__call__", lambda self, x, **k: calls.append(x.shape) or real_call(self, x, **k))
         calls.clear(), copies.clear()
@@ -131,9 +139,11 @@ def test_a_chats_next_turn_runs_one_model_call_before_its_first_token(loaded, mo
     length, folded, folded_calls, folded_copies = run(go(fold=True))
     _, plain, plain_calls, plain_copies = run(go(fold=False))
     remainder = length - folded.cached_tokens
-    assert 1 < remainder <= 64
+    assert (1 < remainder <= 64) if turn_kind == "short" else (64 < remainder <= 256)
     # the first token comes out before a second step is sent (engine.first_token)
-    assert folded_calls == [(1, remainder)] and folded_copies == []
+    assert folded_calls == [(1, remainder)]
+    # past a block, its blocks are stored after its first step: one copy then
+    assert len(folded_copies) == (0 if turn_kind == "short" else 1)
     assert plain_calls == [(1, remainder - 1), (1, 1)] and len(plain_copies) == 1
     assert folded.token_ids == plain.token_ids
 

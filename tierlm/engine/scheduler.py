@@ -84,6 +84,9 @@ class _Running:
     deferrable: bool = False
     fast: bool = False
     new: list[int] = field(default_factory=list)
+    # its prompt's end, past a block, runs with its last token in its first step
+    # (folded_prompt): the blocks it completes are stored right after that step
+    folded_blocks: bool = False
 
 
 @dataclass
@@ -100,6 +103,15 @@ class SchedulerCounters:
     proposed_tokens: int = 0  # draft tokens verified
     accepted_tokens: int = 0  # of them, kept
     speculative_steps: int = 0  # steps that verified drafts
+
+
+def _all_but_last(prompt: list[int], caches: list) -> tuple[list, list[int]]:
+    """A folded prompt's KV (all of it, once its first step ran) and tokens as a
+    prompt batch leaves them, all but the last token: a repeat of the prompt,
+    which computes at least that token, then finds the part block after its
+    whole blocks (by its key, on the SSD tier after a restart)."""
+    n = len(prompt) - 1
+    return [kv_cache(c.keys, c.values, n) for c in dequantized(caches)], prompt[:n]
 
 
 def _room_for(remainder: int) -> int:
@@ -187,12 +199,12 @@ class Scheduler:
         return gen
 
     def _fold_limit(self) -> int:
-        """The longest prompt end computed in one pass with its last token. With a
-        prefix cache, a block: a longer end completes blocks that the prompt batch
-        stores as soon as it has them, for requests that arrive meanwhile."""
-        if not can_fold(self.model):
-            return 0
-        return self.config.prefill_step_size if self.cache is None else self.cache.block_size
+        """The longest prompt end computed in one pass with its last token: a
+        prefill chunk (an agent's tool output after a hit: one pass over the
+        context, not a prompt pass and then a step over the context again). An
+        end longer than a block has its blocks stored right after that pass
+        (`_advance`), for requests that came meanwhile with the same start."""
+        return self.config.prefill_step_size if can_fold(self.model) else 0
 
     def _draft_limit(self, params) -> int:
         """Draft tokens the request's sequence may verify a step (0: none): its
@@ -567,6 +579,8 @@ class Scheduler:
             raise
         state = _Running(request, text, cached_tokens=hit, progress=(0, 0, time.monotonic()),
                          deferrable=not text.watches_stops and params.logprobs is None)
+        if self.cache is not None:
+            state.folded_blocks = len(self._gen.folds.by_uid.get(uid, ())) > self.cache.block_size
         if limit := self._draft_limit(params):
             self._gen.speculation.limits[uid] = limit
         if lookup:
@@ -634,14 +648,18 @@ class Scheduler:
             state.prefilled_tokens = r.progress[0]
             if self.cache is None or not r.end_of_segment:
                 continue
-            if r.end_of_prompt and self._prompt_end_can_wait(state):
+            if r.end_of_prompt and self._prompt_end_can_wait(state) and not state.folded_blocks:
                 # The prompt's last token enters the cache with the first decode
                 # step: only a block ending there (a prompt of whole blocks) is new
                 # now. Extracting the cache would copy the whole prefix again and
                 # wait for the step in flight. Others may compute it meanwhile.
                 self._release_inflight(state, state.stored_blocks)
                 continue
+            # a segment's end, or a folded end's blocks (stored at the next step's
+            # start, after the first token went out; requests for them wait till then)
             caches, tokens = self._gen.extract_cache([r.uid])[r.uid]
+            if r.end_of_prompt:
+                caches, tokens = _all_but_last(state.request.prompt_tokens, caches)
             self._store(state, tokens, caches)
         if self.following:
             self._follow_generated(gen_responses)
