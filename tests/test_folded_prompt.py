@@ -9,8 +9,8 @@
   mlx-lm's prompt batch changes what folded_prompt reaches into).
 - The engine on the default model: a chat's next turn, short or a tool output
   past a block, runs one model call before its first token's step (not two) and
-  takes no copy of the cache but one to store the blocks it completed past a
-  block, and answers as it did unfolded.
+  takes no copy of the cache (the blocks it completes past a block are stored
+  from views of its buffers), and answers as it did unfolded.
 """
 
 from __future__ import annotations
@@ -141,11 +141,36 @@ def test_a_chats_next_turn_runs_one_model_call_before_its_first_token(loaded, mo
     remainder = length - folded.cached_tokens
     assert (1 < remainder <= 64) if turn_kind == "short" else (64 < remainder <= 256)
     # the first token comes out before a second step is sent (engine.first_token)
-    assert folded_calls == [(1, remainder)]
-    # past a block, its blocks are stored after its first step: one copy then
-    assert len(folded_copies) == (0 if turn_kind == "short" else 1)
+    # past a block, its blocks are stored after its first step, from views of the
+    # lone row's buffers: no copy of the cache either way
+    assert folded_calls == [(1, remainder)] and folded_copies == []
     assert plain_calls == [(1, remainder - 1), (1, 1)] and len(plain_copies) == 1
     assert folded.token_ids == plain.token_ids
+
+
+def test_a_folded_ends_blocks_stored_after_its_first_step_hold_its_kv(loaded):
+    """A cold prompt of ~150 tokens (past a block of 64, within a chunk of 256)
+    is folded, and its blocks are stored right after its first step from views
+    of the buffers the batch then goes on writing its answer into. The same
+    prompt again, its kept KV dropped, takes all but its last token from those
+    blocks and answers as the first time and as an engine without a cache."""
+    text = [{"role": "user", "content": "Here is the log:\n" + "".join(f"line {i}: ok\n" for i in range(24))
+             + "How many lines are there?"}]
+
+    async def go(**settings):
+        engine = await started(loaded, **settings)
+        first = await engine.generate(request(loaded, engine, max_tokens=24, text=text))
+        if engine.scheduler.cache is not None:
+            engine.scheduler.cache.last = None  # another request's way: the next is rebuilt from blocks
+        again = await engine.generate(request(loaded, engine, max_tokens=24, text=text))
+        await engine.close()
+        return first, again
+
+    first, again = run(go())
+    (plain, _) = run(go(prefix_cache=False))
+    n = len(loaded[1].apply_chat_template(text, add_generation_prompt=True))
+    assert 64 < n <= 256 and first.cached_tokens == 0 and again.cached_tokens == n - 1
+    assert first.token_ids == again.token_ids == plain.token_ids
 
 
 def test_a_prompt_batch_moving_whole_to_generation_takes_its_caches_uncopied(monkeypatch):

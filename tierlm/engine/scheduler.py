@@ -105,15 +105,6 @@ class SchedulerCounters:
     speculative_steps: int = 0  # steps that verified drafts
 
 
-def _all_but_last(prompt: list[int], caches: list) -> tuple[list, list[int]]:
-    """A folded prompt's KV (all of it, once its first step ran) and tokens as a
-    prompt batch leaves them, all but the last token: a repeat of the prompt,
-    which computes at least that token, then finds the part block after its
-    whole blocks (by its key, on the SSD tier after a restart)."""
-    n = len(prompt) - 1
-    return [kv_cache(c.keys, c.values, n) for c in dequantized(caches)], prompt[:n]
-
-
 def _room_for(remainder: int) -> int:
     """Tokens of room a rebuilt hit's buffers get for its `remainder`: what
     mlx-lm's batch cache would grow them by (whole steps of 256), so that a
@@ -657,9 +648,10 @@ class Scheduler:
                 continue
             # a segment's end, or a folded end's blocks (stored at the next step's
             # start, after the first token went out; requests for them wait till then)
-            caches, tokens = self._gen.extract_cache([r.uid])[r.uid]
             if r.end_of_prompt:
-                caches, tokens = _all_but_last(state.request.prompt_tokens, caches)
+                self._store(state, *self._folded_prompt_kv(r.uid, state.request.prompt_tokens))
+                continue
+            caches, tokens = self._gen.extract_cache([r.uid])[r.uid]
             self._store(state, tokens, caches)
         if self.following:
             self._follow_generated(gen_responses)
@@ -814,6 +806,22 @@ class Scheduler:
         # the buffers meanwhile (its write then copies instead of going in place).
         n = len(tokens)
         return [kv_cache(layer.keys[..., :n, :], layer.values[..., :n, :], n) for layer in whole]
+
+    def _folded_prompt_kv(self, uid: int, prompt: list[int]) -> tuple[list[int], list]:
+        """The tokens and KV of a sequence whose folded prompt end just ran, as a
+        prompt batch leaves them: all but the last token (a repeat of the prompt,
+        which computes at least that token, then finds the part block after its
+        whole blocks by key, on the SSD tier after a restart). A lone plain row's
+        are views of the batch's buffers (the store copies only the new blocks
+        out, at the next step's start, before the batch writes again); others
+        are extracted (a copy of the whole KV)."""
+        n = len(prompt) - 1
+        caches = None
+        if self.lockstep is None and self._plain_kv:
+            caches = whole_kv(self._gen.speculation.prompt_cache, len(prompt))
+        if caches is None:
+            caches, _ = self._gen.extract_cache([uid])[uid]
+        return prompt[:n], [kv_cache(c.keys, c.values, n) for c in dequantized(caches)]
 
     @property
     def _plain_kv(self) -> bool:
