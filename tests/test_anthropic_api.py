@@ -117,6 +117,7 @@ def test_turns_of_one_role_in_a_row_are_joined(claude):
     assert count(halves) == count(whole)
 
 
+@pytest.mark.slow  # a long system prompt's prefill and a second model's folder (~6 s)
 def test_count_tokens_is_the_true_count_and_loads_no_model(claude, anthropic_server):
     message = ask(claude, system=LONG_SYSTEM, tools=TOOLS, max_tokens=5)
     counted = claude.messages.count_tokens(model=MODEL, system=LONG_SYSTEM, messages=ASK, tools=TOOLS)

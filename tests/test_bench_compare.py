@@ -96,6 +96,7 @@ def test_a_pulled_model_is_found_by_its_name(tmp_path, monkeypatch):
         servers.model_folder("no-such-model")
 
 
+@pytest.mark.slow  # Qwen2.5-Coder's tokenizer loaded for a benchmark's prompts
 def test_chat_prompts_share_no_more_than_the_templates_first_tokens(qwen_path):
     """The real template of the model issue #33 benchmarks: llama-server's slots
     reuse the longest common prefix of the prompt before, so two prompts must part

@@ -12,7 +12,8 @@ import pytest
 from bench_lab import gpu_kernels, hit_profile
 
 
-@pytest.mark.parametrize("via", ["kept", pytest.param("blocks", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a benchmark instrument; tests/test_last_sequence.py covers the kept path
+@pytest.mark.parametrize("via", ["kept", "blocks"])
 def test_a_hot_hit_is_a_pass_over_the_new_tokens_after_a_rebuild_from_blocks_or_none(model_path, tmp_path, via):
     out = tmp_path / "hit-profile.json"
     assert hit_profile.main(["--model", str(model_path), "--context", "200", "--extra", "20", "--rounds", "1",

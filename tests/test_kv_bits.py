@@ -101,6 +101,7 @@ async def _answers(loaded, **settings) -> tuple[list, dict]:
     try:  # closed whatever happens: the model is owned by one engine at a time
         outs = await _turns(engine, loaded[1])
         assert all(o.error is None for o in outs), [o.error for o in outs]
+        await engine.on_worker(lambda: None)  # after the burst that stores the last answer's blocks
         cache = engine.scheduler.cache
         kv = engine.get_stats()["kv"]  # what /stats shows
         sizes = {"batch": kv["bytes_per_token"], "bits": kv["batch_bits"],

