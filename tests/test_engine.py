@@ -525,6 +525,30 @@ def test_a_block_ending_with_the_prompt_is_stored_when_the_request_ends(loaded, 
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next"])
+def test_a_prompt_of_whole_blocks_within_a_chunk_is_stored_for_every_cache_type(name, tokenizer):
+    """A prompt of two whole blocks that fits a chunk: sliced KV folds it and
+    stores its blocks after its first step; sliding-window and recurrent caches
+    store the snapshot of its last block where their prompt ends. Either way
+    the same prompt extended hits both blocks and answers as uncached."""
+    model = tiny_model(name, vocab_size=len(tokenizer.vocab))
+    prompt = list(range(1000, 1032))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    async def go(**config):
+        engine = EngineCore(f"{name}-{config}", lambda: (model, tokenizer), Settings(ssd_cache=False, **config))
+        await engine.start()
+        outs = [await engine.generate(Request(engine.new_request_id(), p, params)) for p in (prompt, prompt + [7, 8])]
+        await engine.close()
+        return outs
+
+    cached = run(go(cache_block_size=16, prefill_step_size=64))
+    plain = run(go(prefix_cache=False))
+    assert [o.error for o in cached] == [None, None]
+    assert cached[1].cached_tokens == 32
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next"])
 def test_prefix_cache_through_the_scheduler_for_every_cache_type(name, tokenizer):
     """Full hits, partial hits and batched hits give exactly the tokens of an
     uncached engine, for sliced KV, sliding-window and recurrent caches alike."""

@@ -646,9 +646,10 @@ class Scheduler:
                 # wait for the step in flight. Others may compute it meanwhile.
                 self._release_inflight(state, state.stored_blocks)
                 continue
-            # a segment's end, or a folded end's blocks (stored at the next step's
-            # start, after the first token went out; requests for them wait till then)
-            if r.end_of_prompt:
+            # a segment's end, a snapshot cache's last whole block, or a folded
+            # end's blocks (stored at the next step's start, after the first token
+            # went out; requests for them wait till then)
+            if r.end_of_prompt and state.folded_blocks:
                 self._store(state, *self._folded_prompt_kv(r.uid, state.request.prompt_tokens))
                 continue
             caches, tokens = self._gen.extract_cache([r.uid])[r.uid]
