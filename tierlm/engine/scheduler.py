@@ -639,19 +639,19 @@ class Scheduler:
             state.prefilled_tokens = r.progress[0]
             if self.cache is None or not r.end_of_segment:
                 continue
-            if r.end_of_prompt and self._prompt_end_can_wait(state) and not state.folded_blocks:
+            if r.end_of_prompt and state.folded_blocks:
+                # its blocks, stored at the next step's start (after the first token
+                # went out); requests for them wait till then
+                self._store(state, *self._folded_prompt_kv(r.uid, state.request.prompt_tokens))
+                continue
+            if r.end_of_prompt and self._prompt_end_can_wait(state):
                 # The prompt's last token enters the cache with the first decode
                 # step: only a block ending there (a prompt of whole blocks) is new
                 # now. Extracting the cache would copy the whole prefix again and
                 # wait for the step in flight. Others may compute it meanwhile.
                 self._release_inflight(state, state.stored_blocks)
                 continue
-            # a segment's end, a snapshot cache's last whole block, or a folded
-            # end's blocks (stored at the next step's start, after the first token
-            # went out; requests for them wait till then)
-            if r.end_of_prompt and state.folded_blocks:
-                self._store(state, *self._folded_prompt_kv(r.uid, state.request.prompt_tokens))
-                continue
+            # a segment's end, or a snapshot cache's last whole block
             caches, tokens = self._gen.extract_cache([r.uid])[r.uid]
             self._store(state, tokens, caches)
         if self.following:
@@ -796,9 +796,7 @@ class Scheduler:
         last row and its KV plain, its batch buffers as they are, kept as the last
         sequence too (engine/last_sequence.py); else the copy the batch extracted."""
         behind = self._gen.speculation.take_left_behind(uid)
-        if behind is None or self.lockstep is not None or not self._plain_kv:
-            return extracted
-        whole = whole_kv(behind, len(tokens))
+        whole = None if behind is None else self._buffer_views(behind, len(tokens))
         if whole is None:
             return extracted
         self.cache.last = LastSequence(list(tokens), whole)
@@ -817,12 +815,17 @@ class Scheduler:
         out, at the next step's start, before the batch writes again); others
         are extracted (a copy of the whole KV)."""
         n = len(prompt) - 1
-        caches = None
-        if self.lockstep is None and self._plain_kv:
-            caches = whole_kv(self._gen.speculation.prompt_cache, len(prompt))
+        caches = self._buffer_views(self._gen.speculation.prompt_cache, len(prompt))
         if caches is None:
             caches, _ = self._gen.extract_cache([uid])[uid]
         return prompt[:n], [kv_cache(c.keys, c.values, n) for c in dequantized(caches)]
+
+    def _buffer_views(self, layer_caches: list, tokens: int) -> list | None:
+        """A one-row batch's KV as views of its buffers (last_sequence.whole_kv),
+        where they are plain 16-bit KV on one rank; else None (extract a copy)."""
+        if self.lockstep is not None or not self._plain_kv:
+            return None
+        return whole_kv(layer_caches, tokens)
 
     @property
     def _plain_kv(self) -> bool:
