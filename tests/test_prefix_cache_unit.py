@@ -7,13 +7,30 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from tierlm.cache.block_hash import block_keys
+import hashlib
+
+import numpy as np
+
+from tierlm.cache.block_hash import block_key, block_keys, part_keys
 from tierlm.cache.codecs import codecs_for
 from tierlm.cache.hot_tier import Block
 from tierlm.cache.prefix_cache import PrefixCache
 from tierlm.models.random_model import tiny_model
 
 BLOCK = 16
+
+
+def test_block_keys_are_those_blocks_on_disk_were_stored_under():
+    """The SSD tier outlives a process and a version: a key is SHA-256 of the
+    parent's key, the ids as 4-byte little-endian integers and the extra bytes,
+    however the ids come (list, tuple, numpy) and whichever function hashes them."""
+    tokens = [0, 1, 70000, 2**32 - 1, 5, 6, 7, 8, 9]
+    first = hashlib.sha256(b"root" + np.array(tokens[:4], dtype="<u4").tobytes() + b"x").digest()
+    second = hashlib.sha256(first + np.array(tokens[4:8], dtype="<u4").tobytes() + b"x").digest()
+    for ids in (tokens, tuple(tokens), np.array(tokens, dtype=np.int64)):
+        assert block_keys(b"root", ids, 4, b"x") == [first, second]
+    assert block_key(b"root", tokens[:4], b"x") == first
+    assert part_keys(first, tokens[4:8], 3, b"x") == [(4, second), (3, block_key(first, tokens[4:7], b"x"))]
 
 
 def new_cache(model, hot_bytes=2**30) -> PrefixCache:

@@ -5,24 +5,42 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+from array import array
 from pathlib import Path
 
 import numpy as np
 
+# the token ids as hashed: 4-byte little-endian unsigned integers (keys on SSD outlive a process)
+assert array("I").itemsize == 4 and sys.byteorder == "little"
+
+
+def token_bytes(tokens) -> bytes:
+    """Token ids as the keys hash them. A list through `array` (a 20k-token
+    prompt: ~0.3 ms, against ~0.7 for numpy's conversion of its blocks)."""
+    if isinstance(tokens, np.ndarray):
+        return tokens.astype(np.uint32).tobytes()
+    return array("I", tokens).tobytes()
+
 
 def block_key(parent: bytes, tokens, extra: bytes = b"") -> bytes:
-    h = hashlib.sha256()
-    h.update(parent)
-    h.update(np.asarray(tokens, dtype=np.uint32).tobytes())
+    return _key(parent, token_bytes(tokens), extra)
+
+
+def _key(parent: bytes, data, extra: bytes) -> bytes:
+    h = hashlib.sha256(parent)
+    h.update(data)
     h.update(extra)
     return h.digest()
 
 
 def block_keys(root: bytes, tokens: list[int], block_size: int, extra: bytes = b"") -> list[bytes]:
-    """Keys of every full block of `tokens`; the first block's parent is `root`."""
-    keys, parent = [], root
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_key(parent, tokens[start : start + block_size], extra)
+    """Keys of every full block of `tokens`; the first block's parent is `root`.
+    The ids are converted once, each block's bytes a view of them."""
+    data = memoryview(token_bytes(tokens[: len(tokens) // block_size * block_size]))
+    keys, parent, step = [], root, 4 * block_size
+    for start in range(0, len(data), step):
+        parent = _key(parent, data[start : start + step], extra)
         keys.append(parent)
     return keys
 
@@ -30,7 +48,7 @@ def block_keys(root: bytes, tokens: list[int], block_size: int, extra: bytes = b
 def part_keys(parent: bytes, tokens, shortest: int, extra: bytes) -> list[tuple[int, bytes]]:
     """(n, `block_key(parent, tokens[:n], extra)`) for n from len(tokens) down to
     `shortest`: the keys a part block of the prompt's next tokens could have."""
-    data = np.asarray(tokens, dtype=np.uint32).tobytes()
+    data = token_bytes(tokens)
     start = hashlib.sha256(parent)
     out = []
     for n in range(len(tokens), shortest - 1, -1):
