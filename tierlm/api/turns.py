@@ -174,12 +174,18 @@ def start_turn(model: ServedModel, spec: TurnSpec, tokens: list[int],
 async def chat_turn(model: ServedModel, body: ChatCompletionRequest,
                     allow_client_template: bool) -> tuple[Request, TurnRun]:
     """A chat body's request and its turn (constraint, parser): the prompt
-    rendered by the chat template and the grammar compiled, off the event loop."""
+    rendered by the chat template, the grammar compiled and the request made
+    off the event loop, in one hand-off (each wakes the loop once more)."""
+    return await asyncio.to_thread(_chat_request, model, body, allow_client_template)
+
+
+def _chat_request(model: ServedModel, body: ChatCompletionRequest,
+                  allow_client_template: bool) -> tuple[Request, TurnRun]:
     spec = turn_spec(body)
-    tokens = await asyncio.to_thread(render_chat, model, body, spec, allow_client_template)
-    turn = await asyncio.to_thread(start_turn, model, spec, tokens)
+    tokens = render_chat(model, body, spec, allow_client_template)
+    turn = start_turn(model, spec, tokens)
     request = model.make_request("chatcmpl", tokens, body, body.max_completion_tokens or body.max_tokens,
-                                 logprobs=body.logprobs_count, constraint=turn.constraint)
+                                 logprobs=body.logprobs_count, constraint=turn.constraint, tokenized=True)
     return request, turn
 
 
@@ -216,8 +222,9 @@ def make_completion(model: ServedModel, body: CompletionRequest, tokens: list[in
                     max_tokens: int | None) -> Request:
     """A text completion's request; the text continues the prompt as it stands
     (keep_leading_space). A middle ends where the model says the file goes on."""
+    tokenized = bool(body.suffix) or isinstance(single_prompt(body.prompt), str)  # else the client's ids
     request = model.make_request("cmpl", tokens, body, max_tokens, keep_leading_space=True,
-                                 logprobs=body.logprobs_count)
+                                 logprobs=body.logprobs_count, tokenized=tokenized)
     if body.suffix:
         request.params.stop_token_ids += model.fim_format.stops
     return request

@@ -148,9 +148,17 @@ def usable_vocab_size(tokenizer, model, name: str = "model") -> int:
     """Token ids a request may use: known to the tokenizer *and* given a row by the
     model's embedding. A model folder whose tokenizer lists more tokens than the
     embedding has rows would otherwise read past the table (NaN logits, or worse)."""
-    known = len(tokenizer.vocab)  # once: building this dict takes ~17 ms and holds the GIL
+    return vocab_bounds(tokenizer, model, name)[0]
+
+
+def vocab_bounds(tokenizer, model, name: str = "model") -> tuple[int, bool]:
+    """`usable_vocab_size`, and whether every id the tokenizer makes is below it
+    (then a prompt the tokenizer made needs no check of its ids)."""
+    vocab = tokenizer.vocab  # once: building this dict takes ~17 ms and holds the GIL
+    known = len(vocab)
     rows = getattr(getattr(model, "args", None), "vocab_size", None) or known
     if rows < known:
         log.warning("%s: the tokenizer knows %d tokens, the embedding has %d rows; "
                     "prompts holding ids past %d are refused", name, known, rows, rows - 1)
-    return min(known, rows)
+    usable = min(known, rows)
+    return usable, max(vocab.values(), default=-1) < usable

@@ -40,14 +40,16 @@ RESERVED_TEMPLATE_ARGS = frozenset({
 
 
 def check_request(params: SamplingParams, prompt: list[int], vocab_size: int,
-                  names: Mapping[str, str] | None = None) -> SamplingParams:
-    """The params as the engine should run them, or APIError(400)."""
+                  names: Mapping[str, str] | None = None, ids_checked: bool = False) -> SamplingParams:
+    """The params as the engine should run them, or APIError(400). `ids_checked`:
+    the prompt's ids are known to be in the vocabulary."""
     names = names or {}
 
     def fail(field: str, message: str):
         raise APIError(400, f"'{names.get(field, field)}': {message}", names.get(field, field), "invalid_value")
 
-    check_token_ids(prompt, vocab_size, names.get("prompt", "prompt"))
+    if not ids_checked:
+        check_token_ids(prompt, vocab_size, names.get("prompt", "prompt"))
     for field, (low, high, open_low) in FLOAT_RANGES.items():
         value = getattr(params, field)
         if not isinstance(value, (int, float)) or not math.isfinite(value) or not (

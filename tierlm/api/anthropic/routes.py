@@ -45,13 +45,7 @@ async def count_tokens(body: CountTokensRequest, http: HTTPRequest):
 
 
 async def _message(model: ServedModel, body: MessagesRequest, http: HTTPRequest):
-    spec = turn_spec(body)
-    tokens = await asyncio.to_thread(_render, model.turns, model.settings, body, spec)
-    if model.prompt_too_long(len(tokens)):
-        raise _prompt_too_long(len(tokens), model.context)
-    turn = await asyncio.to_thread(start_turn, model, spec, tokens)
-    max_tokens = model.within_context(len(tokens), body.max_tokens)
-    request = model.make_request("msg", tokens, _sampling(body), max_tokens, constraint=turn.constraint)
+    request, turn = await asyncio.to_thread(_message_request, model, body)  # one hand-off off the loop
     if body.stream:
         keepalive = min(http.app.state.settings.sse_keepalive_s, PING_EVERY_S)
         return sse_response(stream(model, request, turn.parser, MessageEvents(model, request, turn.parser), keepalive))
@@ -66,6 +60,18 @@ async def _message(model: ServedModel, body: MessagesRequest, http: HTTPRequest)
         "stop_sequence": output.stop_sequence,
         "usage": usage(output.prompt_tokens, output.cached_tokens, output.completion_tokens),
     }
+
+
+def _message_request(model: ServedModel, body: MessagesRequest):
+    """The prompt rendered, the turn's grammar compiled and the request made."""
+    spec = turn_spec(body)
+    tokens = _render(model.turns, model.settings, body, spec)
+    if model.prompt_too_long(len(tokens)):
+        raise _prompt_too_long(len(tokens), model.context)
+    turn = start_turn(model, spec, tokens)
+    max_tokens = model.within_context(len(tokens), body.max_tokens)
+    return model.make_request("msg", tokens, _sampling(body), max_tokens, constraint=turn.constraint,
+                              tokenized=True), turn
 
 
 def _prompt_too_long(prompt_tokens: int, context: int) -> APIError:

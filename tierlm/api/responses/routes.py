@@ -132,10 +132,7 @@ async def _respond(model: ServedModel, body: ResponsesRequest, http: HTTPRequest
     items = input_items(body)
     tools = read_tools(body.tools)
     spec = turn_spec(body, tools, model.turns.markers is not None)
-    tokens = await asyncio.to_thread(_render, model, body, spec, tools, earlier, items)
-    turn = await asyncio.to_thread(start_turn, model, spec, tokens, lambda e: turn_error(e, tools))
-    request = model.make_request("resp", tokens, body.sampling(), body.max_output_tokens,
-                                 constraint=turn.constraint, names=_NAMES)
+    request, turn = await asyncio.to_thread(_turn_request, model, body, spec, tools, earlier, items)  # one hand-off
     answer = Answer("resp_" + request.request_id.partition("-")[2], model.info.name, body, tools, int(time.time()))
     conversation = [*earlier, *items]
     if body.stream:
@@ -147,6 +144,14 @@ async def _respond(model: ServedModel, body: ResponsesRequest, http: HTTPRequest
                                _usage(model, output, gathered.reasoning))
     _keep(store, response, conversation)
     return response
+
+
+def _turn_request(model: ServedModel, body: ResponsesRequest, spec, tools, earlier, items):
+    """The prompt rendered, the turn's grammar compiled and the request made."""
+    tokens = _render(model, body, spec, tools, earlier, items)
+    turn = start_turn(model, spec, tokens, lambda e: turn_error(e, tools))
+    return model.make_request("resp", tokens, body.sampling(), body.max_output_tokens,
+                              constraint=turn.constraint, names=_NAMES, tokenized=True), turn
 
 
 def _render(model: ServedModel, body: ResponsesRequest, spec: TurnSpec, tools: Tools,
