@@ -87,3 +87,37 @@ def test_a_lone_sequences_first_token_comes_a_step_earlier(monkeypatch):
     assert calls == [(1, len(PROMPTS[0]) - 1), (1, 1)]  # no second decode step sent yet
     assert gen.next()[1] == [] and calls[-1] == (1, 1) and len(calls) == 3  # it feeds the first token
     assert len(gen.next()[1]) == 1 and len(calls) == 4
+
+
+def test_a_rows_token_context_is_an_array_only_once_its_processors_read_it():
+    """mlx-lm builds each row's TokenBuffer in GenerationBatch.__init__ (this
+    fails loudly if it stops looking the name up there); tierlm's is made an
+    array only when read: a row with a repetition penalty reads it every step
+    and it holds every token the row fed, a row without never does."""
+    import inspect
+
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from tierlm.engine.token_context import GENERATE, LazyTokenBuffer
+
+    assert GENERATE.TokenBuffer is LazyTokenBuffer
+    assert "TokenBuffer(t) for t in tokens" in inspect.getsource(GENERATE.GenerationBatch.__init__)
+    model = tiny_model("llama")
+    gen = SpeculativeGenerator(model, completion_batch_size=8, prefill_batch_size=8, prefill_step_size=64)
+    gen.speculation.enabled = False
+    penalty = make_logits_processors(repetition_penalty=1.5)
+    uids = gen.insert(PROMPTS[:2], max_tokens=[6, 6], logits_processors=[penalty, []])
+    made = {uid: [] for uid in uids}
+    for _ in range(40):
+        for r in gen.next()[1]:
+            made[r.uid].append(r.token)
+        batch = gen._generation_batch
+        if batch is not None and len(batch):
+            contexts = dict(zip(batch.uids, batch._token_context))
+    assert all(len(tokens) == 6 for tokens in made.values())
+    penalized, plain = contexts[uids[0]], contexts[uids[1]]
+    assert isinstance(plain, LazyTokenBuffer) and plain._array is None
+    assert penalized._array is not None
+    fed = penalized.tokens.tolist()  # the prompt, then its answer (the last token too, if it was fed)
+    assert fed[: len(PROMPTS[0])] == PROMPTS[0] and len(fed) - len(PROMPTS[0]) in (5, 6)
+    assert fed[len(PROMPTS[0]) :] == made[uids[0]][: len(fed) - len(PROMPTS[0])]

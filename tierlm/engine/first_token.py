@@ -24,6 +24,10 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
+from tierlm.engine import token_context
+
+token_context.install()  # a row's prompt is made an array only if its processors read it
+
 
 class FirstTokensFirst(GenerationBatch):
     """A generation batch that posts the first tokens of rows entering it empty
