@@ -35,6 +35,7 @@ def float32_kv(loaded):
     return run(_answers(loaded))
 
 
+@pytest.mark.slow  # ~9 s: two engines, six answers; half KV is a setting, off by default
 def test_the_batch_keeps_half_the_bytes_and_answers_as_float32_kv(loaded, float32_kv):
     """The default model, three documents of ~420 tokens stored and hit: the
     batch's KV and the hot tier's blocks take half the bytes a token of

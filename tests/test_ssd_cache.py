@@ -47,10 +47,22 @@ def serve(model_path, folder: Path, *extra):
                         "--ssd-cache-dir", str(folder / "ssd"), *extra)
 
 
+class _Answers(dict):
+    """Prompt i's answer computed with no cache at all, asked the first time it is wanted."""
+
+    def __init__(self, server):
+        super().__init__()
+        self.server = server
+
+    def __missing__(self, i: int) -> str:
+        self[i] = ask(self.server, prompt(i)).choices[0].message.content
+        return self[i]
+
+
 @pytest.fixture(scope="module")
 def reference(uncached_server):
-    """Answers computed with no cache at all."""
-    return {i: ask(uncached_server, prompt(i)).choices[0].message.content for i in range(max(4, len(KILLS)))}
+    """Answers computed with no cache at all (the fast run wants two of them)."""
+    return _Answers(uncached_server)
 
 
 @pytest.fixture(scope="module")
