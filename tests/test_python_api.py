@@ -88,6 +88,9 @@ def test_bad_values_raise_value_error_and_the_llm_still_works(llm):
         llm.generate([[1] * llm.context_length], GREEDY, progress=False)
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         llm.generate([[]], GREEDY, progress=False)
+    for not_ids in ([1, True], [1, 2.0], [1, "2"]):
+        with pytest.raises(TypeError, match="prompt 1: expected a string or a list of token ids"):
+            llm.generate([[1, 2], not_ids], GREEDY, progress=False)
     assert llm.engine.is_alive
     assert llm.generate(PROMPTS[0], GREEDY, progress=False)[0].token_ids
 
