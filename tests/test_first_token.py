@@ -121,3 +121,8 @@ def test_a_rows_token_context_is_an_array_only_once_its_processors_read_it():
     fed = penalized.tokens.tolist()  # the prompt, then its answer (the last token too, if it was fed)
     assert fed[: len(PROMPTS[0])] == PROMPTS[0] and len(fed) - len(PROMPTS[0]) in (5, 6)
     assert fed[len(PROMPTS[0]) :] == made[uids[0]][: len(fed) - len(PROMPTS[0])]
+    row = [1, 2, 3]  # mlx-lm appends to the list it gave: the buffer holds what it held then
+    late = LazyTokenBuffer(row)
+    row.append(4)
+    assert late.tokens.tolist() == [1, 2, 3]
+    assert late.update_and_fetch(mx.array([9], dtype=mx.int32)).tolist() == [1, 2, 3, 9]

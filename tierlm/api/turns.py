@@ -222,7 +222,7 @@ def make_completion(model: ServedModel, body: CompletionRequest, tokens: list[in
                     max_tokens: int | None) -> Request:
     """A text completion's request; the text continues the prompt as it stands
     (keep_leading_space). A middle ends where the model says the file goes on."""
-    tokenized = bool(body.suffix) or isinstance(single_prompt(body.prompt), str)  # else the client's ids
+    tokenized = isinstance(single_prompt(body.prompt), str)  # else the client's ids (a middle needs text)
     request = model.make_request("cmpl", tokens, body, max_tokens, keep_leading_space=True,
                                  logprobs=body.logprobs_count, tokenized=tokenized)
     if body.suffix:

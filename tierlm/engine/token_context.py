@@ -26,6 +26,8 @@ class LazyTokenBuffer(TokenBuffer):
     """TokenBuffer, its `_buffer` built from the tokens it was given at first use."""
 
     def __init__(self, tokens=None):  # TokenBuffer's __init__ builds the array: not called
+        # mlx-lm's batch goes on appending to this very list (its `tokens` row):
+        # the buffer holds its first `_size`, what the row had fed when made
         self._pending = [] if tokens is None else tokens
         self._size = len(self._pending)
         self._array = None
@@ -33,7 +35,8 @@ class LazyTokenBuffer(TokenBuffer):
     @property
     def _buffer(self) -> mx.array:
         if self._array is None:
-            self._array, self._pending = mx.array(self._pending, dtype=mx.int32), None
+            self._array = mx.array(self._pending[: self._size], dtype=mx.int32)
+            self._pending = None
         return self._array
 
     @_buffer.setter
