@@ -23,7 +23,7 @@ from tierlm.serving.errors import APIError
 from tierlm.serving.leases import turns_for
 from tierlm.serving.served_model import ServedModel
 from tierlm.structured.events import Event, ReasoningDelta, TextDelta, ToolCallStart
-from tierlm.structured.turn import ModelTurns, TurnParser, TurnSpec
+from tierlm.structured.turn import ModelTurns, TurnParser, TurnRun, TurnSpec
 
 router = APIRouter(prefix="/v1")
 
@@ -62,7 +62,7 @@ async def _message(model: ServedModel, body: MessagesRequest, http: HTTPRequest)
     }
 
 
-def _message_request(model: ServedModel, body: MessagesRequest):
+def _message_request(model: ServedModel, body: MessagesRequest) -> tuple[Request, TurnRun]:
     """The prompt rendered, the turn's grammar compiled and the request made."""
     spec = turn_spec(body)
     tokens = _render(model.turns, model.settings, body, spec)

@@ -30,7 +30,7 @@ from tierlm.api.responses.turns import (
     wants_no_thinking,
 )
 from tierlm.api.turns import render_turn, start_turn
-from tierlm.engine.request import FinishReason, RequestOutput
+from tierlm.engine.request import FinishReason, Request, RequestOutput
 from tierlm.serving.errors import APIError
 from tierlm.serving.served_model import ServedModel
 from tierlm.structured.events import Event
@@ -146,7 +146,8 @@ async def _respond(model: ServedModel, body: ResponsesRequest, http: HTTPRequest
     return response
 
 
-def _turn_request(model: ServedModel, body: ResponsesRequest, spec, tools, earlier, items):
+def _turn_request(model: ServedModel, body: ResponsesRequest, spec: TurnSpec, tools: Tools,
+                  earlier: list[dict], items: list[dict]) -> tuple[Request, TurnRun]:
     """The prompt rendered, the turn's grammar compiled and the request made."""
     tokens = _render(model, body, spec, tools, earlier, items)
     turn = start_turn(model, spec, tokens, lambda e: turn_error(e, tools))
