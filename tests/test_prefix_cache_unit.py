@@ -3,13 +3,12 @@ tiny random-weight models, token verification, eviction rules."""
 
 from __future__ import annotations
 
-import mlx.core as mx
-import pytest
-from mlx_lm.models.cache import make_prompt_cache
-
 import hashlib
 
+import mlx.core as mx
 import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from tierlm.cache.block_hash import block_key, block_keys, part_keys
 from tierlm.cache.codecs import codecs_for
