@@ -88,7 +88,7 @@ def test_a_restarted_server_tokenizes_only_the_new_message(model_path, tmp_path)
     """The pieces go to the SSD folder when the server stops and come back when
     it starts: after a restart the next turn of a conversation tokenizes its new
     message alone (/stats counts the pieces). Clearing the SSD folder drops them."""
-    messages = [{"role": "user", "content": "Here is a file:\n" + "x = 1\ny = 2\n\n" * 300},
+    messages = [{"role": "user", "content": "Here is a file:\n" + "x = 1\ny = 2\n\n" * 120},  # ~1.3k tokens
                 {"role": "assistant", "content": "It sets x and y."}]
     body = {"model": model_path.name, "max_tokens": 1, "temperature": 0}
     srv = start_server(model_path, tmp_path / "first.log")
