@@ -98,10 +98,12 @@ def test_a_rows_token_context_is_an_array_only_once_its_processors_read_it():
 
     from mlx_lm.sample_utils import make_logits_processors
 
-    from tierlm.engine.token_context import GENERATE, LazyTokenBuffer
+    from tierlm.backends import mlx_lm_generate
+    from tierlm.engine.token_context import LazyTokenBuffer
 
-    assert GENERATE.TokenBuffer is LazyTokenBuffer
-    assert "TokenBuffer(t) for t in tokens" in inspect.getsource(GENERATE.GenerationBatch.__init__)
+    generate = mlx_lm_generate()
+    assert generate.TokenBuffer is LazyTokenBuffer
+    assert "TokenBuffer(t) for t in tokens" in inspect.getsource(generate.GenerationBatch.__init__)
     model = tiny_model("llama")
     gen = SpeculativeGenerator(model, completion_batch_size=8, prefill_batch_size=8, prefill_step_size=64)
     gen.speculation.enabled = False

@@ -51,6 +51,14 @@ NONE = Backend()
 _by_model: dict[int, Backend] = {}  # id(model) -> its description, while the model lives
 
 
+def mlx_lm_generate():
+    """mlx_lm.generate the module, where tierlm puts names in place of mlx-lm's
+    (the package's `generate` attribute is the function of that name)."""
+    import importlib
+
+    return importlib.import_module("mlx_lm.generate")
+
+
 def mlx_lm_modules(model) -> list:
     """The mlx-lm model modules whose classes `model` is built from (where the
     backends put their functions in place of mlx-lm's)."""

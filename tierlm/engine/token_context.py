@@ -13,13 +13,10 @@ tests/test_first_token.py fails loudly if that changes.
 
 from __future__ import annotations
 
-import importlib
-
 import mlx.core as mx
 from mlx_lm.models.cache import TokenBuffer
 
-# the module: `mlx_lm.generate` as an attribute is the package's generate function
-GENERATE = importlib.import_module("mlx_lm.generate")
+from tierlm.backends import mlx_lm_generate
 
 
 class LazyTokenBuffer(TokenBuffer):
@@ -45,4 +42,4 @@ class LazyTokenBuffer(TokenBuffer):
 
 
 def install() -> None:
-    GENERATE.TokenBuffer = LazyTokenBuffer
+    mlx_lm_generate().TokenBuffer = LazyTokenBuffer

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import sys
 import types
 from collections import Counter
 from functools import partial
@@ -41,7 +40,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from tierlm.backends import mlx_lm_modules
+from tierlm.backends import mlx_lm_generate, mlx_lm_modules
 from tierlm.backends.cpu import dequantize, graph_ops, rope, route
 
 # times each replacement ran in this process: "attention", "swiglu" (either way),
@@ -411,13 +410,6 @@ class ModelNn(types.ModuleType):
         return nn.gelu_approx(x)
 
 
-def _generate_module():
-    """mlx_lm.generate the module (the package's `generate` attribute is the function)."""
-    import mlx_lm.generate  # noqa: F401
-
-    return sys.modules["mlx_lm.generate"]
-
-
 def install(model: nn.Module) -> list[str]:
     """Use these kernels in the mlx-lm modules `model` is built from; returns the
     names replaced (module.function). Only on MLX's CPU device."""
@@ -437,7 +429,7 @@ def install(model: nn.Module) -> list[str]:
         if isinstance(getattr(module, "nn", None), ModelNn) and _calls_gelu(module):
             replaced.append(f"{module.__name__.rsplit('.', 1)[-1]}.gelu_approx")
     if native_kernels():
-        _generate_module().mx = GenerateMx()
+        mlx_lm_generate().mx = GenerateMx()
         replaced.append("generate.logsumexp")
         if graph_ops.install().on and graph_ops.install_norms(model):
             replaced.append("nn.RMSNorm")
@@ -455,7 +447,7 @@ def _calls_gelu(module) -> bool:
 
 def uninstall(model: nn.Module) -> None:
     """Put mlx-lm's own functions back (for comparisons)."""
-    _generate_module().mx = mx
+    mlx_lm_generate().mx = mx
     rope.uninstall(model)
     graph_ops.uninstall_norms(model)
     for module in mlx_lm_modules(model):
